@@ -1,0 +1,127 @@
+"""Running a plan in one process: the interpreter the in-process `Executor` and every
+`Local` worker share, so the two cannot disagree about what a node's output is.
+
+    run_plan(plan, x) ─ Step ─ invoke(node) ─ forward(x, ctx) ─ Done? ─ postcondition ─ unwrap
+                      ├ Seq  ─ items in order, each on the previous output
+                      └ Wave ─ one thread per branch, each branch whole on its thread;
+                               wait for every branch, then raise the first failure in branch order
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+from .ctx import Ctx
+from .errors import NodeError, SomaError
+from .plan import Plan, Seq, Step, Wave
+from .postcondition import check_postcondition
+from .values import Done, unwrap
+
+
+class Cancelled(SomaError):
+    """Internal: the run this branch belongs to was abandoned (timeout); stop before the next node."""
+
+
+class RunState:
+    """What one run shares across its threads: the nodes running now, and a cancel flag."""
+
+    __slots__ = ("running", "cancelled", "_lock")
+
+    def __init__(self):
+        self.running: dict[str, int] = {}
+        self.cancelled = False
+        self._lock = threading.Lock()
+
+    def enter(self, node_id: str) -> None:
+        if self.cancelled:
+            raise Cancelled(node_id)
+        with self._lock:
+            self.running[node_id] = self.running.get(node_id, 0) + 1
+
+    def leave(self, node_id: str) -> None:
+        with self._lock:
+            if self.running[node_id] == 1:
+                del self.running[node_id]
+            else:
+                self.running[node_id] -= 1
+
+    def running_now(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self.running)
+
+
+class Runner:
+    """Runs plans over a catalog with a placement, making each node's `Ctx`.
+
+    `nodes`: id → Node. `devices`: id → device string for placed nodes.
+    `worker`: the worker id for `ctx.worker` (None in-process). `allocate`: the
+    worker's shared arena for `ctx.empty`.
+    """
+
+    def __init__(self, nodes, devices: dict, worker: str | None = None, allocate=None, remote: bool = False):
+        self.nodes = nodes
+        self.devices = devices
+        self.worker = worker
+        self.allocate = allocate
+        self.remote = remote  # in a worker: keep traceback text, the cause may not travel
+
+    def run(self, plan: Plan, x, state: RunState | None = None):
+        state = state if state is not None else RunState()
+        if type(plan) is Step:
+            return self.invoke(plan.id, x, state)
+        if type(plan) is Seq:
+            for item in plan.items:
+                x = self.run(item, x, state)
+            return x
+        return self.run_wave(plan, x, state)
+
+    def run_wave(self, wave: Wave, x, state: RunState):
+        """Every branch whole on its own thread; all of them are waited for before raising."""
+        results: list = [None] * len(wave.branches)
+        failures: list = [None] * len(wave.branches)
+
+        def branch(i: int, plan: Plan) -> None:
+            try:
+                results[i] = self.run(plan, x, state)
+            except BaseException as exc:  # every failure waits for the siblings
+                failures[i] = exc
+
+        threads = [
+            threading.Thread(target=branch, args=(i, b), name=f"soma-branch-{i}", daemon=True)
+            for i, b in enumerate(wave.branches)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        errors = [f for f in failures if f is not None]
+        if errors:
+            first = next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
+            for other in errors:
+                if other is not first and not isinstance(other, Cancelled) and hasattr(first, "add_note"):
+                    first.add_note(f"another branch of the same wave also failed: {other}")
+            raise first
+        return tuple(results)
+
+    def invoke(self, node_id: str, x, state: RunState):
+        """Run one node: forward, check it returned Done, check the postcondition, unwrap."""
+        node = self.nodes[node_id]
+        device = self.devices.get(node_id)
+        ctx = Ctx(node_id, device, self.worker, self.allocate)
+        state.enter(node_id)
+        try:
+            try:
+                out = node.forward(x, ctx)
+            except Exception as exc:
+                raise self.node_failed(node_id, exc) from exc
+        finally:
+            state.leave(node_id)
+        if type(out) is not Done:
+            raise NodeError(node_id, f"node `{node_id}` failed: forward returned {type(out).__name__}, not Done")
+        check_postcondition(node_id, device, out.value)
+        return unwrap(out.value)
+
+    def node_failed(self, node_id: str, exc: BaseException) -> NodeError:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if self.remote else None
+        return NodeError(node_id, f"node `{node_id}` failed: {type(exc).__name__}: {exc}", remote_traceback=text)

@@ -1,0 +1,155 @@
+"""The DSL's expressions: what `>>`, `|`, `.on()` and `.named()` build.
+
+An expression is an immutable tree of `Leaf` (a node, with an optional explicit
+id and device), `Chain` (`a >> b >> c`) and `Fan` (`a | b | c`). Both operators
+flatten, so a chain never holds a chain and a fan never holds a fan.
+`Graph.somatize` turns an expression into a graph; the expression itself carries
+no ids beyond the explicit ones, because default ids depend on the whole graph.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .device import Device
+from .errors import DeviceError, GraphError
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_id(name, what: str = "a node id") -> str:
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise GraphError(
+            f"{what} must be a Python-identifier-like name (letters, digits, _; not starting with a digit), got {name!r}"
+        )
+    return name
+
+
+def as_expr(value, op: str, other) -> "Expr":
+    from .node import Node
+
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, Node):
+        return Leaf(value)
+    raise GraphError(
+        f"cannot compose {describe(other)} {op} {type(value).__name__} {value!r}: both sides of "
+        f"`{op}` must be soma nodes or expressions (wrap a plain function with soma.fn)"
+    )
+
+
+def describe(value) -> str:
+    if isinstance(value, Expr):
+        return value.render()
+    return type(value).__name__
+
+
+class Expr:
+    """Base of the expression tree. Compose with `>>` and `|`."""
+
+    __slots__ = ()
+
+    def __rshift__(self, other) -> "Chain":
+        other = as_expr(other, ">>", self)
+        return Chain(_flat(self, Chain) + _flat(other, Chain))
+
+    def __rrshift__(self, other) -> "Chain":
+        return as_expr(other, ">>", self) >> self
+
+    def __or__(self, other) -> "Fan":
+        other = as_expr(other, "|", self)
+        return Fan(_flat(self, Fan) + _flat(other, Fan))
+
+    def __ror__(self, other) -> "Fan":
+        return as_expr(other, "|", self) | self
+
+    def on(self, device) -> "Expr":
+        """Give `device` to every leaf that has none yet (the innermost `.on` wins)."""
+        try:
+            parsed = Device.parse(device)
+        except DeviceError as err:
+            raise DeviceError(f"{err} (in .on() of {self.render()})") from None
+        return self._on(parsed)
+
+    def named(self, name: str) -> "Expr":
+        raise GraphError(
+            f".named({name!r}) names one node, but {self.render()} is a composite expression: "
+            f"name its nodes one by one"
+        )
+
+    def leaves(self):
+        raise NotImplementedError
+
+    def render(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<soma expression {self.render()}>"
+
+
+class Leaf(Expr):
+    """One node in an expression, with the explicit id and device given to it so far."""
+
+    __slots__ = ("node", "name", "device")
+
+    def __init__(self, node, name: str | None = None, device: Device | None = None):
+        self.node = node
+        self.name = name
+        self.device = device
+
+    def _on(self, device: Device) -> "Leaf":
+        return self if self.device is not None else Leaf(self.node, self.name, device)
+
+    def named(self, name: str) -> "Leaf":
+        return Leaf(self.node, check_id(name), self.device)
+
+    def leaves(self):
+        yield self
+
+    def render(self) -> str:
+        text = self.name or self.node._default_id()
+        return text if self.device is None else f"{text}.on({str(self.device)!r})"
+
+
+class Chain(Expr):
+    """`a >> b >> c`: each item receives the previous item's output."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: tuple):
+        self.items = tuple(items)
+
+    def _on(self, device: Device) -> "Chain":
+        return Chain(tuple(item._on(device) for item in self.items))
+
+    def leaves(self):
+        for item in self.items:
+            yield from item.leaves()
+
+    def render(self) -> str:
+        return " >> ".join(f"({i.render()})" if isinstance(i, Fan) else i.render() for i in self.items)
+
+
+class Fan(Expr):
+    """`a | b | c`: a wave; every branch receives the same input, the output is the tuple."""
+
+    __slots__ = ("branches",)
+
+    def __init__(self, branches: tuple):
+        self.branches = tuple(branches)
+
+    def _on(self, device: Device) -> "Fan":
+        return Fan(tuple(b._on(device) for b in self.branches))
+
+    def leaves(self):
+        for branch in self.branches:
+            yield from branch.leaves()
+
+    def render(self) -> str:
+        return " | ".join(f"({b.render()})" if isinstance(b, Chain) else b.render() for b in self.branches)
+
+
+def _flat(expr: Expr, kind: type) -> tuple:
+    if isinstance(expr, kind):
+        return expr.items if kind is Chain else expr.branches
+    return (expr,)

@@ -1,0 +1,194 @@
+"""`Graph`: what exists and how it connects, with its Catalog and its Placement beside it.
+
+    g = Graph.somatize(Tokenize() >> (Encoder().on("cuda:0") | Other().on("cuda:1")) >> Join())
+    g.nodes()      # ['tokenize', 'encoder', 'other', 'join']
+    g.edges()      # [('tokenize', 'encoder'), ('tokenize', 'other'), ('encoder', 'join'), ('other', 'join')]
+    g.devices()    # {'encoder': 'cuda:0', 'other': 'cuda:1'}
+    str(g.plan())  # 'tokenize >> (encoder | other) >> join'
+    g              # Graph(tokenize >> (encoder.on('cuda:0') | other.on('cuda:1')) >> join)
+
+Three facts live here and stay apart: the topology (an id tree, immutable once
+built), the catalog (`id → Node`), and the placement (`id → Device`, the only
+mutable one, through `place()`). The plan is compiled from the topology alone.
+"""
+
+from __future__ import annotations
+
+from .device import Device
+from .errors import DeviceError, GraphError
+from .expr import Chain, Expr, Fan, Leaf, check_id
+from .node import Node
+from .placement import Placement
+from .plan import Plan, compile_plan
+
+
+class Graph:
+    """A somatized expression: nodes with ids, edges, a placement, and a plan."""
+
+    def __init__(self, expr):
+        if isinstance(expr, Node):
+            expr = Leaf(expr)
+        if not isinstance(expr, Expr):
+            raise GraphError(
+                f"Graph.somatize needs a soma Node or an expression built with >> and |, got {type(expr).__name__}"
+            )
+        leaves = list(expr.leaves())
+        ids = _assign_ids(leaves)
+        self._catalog: dict[str, Node] = {ids[id(leaf)]: leaf.node for leaf in leaves}
+        self._topology = _topology(expr, ids)
+        self._placement = Placement(
+            {ids[id(leaf)]: leaf.device for leaf in leaves if leaf.device is not None}
+        )
+        self._plan: Plan | None = None
+
+    @classmethod
+    def somatize(cls, expr) -> "Graph":
+        """Build a graph from a Node or an expression."""
+        return cls(expr)
+
+    # -- what exists and how it connects -------------------------------------------------
+    def nodes(self) -> list[str]:
+        """Node ids, in the order the expression wrote them."""
+        return list(self._catalog)
+
+    def edges(self) -> list[tuple[str, str]]:
+        """`(src, dst)` pairs: dst receives src's output."""
+        edges: list[tuple[str, str]] = []
+        _ends(self._topology, edges)
+        return edges
+
+    def node(self, node_id: str) -> Node:
+        """The Node object with this id."""
+        self._check_known(node_id)
+        return self._catalog[node_id]
+
+    # -- where ----------------------------------------------------------------------------
+    def devices(self) -> dict[str, str]:
+        """`{id: device}` for placed nodes only, in node order."""
+        return {nid: str(dev) for nid in self._catalog if (dev := self._placement.of(nid)) is not None}
+
+    def device(self, node_id: str) -> str | None:
+        """This node's placement, or None when unplaced."""
+        self._check_known(node_id)
+        dev = self._placement.of(node_id)
+        return None if dev is None else str(dev)
+
+    def place(self, node_id: str, device) -> "Graph":
+        """Place (or re-place) one node; `None` unplaces it. A failure changes nothing."""
+        self._check_known(node_id)
+        if device is not None:
+            try:
+                device = Device.parse(device)
+            except DeviceError as err:
+                raise DeviceError(f"{err} (placing node `{node_id}`)") from None
+        self._placement.set(node_id, device)
+        return self
+
+    # -- when -----------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """The plan, compiled from the topology alone (cached: the topology never changes)."""
+        if self._plan is None:
+            self._plan = compile_plan(self._topology)
+        return self._plan
+
+    # -- running and training ---------------------------------------------------------------
+    def run(self, x, *, timeout: float | None = None):
+        """Shorthand for `soma.Executor().run(g, x)`."""
+        from .executor import Executor
+
+        return Executor().run(self, x, timeout=timeout)
+
+    def parameters(self) -> list:
+        """The torch parameters of every node that has them, each once, in node order."""
+        seen: set[int] = set()
+        params = []
+        for node in self._catalog.values():
+            get = getattr(node, "parameters", None)
+            if not callable(get):
+                continue
+            for p in get():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    def __repr__(self) -> str:
+        return f"Graph({_render(self._topology, self._placement)})"
+
+    def _check_known(self, node_id) -> None:
+        if node_id not in self._catalog:
+            known = ", ".join(self._catalog)
+            raise GraphError(f"no node `{node_id}` in this graph; its nodes are: {known}")
+
+
+def _assign_ids(leaves: list[Leaf]) -> dict[int, str]:
+    """Explicit ids first, then default ids with `_2`, `_3` suffixes in order of appearance."""
+    seen_nodes: dict[int, Leaf] = {}
+    for leaf in leaves:
+        if id(leaf.node) in seen_nodes:
+            first = seen_nodes[id(leaf.node)]
+            raise GraphError(
+                f"the same Node instance ({first.render()}, {type(leaf.node).__name__}) is used twice in one "
+                f"expression: a node holds its own state, so create a second instance"
+            )
+        seen_nodes[id(leaf.node)] = leaf
+    taken: set[str] = set()
+    for leaf in leaves:
+        if leaf.name is not None:
+            if leaf.name in taken:
+                raise GraphError(f"two nodes are named `{leaf.name}`: ids must be unique in a graph")
+            taken.add(leaf.name)
+    ids: dict[int, str] = {}
+    counters: dict[str, int] = {}
+    for leaf in leaves:
+        if leaf.name is not None:
+            ids[id(leaf)] = leaf.name
+            continue
+        base = check_id(leaf.node._default_id(), f"the default id of {type(leaf.node).__name__}")
+        n = counters.get(base, 0)
+        while True:
+            n += 1
+            candidate = base if n == 1 else f"{base}_{n}"
+            if candidate not in taken:
+                break
+        counters[base] = n
+        taken.add(candidate)
+        ids[id(leaf)] = candidate
+    return ids
+
+
+def _topology(expr: Expr, ids: dict[int, str]):
+    if isinstance(expr, Leaf):
+        return ids[id(expr)]
+    if isinstance(expr, Chain):
+        return ("seq", tuple(_topology(item, ids) for item in expr.items))
+    return ("wave", tuple(_topology(b, ids) for b in expr.branches))
+
+
+def _ends(topology, edges: list) -> tuple[list[str], list[str]]:
+    """(entry ids, exit ids) of a topology, appending the edges inside it."""
+    if isinstance(topology, str):
+        return [topology], [topology]
+    kind, children = topology
+    ends = [_ends(child, edges) for child in children]
+    if kind == "wave":
+        return [i for e, _ in ends for i in e], [o for _, x in ends for o in x]
+    for (_, exits), (entries, _) in zip(ends, ends[1:]):
+        edges.extend((src, dst) for src in exits for dst in entries)
+    return ends[0][0], ends[-1][1]
+
+
+def _render(topology, placement: Placement) -> str:
+    if isinstance(topology, str):
+        dev = placement.of(topology)
+        return topology if dev is None else f"{topology}.on({str(dev)!r})"
+    kind, children = topology
+    if kind == "seq":
+        return " >> ".join(
+            f"({_render(c, placement)})" if isinstance(c, tuple) and c[0] == "wave" else _render(c, placement)
+            for c in children
+        )
+    return " | ".join(
+        f"({_render(c, placement)})" if isinstance(c, tuple) and c[0] == "seq" else _render(c, placement)
+        for c in children
+    )

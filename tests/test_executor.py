@@ -1,0 +1,182 @@
+"""The in-process Executor: order, waves on threads, failures, timeouts, no threads left."""
+
+import threading
+import time
+
+import pytest
+
+import soma
+from soma import Done, Executor, Graph, Node, NodeError, Opaque, RunTimeout
+from tests.nodes import (
+    AddOne, Boom, Count, Double, Identity, Join, ReturnsList, SeeCtx, SetEvent, Sleep, ThreadId,
+    Tokenize, Upper, WaitBarrier, WrapOpaque, thread_token,
+)
+
+
+class Record(Node):
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def forward(self, x, ctx):
+        self.log.append(self.name)
+        return Done(x + [self.name])
+
+
+def test_sequence_runs_in_order():
+    log = []
+    g = Graph.somatize(Record(log, "a") >> Record(log, "b") >> Record(log, "c"))
+    assert Executor().run(g, []) == ["a", "b", "c"]
+    assert log == ["a", "b", "c"]
+
+
+def test_wave_output_is_the_tuple_of_branches_in_order():
+    g = Graph.somatize(Tokenize() >> (Upper() | Count() | Identity()) >> Join())
+    assert Executor().run(g, "a b") == (["A", "B"], 2, ["a", "b"])
+
+
+def test_graph_run_is_the_executor():
+    g = Graph.somatize(AddOne() >> Double())
+    assert g.run(3) == Executor().run(g, 3) == 8
+
+
+def test_wave_branches_run_concurrently():
+    barrier = threading.Barrier(3)
+    g = Graph.somatize(WaitBarrier(barrier) | WaitBarrier(barrier) | WaitBarrier(barrier))
+    out = Executor().run(g, None)  # a serial run would break the barrier
+    assert [name for name, _ in out] == ["wait_barrier", "wait_barrier_2", "wait_barrier_3"]
+    assert len({tid for _, tid in out}) == 3
+
+
+def test_a_branch_never_hops_threads():
+    g = Graph.somatize(Identity() >> ((ThreadId() >> ThreadId() >> ThreadId()) | (ThreadId() >> ThreadId())))
+    for _ in range(20):
+        first, second = Executor().run(g, None)
+        assert len(first) == 3 and len(set(first)) == 1
+        assert len(second) == 2 and len(set(second)) == 1
+        assert first[0] != second[0] and thread_token() not in (first[0], second[0])
+
+
+def test_the_node_sees_its_own_device_and_only_its_own():
+    g = Graph.somatize(SeeCtx().on("cpu") >> (SeeCtx().on("meta") | SeeCtx() | SeeCtx().on("cuda:3")))
+    g.place("see_ctx", "cpu")
+    # the first node's output is ignored by the wave; each branch reports its own ctx
+    out = Executor().run(g, None)
+    assert [(o["node"], o["device"]) for o in out] == [
+        ("see_ctx_2", "meta"), ("see_ctx_3", None), ("see_ctx_4", "cuda:3"),
+    ]
+    assert len({o["thread"] for o in out}) == 3
+    assert all(o["worker"] is None for o in out)
+
+
+def test_ctx_repr_shows_node_and_device():
+    out = Graph.somatize(SeeCtx().named("encoder").on("meta")).run(None)
+    assert out["repr"] == "Ctx(node='encoder', device='meta', worker=None)"
+
+
+def test_failure_is_a_node_error_with_the_cause():
+    g = Graph.somatize(Identity() >> Boom())
+    with pytest.raises(NodeError, match=r"^node `boom` failed: ValueError: boom on 7$") as info:
+        Executor().run(g, 7)
+    assert info.value.node == "boom"
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_forward_must_return_done():
+    g = Graph.somatize(ReturnsList().named("tokenize"))
+    with pytest.raises(NodeError, match=r"^node `tokenize` failed: forward returned list, not Done$"):
+        g.run("x")
+
+
+def test_failure_in_one_branch_waits_for_the_others():
+    finished = threading.Event()
+    g = Graph.somatize(Boom() | SetEvent(finished, delay=0.3))
+    with pytest.raises(NodeError, match="node `boom` failed"):
+        Executor().run(g, 1)
+    assert finished.is_set(), "the wave raised before its slow branch finished"
+
+
+def test_first_failure_in_branch_order_is_raised_and_others_noted():
+    g = Graph.somatize((Sleep(0.05) >> Boom().named("late")) | Boom().named("early"))
+    with pytest.raises(NodeError) as info:
+        g.run(0)
+    assert info.value.node == "late"
+    notes = getattr(info.value, "__notes__", [])
+    assert any("`early`" in n for n in notes)
+
+
+def test_a_wave_leaves_no_thread_behind():
+    before = set(threading.enumerate())
+    g = Graph.somatize(Identity() >> (Sleep(0.01) | Sleep(0.02) | Boom()) )
+    for _ in range(5):
+        with pytest.raises(NodeError):
+            g.run(0)
+        g2 = Graph.somatize(Sleep(0.01) | Identity())
+        g2.run(0)
+    assert set(threading.enumerate()) == before
+
+
+def test_opaque_is_unwrapped_for_the_next_node_and_the_caller():
+    payload = object()
+    seen = []
+
+    class Look(Node):
+        def forward(self, x, ctx):
+            seen.append(x)
+            return Done(Opaque(x))
+
+    g = Graph.somatize(WrapOpaque() >> Look())
+    assert g.run(payload) is payload
+    assert seen == [payload]
+
+
+def test_timeout_names_the_running_nodes():
+    g = Graph.somatize(Identity() >> (Sleep(2.0).named("slow") | Identity().named("quick")))
+    start = time.monotonic()
+    with pytest.raises(RunTimeout, match=r"still running: `slow`") as info:
+        Executor().run(g, 0, timeout=0.2)
+    assert time.monotonic() - start < 1.5
+    assert info.value.nodes == ("slow",)
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_timeout_not_reached_returns_the_value():
+    g = Graph.somatize(AddOne() >> (Double() | Identity()))
+    assert Executor().run(g, 1, timeout=5) == (4, 2)
+    with pytest.raises(NodeError):
+        Executor().run(Graph.somatize(Boom()), 1, timeout=5)
+
+
+def test_concurrent_runs_of_one_graph():
+    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
+    results = {}
+
+    def go(i):
+        results[i] = [Executor().run(g, k) for k in range(50)]
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(results[i] == [((k + 1) * 2, k + 1) for k in range(50)] for i in range(4))
+
+
+def test_seed_example_runs_in_process_with_cpu_and_meta():
+    torch = pytest.importorskip("torch")
+
+    class Encoder(Node):
+        def forward(self, words, ctx):
+            return Done(Opaque(torch.tensor([float(len(w)) for w in words], device=ctx.device)))
+
+    class Other(Node):
+        def forward(self, words, ctx):
+            return Done(torch.zeros(len(words), 4, device=ctx.device))
+
+    class JoinShapes(Node):
+        def forward(self, pair, ctx):
+            lengths, other = pair
+            return Done((lengths.sum().item(), tuple(other.shape), other.device.type))
+
+    g = soma.Graph.somatize(Tokenize() >> (Encoder().on("cpu") | Other().on("meta")) >> JoinShapes().named("join"))
+    assert g.nodes() == ["tokenize", "encoder", "other", "join"]
+    assert g.run("the quick brown fox") == (16.0, (4, 4), "meta")

@@ -1,0 +1,40 @@
+"""The package around the core: no torch on import, the command line, the example."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_import_soma_does_not_import_torch():
+    code = (
+        "import sys, soma\n"
+        "g = soma.Graph.somatize(soma.fn(len) >> soma.fn(str).on('meta'))\n"
+        "assert g.run([1, 2]) == '2'\n"
+        "print('torch' in sys.modules, 'zmq' in sys.modules)\n"
+    )
+    assert run_python(code).split() == ["False", "False"]
+
+
+def test_soma_version():
+    out = subprocess.run([sys.executable, "-m", "soma.cli", "--version"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0
+    assert out.stdout.strip().startswith("soma ")
+
+
+def test_soma_example_runs_the_seed_pipeline():
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-m", "soma.cli", "example"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "tokenize >> (encoder | other) >> join" in out.stdout
+    assert "'total_length': 16.0" in out.stdout and "'other_shape': (4, 8)" in out.stdout
