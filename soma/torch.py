@@ -1,0 +1,122 @@
+"""`soma.torch.Module`: an `nn.Module` as a soma node that obeys its placement.
+
+    import soma, torch
+    hidden = soma.torch.Module(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh()), name="hidden")
+    g = soma.Graph.somatize(hidden.on("cuda:0") >> soma.torch.Module(torch.nn.Linear(32, 1)).on("cpu"))
+    g.nodes()        # ['hidden', 'linear']
+    g.parameters()   # every parameter of both modules, each once
+
+Obeying a placement takes three things (docs/design.md, "Obeying is the node's
+job"): the parameters are there (moved once, when the placement changes), the
+input is there (moved every call), and whatever is created inside is born there
+(the wrapped module's own business). This node does the first two, so a plain
+`nn.Module` needs no soma code of its own.
+
+This file is `soma/torch.py`: inside it, `import torch` is the real torch
+(absolute imports). `import soma` never imports it; `soma.torch` is loaded the
+first time it is asked for.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+from torch import nn
+
+from .expr import check_id
+from .node import Node, snake_case
+from .values import Done, Opaque
+
+__all__ = ["Module", "move_to"]
+
+
+class Module(Node):
+    """A soma node around an `nn.Module`: `forward(x, ctx)` is `Done(Opaque(module(x)))`.
+
+    When the node is placed, the module's parameters and buffers are moved to
+    `ctx.device` whenever they are not already there (so once, in the usual
+    case, and again only when the placement changes), and the input is moved
+    every call, including tensors nested in tuples, lists and dicts. Unplaced,
+    nothing is moved: unplaced means "wherever it already is".
+
+    The module receives `x` as its one argument, the way `nn.Sequential` calls
+    its children: after a wave it receives the wave's tuple. The output is
+    carried as an `Opaque`, so its autograd graph reaches the next node and the
+    `Trainer` intact.
+
+    The default id is the module's class name in snake_case (`nn.Linear` →
+    `linear`, `MyMLP` → `my_mlp`); `name=` gives another default id (suffixes
+    `_2`, `_3` still apply), `.named()` an exact one.
+    """
+
+    def __init__(self, module, name: str | None = None):
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"soma.torch.Module needs a torch.nn.Module, got {type(module).__name__} {module!r}; "
+                f"wrap a plain function with soma.fn instead"
+            )
+        self.module = module
+        self.name = None if name is None else check_id(name, "soma.torch.Module's name")
+
+    def forward(self, x, ctx):
+        if ctx.device is not None:
+            device = torch.device(ctx.device)
+            # Looking at one tensor instead of remembering "already moved" also
+            # catches a module moved behind our back: by the user, or by another
+            # node that wraps the same nn.Module.
+            if _not_on(self.module, device):
+                self.module.to(device)
+            x = move_to(x, device)
+        return Done(Opaque(self.module(x)))
+
+    def parameters(self, recurse: bool = True):
+        """The module's parameters (what `g.parameters()` collects)."""
+        return self.module.parameters(recurse=recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True):
+        """The module's named parameters (the Trainer names them in its messages)."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse)
+
+    def _default_id(self) -> str:
+        return self.name if self.name is not None else snake_case(type(self.module).__name__)
+
+    def __repr__(self) -> str:
+        shown = f"{type(self.module).__name__}()" if len(repr(self.module)) > 80 else repr(self.module)
+        name = "" if self.name is None else f", name={self.name!r}"
+        return f"soma.torch.Module({shown}{name})"
+
+
+def move_to(value, device):
+    """`value` with every tensor in it moved to `device`: loose, or nested in tuples, lists and dicts.
+
+    Containers are rebuilt (a namedtuple stays a namedtuple, a dict subclass its
+    class); anything else is passed through untouched. A tensor already on
+    `device` is returned as it is, so this copies nothing when nothing has to move.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [move_to(v, device) for v in value]
+    if isinstance(value, tuple):
+        items = [move_to(v, device) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        if type(value) is dict:
+            return {k: move_to(v, device) for k, v in value.items()}
+        out = copy.copy(value)  # keeps OrderedDict, defaultdict's factory, ...
+        for k, v in value.items():
+            out[k] = move_to(v, device)
+        return out
+    return value
+
+
+def _not_on(module: nn.Module, device: torch.device) -> bool:
+    """True when the module's first parameter (or buffer) is not on `device`.
+
+    One tensor stands for all: `module.to()` moves them together, and a module
+    with no tensors has nothing to move.
+    """
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return first is not None and first.device != device
