@@ -10,7 +10,6 @@ nothing else parses.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from .errors import DeviceError
 
@@ -19,12 +18,26 @@ _SHAPE = re.compile(r"^([A-Za-z_]+)(?::(\d+))?$")
 _INDEXLESS = {"cpu", "meta"}
 
 
-@dataclass(frozen=True, order=True)
 class Device:
-    """Where a node runs: `Device("cpu")`, `Device("cuda", 0)`, `Device("meta")`."""
+    """Where a node runs: `Device("cpu")`, `Device("cuda", 0)`, `Device("meta")`. Immutable."""
 
-    kind: str
-    index: int | None = None
+    __slots__ = ("kind", "index")
+
+    def __init__(self, kind: str, index: int | None = None):
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "index", index)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Device is immutable")
+
+    def __eq__(self, other):
+        return type(other) is Device and (other.kind, other.index) == (self.kind, self.index)
+
+    def __hash__(self):
+        return hash((self.kind, self.index))
+
+    def __reduce__(self):
+        return (Device, (self.kind, self.index))
 
     @classmethod
     def parse(cls, text) -> "Device":

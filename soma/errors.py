@@ -47,15 +47,20 @@ class NodeError(SomaError):
         self.node = node
         self.remote_traceback = remote_traceback
 
-    def __str__(self) -> str:
-        text = super().__str__()
-        if self.remote_traceback:
-            text += "\n\nTraceback in the worker:\n" + self.remote_traceback.rstrip()
-        return text
-
     def __reduce__(self):
         return (_rebuild, (type(self), (self.node, self.args[0]),
                            dict(remote_traceback=self.remote_traceback)))
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an exception raised in a worker; chained under the original exception."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n\nTraceback in the worker:\n" + self.text.rstrip()
 
 
 class PostconditionError(NodeError):

@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
-import traceback
 
 from .ctx import Ctx
 from .errors import NodeError, SomaError
@@ -26,18 +27,21 @@ class Cancelled(SomaError):
 class RunState:
     """What one run shares across its threads: the nodes running now, and a cancel flag."""
 
-    __slots__ = ("running", "cancelled", "_lock")
+    __slots__ = ("running", "cancelled", "_lock", "_observer")
 
-    def __init__(self):
+    def __init__(self, observer=None):
         self.running: dict[str, int] = {}
         self.cancelled = False
         self._lock = threading.Lock()
+        self._observer = observer  # a worker publishes what runs, for the host to read when it dies
 
     def enter(self, node_id: str) -> None:
         if self.cancelled:
             raise Cancelled(node_id)
         with self._lock:
             self.running[node_id] = self.running.get(node_id, 0) + 1
+        if self._observer is not None:
+            self._observer.enter(node_id)
 
     def leave(self, node_id: str) -> None:
         with self._lock:
@@ -45,10 +49,32 @@ class RunState:
                 del self.running[node_id]
             else:
                 self.running[node_id] -= 1
+        if self._observer is not None:
+            self._observer.leave(node_id)
 
     def running_now(self) -> tuple[str, ...]:
         with self._lock:
             return tuple(self.running)
+
+
+def _thread_modes():
+    """What a branch thread must inherit from the thread that started the wave.
+
+    torch keeps grad and inference mode per thread: without this, `with torch.no_grad(): g.run(x)`
+    would still build autograd graphs inside every wave.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return contextlib.nullcontext
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+
+    @contextlib.contextmanager
+    def inherit():
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            yield
+
+    return inherit
 
 
 class Runner:
@@ -59,12 +85,14 @@ class Runner:
     worker's shared arena for `ctx.empty`.
     """
 
-    def __init__(self, nodes, devices: dict, worker: str | None = None, allocate=None, remote: bool = False):
+    def __init__(self, nodes, devices: dict, worker: str | None = None, allocate=None, remote: bool = False,
+                 on_thread=None):
         self.nodes = nodes
         self.devices = devices
         self.worker = worker
         self.allocate = allocate
         self.remote = remote  # in a worker: keep traceback text, the cause may not travel
+        self.on_thread = on_thread  # called first on every branch thread (a worker pins its CUDA device)
 
     def run(self, plan: Plan, x, state: RunState | None = None):
         state = state if state is not None else RunState()
@@ -80,10 +108,14 @@ class Runner:
         """Every branch whole on its own thread; all of them are waited for before raising."""
         results: list = [None] * len(wave.branches)
         failures: list = [None] * len(wave.branches)
+        inherit = _thread_modes()
 
         def branch(i: int, plan: Plan) -> None:
             try:
-                results[i] = self.run(plan, x, state)
+                with inherit():
+                    if self.on_thread is not None:
+                        self.on_thread()
+                    results[i] = self.run(plan, x, state)
             except BaseException as exc:  # every failure waits for the siblings
                 failures[i] = exc
 
@@ -123,5 +155,9 @@ class Runner:
         return unwrap(out.value)
 
     def node_failed(self, node_id: str, exc: BaseException) -> NodeError:
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if self.remote else None
+        text = None
+        if self.remote:
+            import traceback
+
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return NodeError(node_id, f"node `{node_id}` failed: {type(exc).__name__}: {exc}", remote_traceback=text)

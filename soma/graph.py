@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .device import Device
 from .errors import DeviceError, GraphError
-from .expr import Chain, Expr, Fan, Leaf, check_id
+from .expr import Chain, Expr, Leaf, check_id
 from .node import Node
 from .placement import Placement
 from .plan import Plan, compile_plan

@@ -7,7 +7,6 @@ subclass need not call `Node.__init__`.
 
 from __future__ import annotations
 
-import inspect
 import re
 
 from .errors import GraphError
@@ -93,6 +92,8 @@ def fn(func, name: str | None = None) -> FnNode:
 
 
 def _takes_ctx(func) -> bool:
+    import inspect  # here, not at the top: a worker starting up does not need it
+
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):

@@ -11,26 +11,42 @@ node cannot change a plan: that is true by construction, not by a check.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
 class Plan:
-    """Base of `Step`, `Seq` and `Wave`."""
+    """Base of `Step`, `Seq` and `Wave`: immutable, equal and hashable by structure."""
 
     __slots__ = ()
+
+    def _key(self):
+        raise NotImplementedError
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other._key() == self._key()
+
+    def __hash__(self):
+        return hash((type(self).__name__, self._key()))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._key()!r})"
+
+    def __reduce__(self):
+        return (type(self), (self._key(),))
 
     def steps(self):
         """The node ids of this plan, in order."""
         raise NotImplementedError
 
-    def last_steps(self):
-        """Node ids whose output is (part of) this plan's output."""
-        raise NotImplementedError
 
-
-@dataclass(frozen=True)
 class Step(Plan):
-    id: str
+    __slots__ = ("id",)
+
+    def __init__(self, id: str):
+        object.__setattr__(self, "id", id)
+
+    def _key(self):
+        return self.id
 
     def steps(self):
         yield self.id
@@ -39,12 +55,14 @@ class Step(Plan):
         return self.id
 
 
-@dataclass(frozen=True)
 class Seq(Plan):
-    items: tuple
+    __slots__ = ("items",)
 
-    def __post_init__(self):
-        object.__setattr__(self, "items", tuple(self.items))
+    def __init__(self, items):
+        object.__setattr__(self, "items", tuple(items))
+
+    def _key(self):
+        return self.items
 
     def steps(self):
         for item in self.items:
@@ -54,12 +72,14 @@ class Seq(Plan):
         return " >> ".join(f"({i})" if isinstance(i, Wave) else str(i) for i in self.items)
 
 
-@dataclass(frozen=True)
 class Wave(Plan):
-    branches: tuple
+    __slots__ = ("branches",)
 
-    def __post_init__(self):
-        object.__setattr__(self, "branches", tuple(self.branches))
+    def __init__(self, branches):
+        object.__setattr__(self, "branches", tuple(branches))
+
+    def _key(self):
+        return self.branches
 
     def steps(self):
         for branch in self.branches:

@@ -38,10 +38,12 @@ def test_errors_pickle_with_their_attributes(err, attrs):
         assert getattr(back, name) == value
 
 
-def test_node_error_shows_the_worker_traceback():
-    err = NodeError("enc", "node `enc` failed: ValueError: x", remote_traceback="Traceback (most recent call last):\n  ...")
-    assert "Traceback in the worker" in str(err)
-    assert str(err).startswith("node `enc` failed")
+def test_remote_traceback_prints_the_worker_text():
+    from soma.errors import RemoteTraceback
+
+    tb = RemoteTraceback("Traceback (most recent call last):\n  File x\nValueError: x\n")
+    assert "Traceback in the worker" in str(tb) and "ValueError: x" in str(tb)
+    assert pickle.loads(pickle.dumps(tb)).text == tb.text
 
 
 def test_all_names_are_exported():

@@ -180,3 +180,24 @@ def test_seed_example_runs_in_process_with_cpu_and_meta():
     g = soma.Graph.somatize(Tokenize() >> (Encoder().on("cpu") | Other().on("meta")) >> JoinShapes().named("join"))
     assert g.nodes() == ["tokenize", "encoder", "other", "join"]
     assert g.run("the quick brown fox") == (16.0, (4, 4), "meta")
+
+
+def test_wave_branches_inherit_grad_mode():
+    torch = pytest.importorskip("torch")
+
+    class Grad(Node):
+        def forward(self, x, ctx):
+            return Done(torch.is_grad_enabled())
+
+    class Inference(Node):
+        def forward(self, x, ctx):
+            return Done(torch.is_inference_mode_enabled())
+
+    g = Graph.somatize(Grad() | Grad())
+    with torch.no_grad():
+        assert g.run(None) == (False, False)
+    assert g.run(None) == (True, True)
+    g2 = Graph.somatize(Inference() | Inference())
+    with torch.inference_mode():
+        assert g2.run(None) == (True, True)
+    assert g2.run(None) == (False, False)
