@@ -179,3 +179,188 @@ class Counter(Node):
     def forward(self, x, ctx):
         self.calls += 1
         return Done(self.calls)
+
+
+def burn(n: int) -> int:
+    """A fixed amount of pure-Python work that holds the GIL (unlike a wall-clock loop)."""
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+    return total
+
+
+class Burn(Node):
+    """Pure-Python work of a fixed size: threads in one process serialize on it, processes do not."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def forward(self, x, ctx):
+        return Done(burn(self.n))
+
+
+class Pid(Node):
+    """Returns the pid of the process it ran in."""
+
+    def forward(self, x, ctx):
+        return Done(os.getpid())
+
+
+class WhereAmI(Node):
+    """Returns (worker id, pid, device) as the ctx and the process see them."""
+
+    def forward(self, x, ctx):
+        return Done((ctx.worker, os.getpid(), ctx.device))
+
+
+class Die(Node):
+    """Ends its own process the hard way: a signal, or an exit code."""
+
+    def __init__(self, sig=None, code=None, after=0.0):
+        self.sig, self.code, self.after = sig, code, after
+
+    def forward(self, x, ctx):
+        time.sleep(self.after)
+        if self.sig is not None:
+            os.kill(os.getpid(), self.sig)
+            time.sleep(5)
+        os._exit(self.code if self.code is not None else 1)
+
+
+class ExitAtUnpickle:
+    """Kills the process that unpickles it: a worker loading node code, or one decoding its input."""
+
+    def __reduce__(self):
+        return (os._exit, (7,))
+
+
+class NodeExitsAtLoad(Node):
+    def __init__(self):
+        self.bomb = ExitAtUnpickle()
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class ExitAtPickle:
+    """Kills the process that pickles it: a worker sending it back as a result."""
+
+    def __reduce__(self):
+        os._exit(9)
+
+
+class ReturnsExitAtPickle(Node):
+    def forward(self, x, ctx):
+        return Done(ExitAtPickle())
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("Unpicklable refuses to be pickled")
+
+
+class ReturnsUnpicklable(Node):
+    def forward(self, x, ctx):
+        return Done({"ok": 1, "bad": Unpicklable()})
+
+
+class HoldsLock(Node):
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class TouchFile(Node):
+    """Creates a file: proves (or disproves) that the node ran at all."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def forward(self, x, ctx):
+        with open(self.path, "w") as f:
+            f.write("ran")
+        return Done(x)
+
+
+class LocatedPerProcess:
+    """Says it is on `cpu` in the process that made it and on `meta` anywhere else."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+
+    @property
+    def device(self):
+        return "cpu" if os.getpid() == self.pid else "meta"
+
+
+class ReturnsMovingDevice(Node):
+    def forward(self, x, ctx):
+        return Done(LocatedPerProcess())
+
+
+class MarkThenSleep(Node):
+    """Writes a marker file (so a test knows it is running), then sleeps."""
+
+    def __init__(self, path, seconds):
+        self.path, self.seconds = path, seconds
+
+    def forward(self, x, ctx):
+        with open(self.path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(self.path + ".tmp", self.path)  # whole or absent, never half-written
+        time.sleep(self.seconds)
+        return Done(x)
+
+
+class Shared(Node):
+    """Reports how its input tensor arrived: (is_shared, the sum, its dtype name)."""
+
+    def forward(self, x, ctx):
+        return Done((x.is_shared(), float(x.float().sum()), str(x.dtype)))
+
+
+class MakeTensor(Node):
+    """Makes a tensor of `numel` float32 ones, on the heap or through ctx.empty."""
+
+    def __init__(self, numel, through_ctx=False, value=1.0):
+        self.numel, self.through_ctx, self.value = numel, through_ctx, value
+
+    def forward(self, x, ctx):
+        import torch
+
+        t = ctx.empty(self.numel, dtype=torch.float32) if self.through_ctx else torch.empty(self.numel)
+        t.fill_(self.value)
+        return Done(t)
+
+
+class Slice(Node):
+    def forward(self, x, ctx):
+        return Done(x[1:5])
+
+
+class RequiresGradOutput(Node):
+    def forward(self, x, ctx):
+        import torch
+
+        w = torch.ones(3, requires_grad=True)
+        return Done(w * 2)
+
+
+class InPlaceAdd(Node):
+    def forward(self, x, ctx):
+        x.add_(1)
+        return Done(None)
+
+
+class Holder:
+    """A plain object carrying tensors: it travels by pickle, its tensors still as handles."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+
+class WrapInHolder(Node):
+    def forward(self, x, ctx):
+        return Done(Holder([x, x[:2]]))

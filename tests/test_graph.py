@@ -188,7 +188,7 @@ def test_composing_with_a_non_node_says_to_use_fn():
 
 
 def test_operators_flatten():
-    a, b, c, d = AddOne(), Double(), Identity(), Count()
+    a, b, c = AddOne(), Double(), Identity()
     assert str(Graph.somatize((a >> b) >> c).plan()) == "add_one >> double >> identity"
     a, b, c = AddOne(), Double(), Identity()
     assert str(Graph.somatize(a >> (b >> c)).plan()) == "add_one >> double >> identity"

@@ -1,0 +1,372 @@
+"""The worker's serving loop: receive, run, send back. See `soma.worker` for the drawing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+import pickle
+
+import msgpack
+import zmq
+
+from .. import wire
+from ..errors import NodeError, PostconditionError
+from ..execute import RunState, Runner
+from ..plan import Seq, Step, Wave
+
+log = logging.getLogger("soma.worker")
+
+POLL_MS = 200  # how long the leading thread waits on the socket before looking around
+WATCHDOG_S = 0.5
+
+
+class Worker:
+    def __init__(self, args, secret: bytes):
+        self.id = args.id
+        self.device = args.device
+        self.threads = max(1, args.threads)
+        self.host_pid = args.host_pid
+        self.prefix = args.prefix
+        self.arena = args.arena
+        self.secret = secret
+        self.zctx = zmq.Context(1)
+        self.inbox = self.zctx.socket(zmq.DEALER)
+        # One identity per incarnation: a ROUTER ignores a new peer that reuses an identity it still
+        # has registered, so a replacement named like the worker it replaces would never get a task.
+        self.inbox.setsockopt(zmq.IDENTITY, f"{self.id}.{os.getpid()}".encode())
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.connect(args.tasks)
+        self.outbox = self.zctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 2000)
+        self.outbox.setsockopt(zmq.SNDHWM, 0)
+        self.outbox.connect(args.results)
+        self.recv_lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.count_lock = threading.Lock()
+        self.waiting = 0  # threads that will take the next message
+        self.stopping = threading.Event()
+        self.nodes: dict[int, object] = {}  # node key → the node object (its state lives here)
+        self.blobs: dict[int, bytes] = {}  # node key → code received and not loaded yet
+        self.load_lock = threading.Lock()
+        self.plans: dict[bytes, tuple] = {}  # branch spec → (plan, ids → keys, devices)
+        self.status = wire.StatusPage(args.status, create=True)
+        self.status_lock = threading.Lock()
+        self.now_running: dict[str, int] = {}
+        self.store = None
+        self.store_lock = threading.Lock()
+        self.torch_ready = False
+        self.local = threading.local()
+        if args.preload_torch or self.device.startswith("cuda"):
+            self.setup_torch()
+
+    # -- life --------------------------------------------------------------------------------
+    def serve(self) -> int:
+        signal.signal(signal.SIGTERM, self.terminated)
+        threading.Thread(target=self.watch_host, name="soma-watchdog", daemon=True).start()
+        self.send([wire.HELLO, self.id, os.getpid(), self.device])
+        try:
+            self.lead_and_run()
+        finally:
+            self.finish()
+        return 0
+
+    def watch_host(self) -> None:
+        """Exit soon after the host is gone (our parent changes when it dies)."""
+        while not self.stopping.wait(WATCHDOG_S):
+            if os.getppid() != self.host_pid:
+                from ..shm import unlink_all
+
+                unlink_all(self.prefix)  # the host cannot clean up any more; whoever notices does
+                os._exit(0)
+
+    def terminated(self, signum, _frame) -> None:
+        """SIGTERM: unlink our segments, then die of the signal, so the host can say what ended us."""
+        if self.store is not None:
+            self.store.close()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def finish(self) -> None:
+        """Unlink our segments and exit now.
+
+        Other threads may be polling the socket or running a node: closing sockets
+        under them would raise in each. The host has asked us to stop (or is gone),
+        so nothing still in flight is wanted; the kernel closes the sockets.
+        """
+        if self.store is not None:
+            self.store.close()
+        self.status.close()
+        os._exit(0)
+
+    # -- receiving: leader/follower ---------------------------------------------------------------
+    def lead_and_run(self) -> None:
+        """Take the lead, receive one message, hand the lead on, handle what was received."""
+        while not self.stopping.is_set():
+            with self.count_lock:
+                self.waiting += 1
+            with self.recv_lock:
+                message = self.receive()
+                if message is not None and message[0] == wire.TASK and not well_formed_task(message):
+                    log.warning("soma worker %s: dropped a malformed TASK message", self.id)
+                    message = None
+                if message is not None and message[0] == wire.TASK and message[2]:
+                    # Registered before the lead passes on: a later task that counts on this code
+                    # (the host sends it once per worker) may run on another thread before this one.
+                    with self.load_lock:
+                        self.blobs.update(message[2])
+            with self.count_lock:
+                self.waiting -= 1
+                nobody_left = self.waiting == 0
+            if message is None:
+                continue
+            if message[0] == wire.TASK and nobody_left:
+                # Someone must keep receiving while this thread runs the task.
+                threading.Thread(target=self.lead_and_run, name="soma-task", daemon=True).start()
+            try:
+                self.handle(message)
+            except Exception as err:  # an authentic but malformed message must not take the worker down
+                log.warning("soma worker %s: dropped a %s message it could not handle: %s: %s", self.id,
+                            wire.KIND_NAMES.get(message[0]), type(err).__name__, err)
+
+    def receive(self):
+        if not self.inbox.poll(POLL_MS):
+            return None
+        try:
+            frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return None
+        return wire.unseal(self.secret, frames, "the host")
+
+    def send(self, message: list) -> None:
+        frame = wire.seal(self.secret, message)
+        with self.send_lock:
+            self.outbox.send(frame)
+
+    def handle(self, message: list) -> None:
+        kind = message[0]
+        if kind == wire.TASK:
+            self.run_task(*message[1:])
+        elif kind == wire.FREE:
+            store = self.get_store()
+            for name, n in message[1]:
+                store.free(name, n)
+        elif kind == wire.STOP:
+            self.stopping.set()
+            self.finish()
+
+    # -- running a task ---------------------------------------------------------------------------
+    def run_task(self, task_id: int, _code: dict, branches: list, payload: bytes, frees: list) -> None:
+        # _code was registered when the message was received (lead_and_run).
+        if frees:
+            store = self.get_store()
+            for name, n in frees:
+                store.free(name, n)
+        outcomes = self.run_branches(branches, payload)
+        # The input and the outputs are dropped by now: what died is reported with the result.
+        releases = self.store.releases() if self.store is not None else []
+        self.send([wire.RESULT, self.id, task_id, outcomes, releases])
+
+    def run_branches(self, branches: list, payload: bytes) -> list:
+        specs = []
+        for spec in branches:
+            try:
+                specs.append(self.branch(spec))
+            except NodeError as err:
+                return [error_outcome(err)] * len(branches)
+        decoder = wire.Decoder(self.get_store)
+        try:
+            x = decoder.unpack(payload)
+        except Exception as err:
+            first = specs[0][0]
+            entry = next(first.steps())
+            return [error_outcome(NodeError(entry, f"node `{entry}` failed: its input could not be received "
+                                                   f"in worker {self.id}: {type(err).__name__}: {err}"))] * len(specs)
+        self.setup_torch_if_imported()
+        state = RunState(observer=self)
+        if len(specs) == 1:
+            return [self.run_branch(specs[0], x, state)]
+        # Several branches of one wave came to this worker together: each on a thread, as in-process.
+        outcomes: list = [None] * len(specs)
+
+        def one(i):
+            outcomes[i] = self.run_branch(specs[i], x, state)
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(1, len(specs))]
+        for t in threads:
+            t.start()
+        one(0)
+        for t in threads:
+            t.join()
+        return outcomes
+
+    def run_branch(self, spec: tuple, x, state: RunState) -> list:
+        plan, nodes, devices = spec
+        runner = Runner(nodes, devices, worker=self.id, allocate=self.allocate, remote=True, on_thread=self.on_thread)
+        self.on_thread()
+        try:
+            value = runner.run(plan, x, state)
+        except NodeError as err:
+            return error_outcome(err)
+        encoder = wire.Encoder(self.get_store)
+        producer = last_step(plan)
+        try:
+            data = encoder.pack(value)
+        except wire.GradCrossing as err:
+            return error_outcome(NodeError(producer, f"node `{producer}` failed: it returned {err}"))
+        except Exception as err:
+            return error_outcome(NodeError(
+                producer, f"node `{producer}` failed: its output cannot be sent back to the host: "
+                          f"{type(err).__name__}: {err} (return plain data, tensors, or picklable objects)"))
+        if encoder.shared:
+            store = self.get_store()
+            for name in encoder.shared:
+                store.note_sent(name)
+        return [True, data]
+
+    def branch(self, spec: bytes) -> tuple:
+        """The (plan, id → node, id → device) of a branch spec, loading node code it needs."""
+        found = self.plans.get(spec)
+        if found is None:
+            tree = msgpack.unpackb(spec, raw=False, use_list=False)
+            nodes_by_key: dict = {}
+            plan = build_plan(tree, nodes_by_key)
+            found = (plan, nodes_by_key, {nid: dev for nid, (_, dev) in nodes_by_key.items() if dev})
+        plan, keyed, devices = found
+        nodes = {}
+        for nid, (key, _) in keyed.items():
+            node = self.nodes.get(key)
+            if node is None:
+                node = self.load(nid, key)
+            nodes[nid] = node
+        self.plans[spec] = found
+        return plan, nodes, devices
+
+    def load(self, node_id: str, key: int):
+        with self.load_lock:  # once per node, however many tasks want it at the same moment
+            node = self.nodes.get(key)
+            if node is not None:
+                return node
+            blob = self.blobs.pop(key, None)
+            if blob is None:
+                raise _LoadError(node_id, f"node `{node_id}` failed: worker {self.id} has no code for it "
+                                          f"(its loading failed in another task of this run)")
+            return self._unpickle(node_id, key, blob)
+
+    def _unpickle(self, node_id: str, key: int, blob: bytes):
+        try:
+            node = pickle.loads(blob)  # cloudpickle's output; it imports cloudpickle itself if it needs it
+        except Exception as err:
+            raise _LoadError(
+                node_id,
+                f"node `{node_id}` failed: its code could not be loaded in worker {self.id}: "
+                f"{type(err).__name__}: {err} (workers start with the host's sys.path and working directory; "
+                f"define the node in a module they can import)",
+                remote_traceback=format_exc(err),
+            ) from err
+        self.nodes[key] = node
+        self.setup_torch_if_imported()
+        return node
+
+    # -- what runs now, published for the host ----------------------------------------------------
+    def enter(self, node_id: str) -> None:
+        with self.status_lock:
+            self.now_running[node_id] = self.now_running.get(node_id, 0) + 1
+            self.status.write(self.now_running)
+
+    def leave(self, node_id: str) -> None:
+        with self.status_lock:
+            if self.now_running[node_id] == 1:
+                del self.now_running[node_id]
+            else:
+                self.now_running[node_id] -= 1
+            self.status.write(self.now_running)
+
+    # -- torch, devices, shared memory -----------------------------------------------------------
+    def setup_torch(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(int(self.device.split(":")[1]))
+        self.torch_ready = True
+
+    def setup_torch_if_imported(self) -> None:
+        if not self.torch_ready and "torch" in sys.modules:
+            self.setup_torch()
+
+    def on_thread(self) -> None:
+        """First thing on every thread that runs nodes: CUDA's current device is per thread."""
+        if self.device.startswith("cuda") and not getattr(self.local, "pinned", False):
+            import torch
+
+            torch.cuda.set_device(int(self.device.split(":")[1]))
+            self.local.pinned = True
+
+    def get_store(self, create: bool = True):
+        if self.store is None and create:
+            with self.store_lock:
+                if self.store is None:
+                    from ..shm import SegmentStore
+
+                    self.store = SegmentStore(self.prefix, self.arena)
+                    self.setup_torch_if_imported()
+        return self.store
+
+    def allocate(self, size: tuple, dtype):
+        """`ctx.empty` in a worker: a tensor in a shared segment already mapped here."""
+        import torch
+
+        numel = 1
+        for s in size:
+            numel *= s
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if nbytes < wire.INLINE_LIMIT:
+            return torch.empty(size, dtype=dtype)  # travels inline anyway
+        storage = self.get_store().allocate(nbytes)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, size)
+
+
+def well_formed_task(message: list) -> bool:
+    return (len(message) == 6 and isinstance(message[1], int) and isinstance(message[2], dict)
+            and isinstance(message[3], list) and isinstance(message[4], bytes) and isinstance(message[5], list))
+
+
+class _LoadError(NodeError):
+    """A node's code did not load here; the host must send it again next time."""
+
+
+def build_plan(tree, nodes_by_key: dict):
+    kind = tree[0]
+    if kind == "s":
+        _, node_id, key, device = tree
+        nodes_by_key[node_id] = (key, device)
+        return Step(node_id)
+    children = tuple(build_plan(child, nodes_by_key) for child in tree[1])
+    return Seq(children) if kind == "q" else Wave(children)
+
+
+def last_step(plan) -> str:
+    while not isinstance(plan, Step):
+        plan = plan.items[-1] if isinstance(plan, Seq) else plan.branches[0]
+    return plan.id
+
+
+def format_exc(err: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(type(err), err, err.__traceback__))
+
+
+def error_outcome(err: NodeError) -> list:
+    info = {"node": err.node, "message": err.args[0], "traceback": err.remote_traceback}
+    if isinstance(err, PostconditionError):
+        info.update(kind="postcondition", declared=err.declared, actual=err.actual)
+    elif isinstance(err, _LoadError):
+        info.update(kind="load", cause=wire.pickle_exception(err.__cause__) if err.__cause__ else None)
+    else:
+        info.update(kind="node", cause=wire.pickle_exception(err.__cause__) if err.__cause__ else None)
+    return [False, info]

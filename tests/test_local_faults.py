@@ -1,0 +1,205 @@
+"""Faults injected at each phase of a task, with real processes: what the caller sees, and that the pool heals."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import zmq
+
+from soma import Graph, RunTimeout, WorkerDied, wire
+from tests.conftest import shm_names
+from tests.nodes import AddOne, Die, Identity, MarkThenSleep, NodeExitsAtLoad, ReturnsExitAtPickle, Sleep
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def wait_for(condition, seconds=10.0, what="condition"):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def gone(pid):
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def exited(pool, pid):
+    """The worker `pid` has fully exited: waitpid says so (a zombie leader may still have threads dying)."""
+    worker = next(w for w in pool._workers if w.pid == pid)
+    return worker.proc.poll() is not None
+
+
+def heals(pool):
+    assert pool.run(Graph.somatize(AddOne() | AddOne()), 1) == (2, 2)
+
+
+def test_worker_killed_while_running_from_outside(local, tmp_path):
+    marker = tmp_path / "running"
+    g = Graph.somatize(Identity() >> MarkThenSleep(str(marker), 30).named("slow"))
+    pids = local.pids()
+    killed_at = {}
+
+    def kill_when_running():
+        wait_for(marker.exists, what="the node to start")
+        pid = int(marker.read_text())
+        killed_at["t"] = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("pid", kill_when_running()))
+    t.start()
+    with pytest.raises(WorkerDied) as info:
+        local.run(g, 0)
+    t.join()
+    took = time.monotonic() - killed_at["t"]
+    err = info.value
+    assert err.pid == box["pid"] and err.node == "slow" and err.worker in ("w0", "w1")
+    assert f"worker {err.worker} (pid {err.pid}) was killed by signal 9 (SIGKILL" in str(err)
+    assert "while running node `slow`" in str(err)
+    assert took < 3.0, f"WorkerDied took {took:.2f}s after the kill"
+    heals(local)
+    assert box["pid"] not in local.pids() and len(set(local.pids()) - set(pids)) == 1
+
+
+def test_worker_that_kills_itself_with_a_signal(local):
+    with pytest.raises(WorkerDied, match=r"was killed by signal 15 \(SIGTERM\) while running node `die`"):
+        local.run(Graph.somatize(AddOne() >> Die(sig=signal.SIGTERM)), 0)
+    heals(local)
+
+
+def test_worker_that_exits_names_its_exit_code(local):
+    with pytest.raises(WorkerDied, match=r"exited with code 3 while running node `die`") as info:
+        local.run(Graph.somatize(Die(code=3)), 0)
+    assert info.value.node == "die"
+    heals(local)
+
+
+def test_worker_killed_while_loading_node_code(local):
+    with pytest.raises(WorkerDied, match=r"exited with code 7 while running node `node_exits_at_load`"):
+        local.run(Graph.somatize(NodeExitsAtLoad()), 0)
+    heals(local)
+
+
+def test_worker_killed_while_sending_its_result(local):
+    with pytest.raises(WorkerDied, match=r"exited with code 9 while running node `returns_exit_at_pickle`"):
+        local.run(Graph.somatize(ReturnsExitAtPickle()), 0)
+    heals(local)
+
+
+def test_worker_killed_while_idle_is_replaced_at_the_next_run(local):
+    victim = local.pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: exited(local, victim), what="the worker to die")
+    heals(local)
+    assert victim not in local.pids()
+
+
+def test_other_branches_of_the_wave_are_waited_for(local, tmp_path):
+    g = Graph.somatize(Die(code=5, after=0.1) | Sleep(0.5))
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied):
+        local.run(g, 0)
+    assert time.monotonic() - t0 >= 0.45
+    heals(local)
+
+
+def test_timeout_names_the_running_node_and_replaces_its_worker(local):
+    g = Graph.somatize(AddOne() >> (Sleep(30).named("stuck") | AddOne().named("quick")))
+    before = set(local.pids())
+    t0 = time.monotonic()
+    with pytest.raises(RunTimeout) as info:
+        local.run(g, 0, timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    assert info.value.nodes == ("stuck",)
+    assert isinstance(info.value, TimeoutError)
+    assert "still running: `stuck`" in str(info.value)
+    heals(local)
+    assert len(before - set(local.pids())) == 1  # the stuck worker was replaced, the other kept
+
+
+def test_a_run_that_finishes_in_time_is_not_disturbed(local):
+    assert local.run(Graph.somatize(Sleep(0.05) | AddOne()), 1, timeout=30) == (1, 2)
+
+
+def test_garbage_and_forged_frames_to_the_host_are_dropped(local, caplog):
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(local._endpoints[1])
+    body = wire.seal(b"wrong secret" * 3, [wire.RESULT, "w0", 1, [[True, b"\xc0"]], []])
+    sock.send(b"plain garbage")
+    sock.send_multipart([b"two", b"frames"])
+    sock.send(body)  # well-formed, but not signed with the pool's secret
+    sock.send(wire.seal(local._secret, [99, "unknown kind"]))  # authentic, but not a message kind
+    sock.send(wire.seal(local._secret, [wire.RESULT, "w0"]))  # authentic, malformed fields
+    sock.send(wire.seal(local._secret, [wire.RESULT, "w0", 10**9, [[True, b"\xc0"]], []]))  # no such task
+    with caplog.at_level(logging.WARNING, logger="soma.wire"):
+        for _ in range(3):
+            heals(local)
+    sock.close()
+    text = caplog.text
+    assert "failed authentication" in text
+    assert "frames" in text
+
+
+def test_garbage_and_forged_frames_to_a_worker_are_dropped(local):
+    worker = local._workers[0]
+    for frame in (b"garbage", wire.seal(b"x" * 32, [wire.STOP]), wire.seal(local._secret, [77]),
+                  wire.seal(local._secret, [wire.TASK, 1])):
+        with local._send_lock:
+            local._tasks.send_multipart([worker.identity, frame])
+    heals(local)
+    assert worker.alive()  # a forged STOP did not stop it
+    assert local.pids()[0] == worker.pid
+
+
+def test_host_killed_its_workers_exit_and_clean_up(tmp_path):
+    script = tmp_path / "host.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys
+        sys.path.insert(0, sys.argv[1])
+        import soma, torch
+        from soma import Graph
+        from tests.nodes import Identity
+        pool = soma.Local(workers=2).start()
+        out = pool.run(Graph.somatize(Identity() | Identity()), torch.ones(1 << 16))
+        print(" ".join(map(str, pool.pids())), pool._prefix, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    pytest.importorskip("torch")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, str(script), root], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    *pids, prefix = proc.stdout.split()
+    pids = [int(p) for p in pids]
+    wait_for(lambda: all(gone(p) for p in pids), seconds=5, what="orphaned workers to exit")
+    wait_for(lambda: not shm_names(prefix), seconds=5, what="the dead host's segments to be unlinked")
+
+
+def test_segments_of_a_killed_worker_are_unlinked(local):
+    torch = pytest.importorskip("torch")
+    g = Graph.somatize(Identity() | Identity())
+    out = local.run(g, torch.ones(1 << 18))
+    held = shm_names(local._prefix)
+    assert held
+    victim = local.pids()[1]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: exited(local, victim))
+    heals(local)
+    owned_by_victim = {n for n in shm_names(local._prefix) if f"-{victim}-" in n}
+    # what the host still holds stays (mapped, counted); the rest of the dead worker's segments are gone
+    assert all(n in held for n in owned_by_victim)
+    del out
+    heals(local)
+    assert not {n for n in shm_names(local._prefix) if f"-{victim}-" in n}
