@@ -19,7 +19,11 @@ def _run_example(name: str) -> int:
     if not path.exists():
         print(f"soma: the example {path} is not there (examples/ ships with the source checkout)", file=sys.stderr)
         return 2
-    runpy.run_path(str(path), run_name="__main__")
+    saved, sys.argv = sys.argv, [str(path)]  # the example sees its own argv, not the `soma` command's
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = saved
     return 0
 
 
@@ -28,9 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"soma {__version__}")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("example", help="run the seed example pipeline in-process (examples/pipeline.py)")
+    sub.add_parser("demo", help="GIL-bound nodes: soma.Local against the in-process Executor (examples/gil_demo.py)")
     args = parser.parse_args(argv)
     if args.command == "example":
         return _run_example("pipeline")
+    if args.command == "demo":
+        return _run_example("gil_demo")
     parser.print_help()
     return 0
 

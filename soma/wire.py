@@ -9,7 +9,6 @@ A message is one ZeroMQ frame, `mac + body` (one frame: fewer copies and wakeups
                     [FREE, [[segment, n]]]          [STOP]
     worker → host   [HELLO, worker id, pid, device]
                     [RESULT, worker id, task_id, [[True, output] | [False, error]], releases]
-                    [RELEASE, worker id, [[segment, n]]]
     mac  = blake2b(body, key=pool secret, digest_size=16)
 
 A frame whose mac does not verify, or whose body does not decode, is dropped and
@@ -51,8 +50,8 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger("soma.wire")
 
 # message kinds
-HELLO, TASK, STOP, FREE, RESULT, RELEASE = range(1, 7)
-KIND_NAMES = {HELLO: "HELLO", TASK: "TASK", STOP: "STOP", FREE: "FREE", RESULT: "RESULT", RELEASE: "RELEASE"}
+HELLO, TASK, STOP, FREE, RESULT = range(1, 6)
+KIND_NAMES = {HELLO: "HELLO", TASK: "TASK", STOP: "STOP", FREE: "FREE", RESULT: "RESULT"}
 
 # value extension types
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE = 1, 2, 3

@@ -38,3 +38,11 @@ def test_soma_example_runs_the_seed_pipeline():
     assert out.returncode == 0, out.stderr
     assert "tokenize >> (encoder | other) >> join" in out.stdout
     assert "'total_length': 16.0" in out.stdout and "'other_shape': (4, 8)" in out.stdout
+
+
+def test_soma_demo_runs_local_against_the_executor():
+    out = subprocess.run([sys.executable, "-m", "soma.cli", "demo"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Executor (threads, one process)" in out.stdout and "Local    (" in out.stdout
+    assert "speed-up:" in out.stdout and "-m soma.worker" in out.stdout

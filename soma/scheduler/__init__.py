@@ -12,7 +12,7 @@ How one `run(g, x)` flows (worker side in `soma.worker`):
                  (branches for one worker in one message; node code only the first time)
               ─▶ wait: one waiting thread at a time leads and receives for all (leader/follower),
                  the others sleep on a condition until their task is done
-                                             PULL ◀──── RESULT / RELEASE / HELLO ──── PUSH
+                                             PULL ◀──── RESULT / HELLO ──── PUSH
                  leader: authenticate, decode outputs (map segments), settle the lease book,
                          look at worker processes every 50 ms: a dead one → WorkerDied for what
                          it held, its segments settled, a replacement started

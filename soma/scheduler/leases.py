@@ -3,7 +3,7 @@
 The host sees every handle that crosses (all messages pass through it), so it
 counts, per segment, the receipts each process holds: its own (decoded results)
 and each worker's (inputs it sent). Workers report receipts whose storages died
-(`RELEASE`); the host's own are reported by its `SegmentStore`. When nobody holds
+(in their RESULTs); the host's own are reported by its `SegmentStore`. When nobody holds
 a segment any more, the owner is told `FREE(name, n)`: n is how many of the
 owner's sends that settles, so a send still in flight keeps the segment busy.
 """

@@ -474,9 +474,7 @@ class Local:
         try:
             if kind == wire.RESULT:
                 return self._on_result(*message[1:])
-            if kind == wire.RELEASE:
-                self._on_releases(message[1], message[2])
-            elif kind == wire.HELLO:
+            if kind == wire.HELLO:
                 worker_id, pid, _device = message[1:4]
                 for worker in self._workers:
                     if worker is not None and worker.id == worker_id and worker.pid == pid:

@@ -2,7 +2,7 @@
 
 How messages flow through a worker (host on the left, see `soma.scheduler`):
 
-    host ROUTER ──TASK/WHERE/FREE/STOP──▶ DEALER ─┐
+    host ROUTER ──TASK/FREE/STOP──▶ DEALER ──────┐
                                                   │  one thread leads: it polls the DEALER,
                                                   │  takes one message, hands the lead on,
                                                   ▼  then runs what it took (leader/follower:
@@ -13,7 +13,7 @@ How messages flow through a worker (host on the left, see `soma.scheduler`):
                                          │ on threads), check postconditions, encode outputs
                                          │ (tensors as segment handles), drop the input
                                          └──────────┘
-    host PULL  ◀──HELLO/RESULT/RUNNING/RELEASE── PUSH (one lock: any thread may send)
+    host PULL  ◀──HELLO/RESULT── PUSH (one lock: any thread may send)
 
     watchdog thread: every 0.5 s, if the host (our parent) is gone, unlink the
     pool's segments and exit.
