@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import runpy
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from . import __version__
@@ -27,17 +32,86 @@ def _run_example(name: str) -> int:
     return 0
 
 
+def _benchmarks_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _benchmark_names() -> list[str]:
+    """The modules of benchmarks/ (helpers start with `_`)."""
+    folder = _benchmarks_dir()
+    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")) if folder.is_dir() else []
+
+
+def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None) -> int:
+    names = _benchmark_names()
+    if not names:
+        print(f"soma: the benchmarks folder {_benchmarks_dir()} is not there (benchmarks/ ships with the source "
+              f"checkout)", file=sys.stderr)
+        return 2
+    if name not in names + ["all"]:
+        out = sys.stdout if name is None else sys.stderr
+        if name is not None:
+            print(f"soma: no benchmark named {name!r}", file=out)
+        print("benchmarks: " + ", ".join(names) + ", or all (each in turn)\n"
+              "usage: soma bench NAME [--quick] [--smoke] [--json FILE]", file=out)
+        return 0 if name is None else 2
+    flags = (["--quick"] if quick else []) + (["--smoke"] if smoke else [])
+    if name != "all":
+        return _run_one_benchmark(name, flags + (["--json", json_path] if json_path else []))
+    return _run_all_benchmarks(names, flags, json_path)
+
+
+def _run_one_benchmark(name: str, argv: list[str]) -> int:
+    # Its own process, exactly as `python benchmarks/NAME.py` runs it: a process pool's spawned
+    # children re-import the main script by path, and one benchmark's imports (torch) and pools
+    # must not colour the next one's figures.
+    script = _benchmarks_dir() / f"{name}.py"
+    return subprocess.call([sys.executable, str(script), *argv])
+
+
+def _run_all_benchmarks(names: list[str], flags: list[str], json_path: str | None) -> int:
+    records, took, failed = [], {}, []
+    with tempfile.TemporaryDirectory(prefix="soma-bench-") as tmp:
+        for name in names:
+            print(f"\n== soma bench {name} {' '.join(flags)}".rstrip(), flush=True)
+            part = os.path.join(tmp, f"{name}.json")
+            start = time.perf_counter()
+            code = _run_one_benchmark(name, flags + ["--json", part])
+            took[name] = time.perf_counter() - start
+            if code != 0 or not os.path.exists(part):
+                failed.append(name)
+                continue
+            with open(part) as f:
+                records.extend(json.load(f))
+    print("\n" + ", ".join(f"{n} {s:.0f} s" for n, s in took.items()) + f"; all {sum(took.values()):.0f} s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {json_path}")
+    if failed:
+        print(f"soma: these benchmarks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="soma", description="soma: a dataflow-graph engine for ML pipelines")
     parser.add_argument("--version", action="version", version=f"soma {__version__}")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("example", help="run the seed example pipeline in-process (examples/pipeline.py)")
     sub.add_parser("demo", help="GIL-bound nodes: soma.Local against the in-process Executor (examples/gil_demo.py)")
+    bench = sub.add_parser("bench", help="run a benchmark of benchmarks/ (no NAME: list them; all: every one)")
+    bench.add_argument("name", nargs="?", help="the benchmark to run, or all")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute each)")
+    bench.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path")
+    bench.add_argument("--json", metavar="FILE", help="write one record per measurement to FILE")
     args = parser.parse_args(argv)
     if args.command == "example":
         return _run_example("pipeline")
     if args.command == "demo":
         return _run_example("gil_demo")
+    if args.command == "bench":
+        return _run_bench(args.name, args.quick, args.smoke, args.json)
     parser.print_help()
     return 0
 

@@ -78,7 +78,14 @@ class LeaseBook:
         else:
             self._frees[owner].append((name, entry.from_owner))
 
+    @property
+    def has_frees(self) -> bool:
+        """Anything to tell any owner (read without the lock: a stale answer only delays a free)."""
+        return bool(self._frees)
+
     def take_frees(self, owner: int) -> list:
+        if owner not in self._frees:
+            return []
         with self._lock:
             return self._frees.pop(owner, [])
 

@@ -122,11 +122,13 @@ class Local:
         endpoints = (f"ipc://{self._run_dir}/tasks", f"ipc://{self._run_dir}/results")
         self._tasks.bind(endpoints[0])
         self._results.bind(endpoints[1])
+        self._receiver = wire.Receiver(self._results)
         self._endpoints = endpoints
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._state_lock = threading.RLock()
         self._cv = threading.Condition()
+        self._waiting = 0  # threads asleep on _cv (the leader wakes them only if there are any)
         self._workers: list = [None] * self.n_workers
         self._start_failures = Counter()
         self._pending: dict[int, _Pending] = {}
@@ -315,6 +317,8 @@ class Local:
 
     def _assign(self, remotes: list) -> None:
         """Fix each piece's worker at its first dispatch: where its nodes already live, else the least used."""
+        if all(r.slot is not None for r in remotes):
+            return
         with self._state_lock:
             load = Counter(r.slot for r in remotes if r.slot is not None)
             weight = Counter(self._affinity.values())
@@ -438,31 +442,43 @@ class Local:
                     self._wake()  # another waiter may have to lead now
             else:
                 with self._cv:
-                    if not done():
-                        self._cv.wait(PUMP_S if remaining is None else min(PUMP_S, remaining))
+                    self._waiting += 1
+                    try:
+                        if not done():
+                            self._cv.wait(PUMP_S if remaining is None else min(PUMP_S, remaining))
+                    finally:
+                        self._waiting -= 1
         return True
 
     def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
+        # `done` is set before `_waiting` is read, and a waiter counts itself before it checks `done`
+        # (both under the GIL, the waiter under _cv): a sleeping waiter is never missed.
+        if self._waiting:
+            with self._cv:
+                self._cv.notify_all()
 
     def _pump(self, timeout_s: float) -> None:
         """Receive and handle what has arrived; look at the workers now and then. Leader only."""
-        if self._results.poll(int(timeout_s * 1000) if timeout_s > 0 else 0):
-            self._drain()
+        frames = self._receiver.wait(max(0, int(timeout_s * 1000)))
+        if frames is not None:
+            self._drain(frames)
         now = time.monotonic()
         if now - self._last_check >= PUMP_S:
             self._last_check = now
             self._check_workers()
 
-    def _drain(self) -> None:
+    def _drain(self, frames=None) -> None:
+        """Handle `frames` (a message already received) and everything else queued now."""
         delivered = False
         while True:
-            try:
-                frames = self._results.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                break
+            if frames is None:
+                if not self._receiver.ready():
+                    break
+                frames = self._receiver.wait(0)
+                if frames is None:
+                    break
             message = wire.unseal(self._secret, frames, "a worker")
+            frames = None
             if message is not None:
                 delivered = self._handle(message) or delivered
         self._settle()
@@ -556,6 +572,8 @@ class Local:
 
     def _settle(self) -> None:
         """Apply the host's own dead receipts, and hand segments the host owns back to its pool."""
+        if not self._host_released and not self._book.has_frees:
+            return
         while self._host_released:
             try:
                 name, n = self._host_released.popleft()
@@ -567,6 +585,8 @@ class Local:
                 self._store.free(name, n)
 
     def _flush_frees(self) -> None:
+        if not self._book.has_frees:
+            return
         for worker in self._workers:
             if worker is None or not worker.ready.is_set():
                 continue

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import pickle
 
@@ -22,6 +23,9 @@ log = logging.getLogger("soma.worker")
 
 POLL_MS = 200  # how long the leading thread waits on the socket before looking around
 WATCHDOG_S = 0.5
+PROMOTE_S = 0.002  # a task running longer than this on the leading thread hands the lead to a follower
+TICK_S = 0.001  # how often a follower looks, while tasks keep coming
+ACTIVE_S = 0.1  # after this long without a task, followers sleep until the next one
 
 
 class Worker:
@@ -44,10 +48,14 @@ class Worker:
         self.outbox.setsockopt(zmq.LINGER, 2000)
         self.outbox.setsockopt(zmq.SNDHWM, 0)
         self.outbox.connect(args.results)
-        self.recv_lock = threading.Lock()
+        self.receiver = wire.Receiver(self.inbox)
         self.send_lock = threading.Lock()
-        self.count_lock = threading.Lock()
-        self.waiting = 0  # threads that will take the next message
+        self.lead_cv = threading.Condition()
+        self.leader = None  # the thread that receives now
+        self.busy_since = None  # when the leading thread started running a task itself
+        self.active_until = 0.0  # followers tick until then (tasks came recently)
+        self.followers_asleep = 0
+        self.serving_threads = 1
         self.stopping = threading.Event()
         self.nodes: dict[int, object] = {}  # node key → the node object (its state lives here)
         self.blobs: dict[int, bytes] = {}  # node key → code received and not loaded yet
@@ -102,44 +110,75 @@ class Worker:
         self.status.close()
         os._exit(0)
 
-    # -- receiving: leader/follower ---------------------------------------------------------------
+    # -- receiving: the lead, and who takes it when a task runs long ------------------------------
     def lead_and_run(self) -> None:
-        """Take the lead, receive one message, hand the lead on, handle what was received."""
+        """Every serving thread runs this: lead (receive and run what arrives) or wait to take the lead.
+
+        The thread that receives a task runs it itself and keeps the lead: no hand-off
+        between threads on a task's way, which costs as much as the task itself for a
+        small one. Only when a task runs longer than PROMOTE_S does a follower take the
+        lead, so tasks of concurrent runs are still received while a long one runs.
+        Followers tick every TICK_S while tasks keep coming and sleep untimed when the
+        worker is idle, so an idle worker uses no CPU.
+        """
+        me = threading.current_thread()
         while not self.stopping.is_set():
-            with self.count_lock:
-                self.waiting += 1
-            with self.recv_lock:
-                message = self.receive()
-                if message is not None and message[0] == wire.TASK and not well_formed_task(message):
-                    log.warning("soma worker %s: dropped a malformed TASK message", self.id)
-                    message = None
-                if message is not None and message[0] == wire.TASK and message[2]:
-                    # Registered before the lead passes on: a later task that counts on this code
-                    # (the host sends it once per worker) may run on another thread before this one.
-                    with self.load_lock:
-                        self.blobs.update(message[2])
-            with self.count_lock:
-                self.waiting -= 1
-                nobody_left = self.waiting == 0
+            with self.lead_cv:
+                while self.leader is not None and self.leader is not me:
+                    if self.stopping.is_set():
+                        return
+                    if time.monotonic() < self.active_until:
+                        self.lead_cv.wait(TICK_S)
+                        busy = self.busy_since
+                        if busy is not None and time.monotonic() - busy > PROMOTE_S:
+                            self.leader, self.busy_since = me, None  # the busy thread follows when done
+                    else:
+                        self.followers_asleep += 1
+                        self.lead_cv.wait()
+                        self.followers_asleep -= 1
+                self.leader = me
+            message = self.receive()
             if message is None:
                 continue
-            if message[0] == wire.TASK and nobody_left:
-                # Someone must keep receiving while this thread runs the task.
-                threading.Thread(target=self.lead_and_run, name="soma-task", daemon=True).start()
+            if message[0] == wire.TASK:
+                self.start_task(message)
             try:
                 self.handle(message)
             except Exception as err:  # an authentic but malformed message must not take the worker down
                 log.warning("soma worker %s: dropped a %s message it could not handle: %s: %s", self.id,
                             wire.KIND_NAMES.get(message[0]), type(err).__name__, err)
+            finally:
+                if message[0] == wire.TASK:
+                    with self.lead_cv:
+                        if self.leader is me:
+                            self.busy_since = None
+
+    def start_task(self, message: list) -> None:
+        """Before running a task on the leading thread: make sure someone can take the lead."""
+        now = time.monotonic()
+        with self.lead_cv:
+            self.busy_since = now
+            waking = now >= self.active_until
+            self.active_until = now + ACTIVE_S
+            if self.serving_threads < 2:
+                self.serving_threads += 1
+                threading.Thread(target=self.lead_and_run, name="soma-follower", daemon=True).start()
+            elif waking and self.followers_asleep:
+                self.lead_cv.notify()  # the first task after a quiet spell: followers start ticking
 
     def receive(self):
-        if not self.inbox.poll(POLL_MS):
-            return None
-        try:
-            frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=True)
-        except zmq.Again:
-            return None
-        return wire.unseal(self.secret, frames, "the host")
+        frames = self.receiver.wait(POLL_MS)
+        message = None if frames is None else wire.unseal(self.secret, frames, "the host")
+        if message is not None and message[0] == wire.TASK:
+            if not well_formed_task(message):
+                log.warning("soma worker %s: dropped a malformed TASK message", self.id)
+                return None
+            if message[2]:
+                # Registered while this thread still leads: a later task that counts on this code (the
+                # host sends it once per worker) may run on another thread before this one gets to it.
+                with self.load_lock:
+                    self.blobs.update(message[2])
+        return message
 
     def send(self, message: list) -> None:
         frame = wire.seal(self.secret, message)
