@@ -5,7 +5,8 @@ A message is one ZeroMQ frame, `mac + body` (one frame: fewer copies and wakeups
 
     body = msgpack([kind, *fields])
 
-    host → worker   [TASK, task_id, {node key: code}, [branch spec], input, [[segment, n]] frees]
+    host → worker   [TASK, task_id, {node key: code}, [branch spec], input, [[segment, n]] frees,
+                     [node key] forget]
                     [FREE, [[segment, n]]]          [STOP]
     worker → host   [HELLO, worker id, pid, device]
                     [RESULT, worker id, task_id, [[True, output] | [False, error]], releases]

@@ -364,3 +364,26 @@ class Holder:
 class WrapInHolder(Node):
     def forward(self, x, ctx):
         return Done(Holder([x, x[:2]]))
+
+
+class Tracked(Node):
+    """Counts the live instances of its class in the process it runs in (weakly: dropped copies vanish)."""
+
+    live = None
+
+    def __init__(self):
+        self.tag = "tracked"  # some state, so unpickling calls __setstate__
+
+    def __setstate__(self, state):
+        import weakref
+
+        self.__dict__.update(state)
+        if Tracked.live is None:
+            Tracked.live = weakref.WeakSet()
+        Tracked.live.add(self)
+
+    def forward(self, x, ctx):
+        import gc
+
+        gc.collect()
+        return Done(len(Tracked.live))

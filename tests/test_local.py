@@ -15,7 +15,7 @@ from soma import Executor, Graph, NodeError, PlacementError, PostconditionError
 from tests.conftest import shm_names
 from tests.nodes import (
     AddOne, Boom, Burn, Count, Counter, Double, HoldsLock, Identity, Join, Obeys, Pid, ReturnsList,
-    ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, SeeCtx, Tokenize, TouchFile, Upper, WhereAmI, burn,
+    ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, SeeCtx, Tokenize, TouchFile, Tracked, Upper, WhereAmI, burn,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -374,3 +374,13 @@ def test_needs_gpu_pinned_workers_and_cuda_ipc():
         assert torch.equal(echoed.cpu(), t.cpu())
         with pytest.raises(PlacementError):
             pool.run(Graph.somatize(Identity().on(f"cuda:{n}")), 0)
+
+
+def test_nodes_the_host_dropped_are_dropped_by_workers_too(local):
+    import gc
+
+    counts = []
+    for _ in range(30):  # a fresh graph and node per call, as a script in a loop would do
+        counts.append(local.run(Graph.somatize(Tracked()), None))
+        gc.collect()
+    assert max(counts[-10:]) <= 3, counts  # not 30: each worker forgot the nodes the host let go

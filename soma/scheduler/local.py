@@ -138,9 +138,10 @@ class Local:
         self._host_released: deque = deque()
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._key_by_id: dict[int, int] = {}  # id(node) → node key
-        self._node_by_key: dict[int, list] = {}  # node key → [ref to the node, its pickled code or None]
+        self._node_by_key: dict[int, list] = {}  # node key → [ref to the node, pickled code or None, id(node)]
         self._node_keys = itertools.count(1)
         self._affinity: dict[int, int] = {}  # node key → slot that first ran it
+        self._dead_keys: deque = deque()  # keys of nodes gone on the host: their workers may forget them
         self._last_check = 0.0
 
     def _spawn(self, slot: int):
@@ -227,11 +228,12 @@ class Local:
             return key
         key = next(self._node_keys)
         try:
-            ref = weakref.ref(node)
+            # When the host's node dies, no graph can run it again: workers may drop their copies.
+            ref = weakref.ref(node, lambda _, key=key: self._dead_keys.append(key))
         except TypeError:  # a node without __weakref__: keep it alive as long as the pool
             ref = (lambda n: (lambda: n))(node)
         self._key_by_id[id(node)] = key
-        self._node_by_key[key] = [ref, None]
+        self._node_by_key[key] = [ref, None, id(node)]
         return key
 
     def _execute(self, part, x, run: "_Run"):
@@ -371,13 +373,36 @@ class Local:
             if self._store is not None:
                 self._store.note_sent(name)
         frees = self._book.take_frees(worker.pid)
+        forget = self._forget_for(worker)
         try:
-            self._send(worker, [wire.TASK, task_id, code, [r.spec for r in group], payload, frees])
+            self._send(worker, [wire.TASK, task_id, code, [r.spec for r in group], payload, frees, forget])
         except _Unreachable:
             pass  # it died on the way: the leader reports it as WorkerDied
         worker.loaded.update(code)
         run.pendings.append(pending)
         return pending
+
+    def _forget_for(self, worker) -> list:
+        """Keys of dead nodes this worker still holds (it drops them; the host drops their code)."""
+        while self._dead_keys:
+            try:
+                key = self._dead_keys.popleft()
+            except IndexError:
+                break
+            with self._state_lock:
+                entry = self._node_by_key.pop(key, None)
+                self._affinity.pop(key, None)
+                if entry is not None and self._key_by_id.get(entry[2]) == key:
+                    del self._key_by_id[entry[2]]
+                for w in self._workers:
+                    if w is not None and key in w.loaded:
+                        w.loaded.discard(key)
+                        w.forget.append(key)
+        if not worker.forget:
+            return []
+        with self._state_lock:
+            forget, worker.forget = worker.forget, []
+        return forget
 
     def _ready_worker(self, slot: int, run: "_Run"):
         worker = self._workers[slot]

@@ -25,6 +25,7 @@ class WorkerProcess:
         self.ready = threading.Event()  # set by its HELLO
         self.retired = False  # its death has been handled
         self.loaded: set[int] = set()  # node keys whose code it has
+        self.forget: list[int] = []  # keys of nodes gone on the host, to tell it with its next task
         self._status = None
 
     def alive(self) -> bool:

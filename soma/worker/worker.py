@@ -26,6 +26,7 @@ WATCHDOG_S = 0.5
 PROMOTE_S = 0.002  # a task running longer than this on the leading thread hands the lead to a follower
 TICK_S = 0.001  # how often a follower looks, while tasks keep coming
 ACTIVE_S = 0.1  # after this long without a task, followers sleep until the next one
+PLAN_CACHE = 1024  # branch specs kept decoded
 
 
 class Worker:
@@ -198,7 +199,10 @@ class Worker:
             self.finish()
 
     # -- running a task ---------------------------------------------------------------------------
-    def run_task(self, task_id: int, _code: dict, branches: list, payload: bytes, frees: list) -> None:
+    def run_task(self, task_id: int, _code: dict, branches: list, payload: bytes, frees: list,
+                 forget: list) -> None:
+        if forget:
+            self.forget(forget)
         # _code was registered when the message was received (lead_and_run).
         if frees:
             store = self.get_store()
@@ -281,8 +285,17 @@ class Worker:
             if node is None:
                 node = self.load(nid, key)
             nodes[nid] = node
+        if len(self.plans) >= PLAN_CACHE:
+            self.plans.pop(next(iter(self.plans)))  # the oldest: graphs come and go
         self.plans[spec] = found
         return plan, nodes, devices
+
+    def forget(self, keys: list) -> None:
+        """The host's copies of these nodes are gone: no graph can send them here again."""
+        with self.load_lock:
+            for key in keys:
+                self.nodes.pop(key, None)
+                self.blobs.pop(key, None)
 
     def load(self, node_id: str, key: int):
         with self.load_lock:  # once per node, however many tasks want it at the same moment
@@ -370,8 +383,9 @@ class Worker:
 
 
 def well_formed_task(message: list) -> bool:
-    return (len(message) == 6 and isinstance(message[1], int) and isinstance(message[2], dict)
-            and isinstance(message[3], list) and isinstance(message[4], bytes) and isinstance(message[5], list))
+    return (len(message) == 7 and isinstance(message[1], int) and isinstance(message[2], dict)
+            and isinstance(message[3], list) and isinstance(message[4], bytes) and isinstance(message[5], list)
+            and isinstance(message[6], list))
 
 
 class _LoadError(NodeError):

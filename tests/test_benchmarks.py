@@ -1,0 +1,45 @@
+"""The benchmarks still run: each module in its smallest mode (`--smoke`), and `soma bench`.
+
+Not a timing test: it checks that every module finishes and writes records of the
+documented shape with positive numbers, never what the numbers are.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from soma import cli
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+MODULES = ["gil_wave", "overhead", "tensor", "startup", "memory"]
+KEYS = {"benchmark", "contender", "params", "median", "min", "max", "unit", "n"}
+SIGNED_UNITS = {"% growth", "MiB"}  # growth and memory deltas may be zero or negative; the rest must be > 0
+
+
+def test_soma_bench_lists_the_benchmarks(capsys):
+    assert cli.main(["bench"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in MODULES) and "_harness" not in listed
+    assert cli.main(["bench", "no_such_benchmark"]) == 2
+    assert "no benchmark named 'no_such_benchmark'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", MODULES)
+def test_each_benchmark_writes_well_shaped_records(name, tmp_path):
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, "-m", "soma.cli", "bench", name, "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| contender" in done.stdout  # the readable table
+    records = json.loads(out.read_text())
+    assert records and all(set(r) == KEYS for r in records)
+    for r in records:
+        assert r["benchmark"] == name and isinstance(r["params"], dict) and r["n"] >= 1
+        assert r["min"] <= r["median"] <= r["max"], r
+        if r["unit"] not in SIGNED_UNITS:
+            assert r["min"] > 0 or r["unit"] == "% of a core", r
+    assert len({r["contender"] for r in records}) >= 2  # something was compared with something
