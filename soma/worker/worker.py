@@ -38,7 +38,7 @@ class Worker:
         self.prefix = args.prefix
         self.arena = args.arena
         self.secret = secret
-        self.zctx = zmq.Context(1)
+        self.zctx = wire.context()
         self.inbox = self.zctx.socket(zmq.DEALER)
         # One identity per incarnation: a ROUTER ignores a new peer that reuses an identity it still
         # has registered, so a replacement named like the worker it replaces would never get a task.
