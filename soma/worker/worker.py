@@ -24,7 +24,7 @@ log = logging.getLogger("soma.worker")
 POLL_MS = 200  # how long the leading thread waits on the socket before looking around
 WATCHDOG_S = 0.5
 PROMOTE_S = 0.002  # a task running longer than this on the leading thread hands the lead to a follower
-TICK_S = 0.001  # how often a follower looks, while tasks keep coming
+TICK_S = 0.002  # how often a follower looks, while tasks keep coming (a wakeup each: not too often)
 ACTIVE_S = 0.1  # after this long without a task, followers sleep until the next one
 PLAN_CACHE = 1024  # branch specs kept decoded
 
