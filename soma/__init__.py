@@ -6,53 +6,53 @@
     with soma.Local(workers=2) as local:          # on worker processes
         local.run(g, "some text")
 
-`import soma` never imports torch; torch is imported when a value needs it.
+Every name is loaded when first used: `import soma` never imports torch or
+ZeroMQ, and a worker process, which imports `soma.worker`, pays only for the
+modules it runs (its start-up is on the critical path of `Local.start()`).
 """
 
 from __future__ import annotations
 
-from . import plan
-from .ctx import Ctx
-from .device import Device
-from .errors import (
-    DeviceError,
-    GraphError,
-    NodeError,
-    PlacementError,
-    PostconditionError,
-    RunTimeout,
-    SomaError,
-    WorkerDied,
-)
-from .executor import Executor
-from .graph import Graph
-from .node import Node, fn
-from .values import Done, Opaque
+import importlib
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "Local": ("soma.scheduler", "Local"),
-    "Trainer": ("soma.trainer", "Trainer"),
-    "torch": ("soma.torch", None),
+_NAMES = {
+    "Ctx": "soma.ctx",
+    "Device": "soma.device",
+    "Done": "soma.values",
+    "Opaque": "soma.values",
+    "Executor": "soma.executor",
+    "Graph": "soma.graph",
+    "Node": "soma.node",
+    "fn": "soma.node",
+    "Local": "soma.scheduler",
+    "Trainer": "soma.trainer",
+    "SomaError": "soma.errors",
+    "DeviceError": "soma.errors",
+    "GraphError": "soma.errors",
+    "PlacementError": "soma.errors",
+    "NodeError": "soma.errors",
+    "PostconditionError": "soma.errors",
+    "WorkerDied": "soma.errors",
+    "RunTimeout": "soma.errors",
 }
+_MODULES = {"plan", "torch", "wire", "errors"}
 
 
 def __getattr__(name: str):
-    # Local pulls in zmq/msgpack, Trainer and soma.torch pull in torch: only when asked for.
-    if name in _LAZY:
-        import importlib
-
-        module_name, attr = _LAZY[name]
-        module = importlib.import_module(module_name)
-        value = module if attr is None else getattr(module, attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'soma' has no attribute {name!r}")
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"soma.{name}")
+    else:
+        raise AttributeError(f"module 'soma' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
-__all__ = [
-    "Ctx", "Device", "DeviceError", "Done", "Executor", "Graph", "GraphError", "Local", "Node",
-    "NodeError", "Opaque", "PlacementError", "PostconditionError", "RunTimeout", "SomaError",
-    "Trainer", "WorkerDied", "fn", "plan",
-]
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES) | _MODULES)
+
+
+__all__ = sorted(_NAMES) + ["plan"]

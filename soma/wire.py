@@ -32,12 +32,12 @@ cannot cross processes: encoding it raises `GradCrossing`.
 from __future__ import annotations
 
 import io
-import logging
 import os
-import pickle
 import sys
 
 import msgpack
+
+from ._log import warn
 
 try:  # keyed BLAKE2 straight from its module: hashlib would load OpenSSL first (5 ms per worker start)
     from _blake2 import blake2b
@@ -48,7 +48,6 @@ try:
 except ImportError:  # pragma: no cover
     from hmac import compare_digest
 
-log = logging.getLogger("soma.wire")
 
 # message kinds
 HELLO, TASK, STOP, FREE, RESULT = range(1, 6)
@@ -89,20 +88,20 @@ def seal(secret: bytes, message: list) -> bytes:
 def unseal(secret: bytes, frames: list, origin: str) -> list | None:
     """The message in `frames`, or None (logged) when it does not authenticate or decode."""
     if len(frames) != 1 or len(frames[0]) < MAC_SIZE:
-        log.warning("soma: dropped a message from %s of %d frames (expected one sealed frame)", origin, len(frames))
+        warn("soma.wire", "soma: dropped a message from %s of %d frames (expected one sealed frame)", origin, len(frames))
         return None
     frame = frames[0]
     tag, body = frame[:MAC_SIZE], frame[MAC_SIZE:]
     if not compare_digest(tag, mac(secret, body)):
-        log.warning("soma: dropped a message from %s that failed authentication", origin)
+        warn("soma.wire", "soma: dropped a message from %s that failed authentication", origin)
         return None
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
     except Exception as err:
-        log.warning("soma: dropped an authenticated message from %s that did not decode: %s", origin, err)
+        warn("soma.wire", "soma: dropped an authenticated message from %s that did not decode: %s", origin, err)
         return None
     if not isinstance(message, list) or not message or message[0] not in KIND_NAMES:
-        log.warning("soma: dropped a message from %s of unknown shape", origin)
+        warn("soma.wire", "soma: dropped a message from %s of unknown shape", origin)
         return None
     return message
 
@@ -263,7 +262,7 @@ def _tensor_pickler():
 
         class TensorPickler(cloudpickle.Pickler):
             def __init__(self, file, encoder: Encoder, handles: list):
-                super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+                super().__init__(file, protocol=5)
                 self._encoder = encoder
                 self._handles = handles
                 self._torch = sys.modules.get("torch")
@@ -297,7 +296,7 @@ class Decoder:
         if code == EXT_PICKLE:
             payload, handles = msgpack.unpackb(data, raw=False, use_list=True)
             tensors = [self.tensor(h) for h in handles]
-            return _TensorUnpickler(io.BytesIO(payload), tensors).load()
+            return _tensor_unpickler()(io.BytesIO(payload), tensors).load()
         return msgpack.ExtType(code, data)
 
     def tensor(self, handle: list):
@@ -305,6 +304,8 @@ class Decoder:
 
         kind = handle[0]
         if kind == T_TORCH:
+            import pickle
+
             return pickle.loads(handle[1])
         dtype = getattr(torch, handle[1])
         if kind == T_META:
@@ -331,13 +332,25 @@ class Decoder:
         raise ValueError(f"unknown tensor handle kind {kind}")
 
 
-class _TensorUnpickler(pickle.Unpickler):
-    def __init__(self, file, tensors: list):
-        super().__init__(file)
-        self._tensors = tensors
+_UNPICKLER = None
 
-    def persistent_load(self, pid):
-        return self._tensors[pid]
+
+def _tensor_unpickler():
+    """pickle's Unpickler, taking tensors from beside the pickle (built on first use, like the pickler)."""
+    global _UNPICKLER
+    if _UNPICKLER is None:
+        import pickle
+
+        class TensorUnpickler(pickle.Unpickler):
+            def __init__(self, file, tensors: list):
+                super().__init__(file)
+                self._tensors = tensors
+
+            def persistent_load(self, pid):
+                return self._tensors[pid]
+
+        _UNPICKLER = TensorUnpickler
+    return _UNPICKLER
 
 
 class StatusPage:
@@ -388,6 +401,8 @@ class StatusPage:
 
 def pickle_exception(exc: BaseException) -> bytes | None:
     """The exception, cloudpickled, or None when it cannot travel (its text always does)."""
+    import pickle
+
     import cloudpickle
 
     try:

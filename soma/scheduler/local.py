@@ -13,9 +13,6 @@ import time
 import weakref
 from collections import Counter, deque
 
-import cloudpickle
-import zmq
-
 from .. import wire
 from ..device import Device
 from ..errors import (
@@ -29,7 +26,6 @@ from .procs import spawn
 
 log = logging.getLogger("soma.local")
 
-_SNDMORE = int(zmq.SNDMORE)
 PUMP_S = 0.05  # the leader looks at worker processes at least this often while a run waits
 START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
 
@@ -96,22 +92,33 @@ class Local:
                 raise SomaError("this soma.Local is closed; make a new one")
             if self._started:
                 return self
-            self._open_sockets()
+            deadline = time.monotonic() + self.start_timeout
+            self._prepare()
             self._started = True
             _live_pools.add(self)
-            deadline = time.monotonic() + self.start_timeout
+            # Workers first: their start-up (Python, imports) is the long pole, and the host's own
+            # (ZeroMQ, binding) overlaps with it. They retry connecting every few ms until we bind.
             for slot in range(self.n_workers):
                 self._spawn(slot)
+            self._open_sockets()
             for worker in list(self._workers):
                 self._wait_ready(worker, deadline)
         return self
 
-    def _open_sockets(self) -> None:
+    def _prepare(self) -> None:
+        """Everything a worker needs to be started: secret, names, the private socket directory."""
         self._secret = os.urandom(32)
         self._host_pid = os.getpid()
         self._prefix = pool_prefix(self._host_pid, os.urandom(4).hex())
         self._run_dir = tempfile.mkdtemp(prefix="soma-")  # 0700: only this user can reach the sockets
         os.chmod(self._run_dir, 0o700)
+        self._endpoints = (f"ipc://{self._run_dir}/tasks", f"ipc://{self._run_dir}/results")
+        self._workers: list = [None] * self.n_workers
+
+    def _open_sockets(self) -> None:
+        import zmq
+
+        self._zmq = zmq
         self._zctx = wire.context()
         self._tasks = self._zctx.socket(zmq.ROUTER)
         self._tasks.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker is an error, not a silent drop
@@ -120,17 +127,14 @@ class Local:
         self._results = self._zctx.socket(zmq.PULL)
         self._results.setsockopt(zmq.RCVHWM, 0)
         self._results.setsockopt(zmq.LINGER, 0)
-        endpoints = (f"ipc://{self._run_dir}/tasks", f"ipc://{self._run_dir}/results")
-        self._tasks.bind(endpoints[0])
-        self._results.bind(endpoints[1])
+        self._tasks.bind(self._endpoints[0])
+        self._results.bind(self._endpoints[1])
         self._receiver = wire.Receiver(self._results)
-        self._endpoints = endpoints
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._state_lock = threading.RLock()
         self._cv = threading.Condition()
         self._waiting = 0  # threads asleep on _cv (the leader wakes them only if there are any)
-        self._workers: list = [None] * self.n_workers
         self._start_failures = Counter()
         self._pending: dict[int, _Pending] = {}
         self._task_ids = itertools.count(1)
@@ -355,6 +359,8 @@ class Local:
     def _pickled(self, node_id: str, key: int) -> bytes:
         entry = self._node_by_key[key]
         if entry[1] is None:
+            import cloudpickle
+
             try:
                 entry[1] = cloudpickle.dumps(entry[0]())
             except Exception as err:
@@ -434,12 +440,12 @@ class Local:
         while True:
             try:
                 with self._send_lock:
-                    self._tasks.send(worker.identity, _SNDMORE)
+                    self._tasks.send(worker.identity, self._zmq.SNDMORE)
                     self._tasks.send(frame)
                 return
-            except zmq.ZMQError as err:
+            except self._zmq.ZMQError as err:
                 # Right after HELLO the connection may still be completing; a dead worker never completes it.
-                if err.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline or not worker.alive():
+                if err.errno != self._zmq.EHOSTUNREACH or time.monotonic() > deadline or not worker.alive():
                     raise _Unreachable(worker.id) from err
                 time.sleep(0.001)
 
@@ -705,8 +711,10 @@ def _error_from(body: dict) -> NodeError:
     remote = RemoteTraceback(body["traceback"]) if body.get("traceback") else None
     cause = None
     if body.get("cause"):
+        import pickle
+
         try:
-            cause = cloudpickle.loads(body["cause"])
+            cause = pickle.loads(body["cause"])
         except Exception:
             cause = None
     if cause is not None:

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
 import threading
 import time
 
-import pickle
-
 import msgpack
 import zmq
 
 from .. import wire
+from .._log import warn
 from ..errors import NodeError, PostconditionError
 from ..execute import RunState, Runner
 from ..plan import Seq, Step, Wave
 
-log = logging.getLogger("soma.worker")
 
 POLL_MS = 200  # how long the leading thread waits on the socket before looking around
 WATCHDOG_S = 0.5
@@ -44,10 +41,13 @@ class Worker:
         # has registered, so a replacement named like the worker it replaces would never get a task.
         self.inbox.setsockopt(zmq.IDENTITY, f"{self.id}.{os.getpid()}".encode())
         self.inbox.setsockopt(zmq.LINGER, 0)
+        # The host binds while we start (it spawns us first): retry the connection soon, not after 100 ms.
+        self.inbox.setsockopt(zmq.RECONNECT_IVL, 5)
         self.inbox.connect(args.tasks)
         self.outbox = self.zctx.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 2000)
         self.outbox.setsockopt(zmq.SNDHWM, 0)
+        self.outbox.setsockopt(zmq.RECONNECT_IVL, 5)
         self.outbox.connect(args.results)
         self.receiver = wire.Receiver(self.inbox)
         self.send_lock = threading.Lock()
@@ -146,7 +146,7 @@ class Worker:
             try:
                 self.handle(message)
             except Exception as err:  # an authentic but malformed message must not take the worker down
-                log.warning("soma worker %s: dropped a %s message it could not handle: %s: %s", self.id,
+                warn("soma.worker", "soma worker %s: dropped a %s message it could not handle: %s: %s", self.id,
                             wire.KIND_NAMES.get(message[0]), type(err).__name__, err)
             finally:
                 if message[0] == wire.TASK:
@@ -172,7 +172,7 @@ class Worker:
         message = None if frames is None else wire.unseal(self.secret, frames, "the host")
         if message is not None and message[0] == wire.TASK:
             if not well_formed_task(message):
-                log.warning("soma worker %s: dropped a malformed TASK message", self.id)
+                warn("soma.worker", "soma worker %s: dropped a malformed TASK message", self.id)
                 return None
             if message[2]:
                 # Registered while this thread still leads: a later task that counts on this code (the
@@ -309,6 +309,8 @@ class Worker:
             return self._unpickle(node_id, key, blob)
 
     def _unpickle(self, node_id: str, key: int, blob: bytes):
+        import pickle
+
         try:
             node = pickle.loads(blob)  # cloudpickle's output; it imports cloudpickle itself if it needs it
         except Exception as err:
