@@ -283,7 +283,7 @@ def test_close_leaves_no_processes_segments_or_socket_files():
     before = shm_names()
     pool = soma.Local(workers=2).start()
     pids = pool.pids()
-    run_dir = pool._run_dir
+    run_dir = pool._pool.run_dir
     big = torch.arange(1 << 18, dtype=torch.float32)
     out = pool.run(Graph.somatize(Identity() | Double()), big)
     assert os.path.exists(run_dir)

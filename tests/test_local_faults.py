@@ -34,7 +34,7 @@ def gone(pid):
 
 def exited(pool, pid):
     """The worker `pid` has fully exited: waitpid says so (a zombie leader may still have threads dying)."""
-    worker = next(w for w in pool._workers if w.pid == pid)
+    worker = next(w for w in pool._pool.workers if w.pid == pid)
     return worker.proc.poll() is not None
 
 
@@ -136,14 +136,14 @@ def test_a_run_that_finishes_in_time_is_not_disturbed(local):
 def test_garbage_and_forged_frames_to_the_host_are_dropped(local, caplog):
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(local._endpoints[1])
+    sock.connect(local._pool.endpoints[1])
     body = wire.seal(b"wrong secret" * 3, [wire.RESULT, "w0", 1, [[True, b"\xc0"]], []])
     sock.send(b"plain garbage")
     sock.send_multipart([b"two", b"frames"])
     sock.send(body)  # well-formed, but not signed with the pool's secret
-    sock.send(wire.seal(local._secret, [99, "unknown kind"]))  # authentic, but not a message kind
-    sock.send(wire.seal(local._secret, [wire.RESULT, "w0"]))  # authentic, malformed fields
-    sock.send(wire.seal(local._secret, [wire.RESULT, "w0", 10**9, [[True, b"\xc0"]], []]))  # no such task
+    sock.send(wire.seal(local._pool.secret, [99, "unknown kind"]))  # authentic, but not a message kind
+    sock.send(wire.seal(local._pool.secret, [wire.RESULT, "w0"]))  # authentic, malformed fields
+    sock.send(wire.seal(local._pool.secret, [wire.RESULT, "w0", 10**9, [[True, b"\xc0"]], []]))  # no such task
     with caplog.at_level(logging.WARNING, logger="soma.wire"):
         for _ in range(3):
             heals(local)
@@ -154,11 +154,11 @@ def test_garbage_and_forged_frames_to_the_host_are_dropped(local, caplog):
 
 
 def test_garbage_and_forged_frames_to_a_worker_are_dropped(local):
-    worker = local._workers[0]
-    for frame in (b"garbage", wire.seal(b"x" * 32, [wire.STOP]), wire.seal(local._secret, [77]),
-                  wire.seal(local._secret, [wire.TASK, 1])):
-        with local._send_lock:
-            local._tasks.send_multipart([worker.identity, frame])
+    worker = local._pool.workers[0]
+    for frame in (b"garbage", wire.seal(b"x" * 32, [wire.STOP]), wire.seal(local._pool.secret, [77]),
+                  wire.seal(local._pool.secret, [wire.TASK, 1])):
+        with local._pool._send_lock:
+            local._pool._tasks.send_multipart([worker.identity, frame])
     heals(local)
     assert worker.alive()  # a forged STOP did not stop it
     assert local.pids()[0] == worker.pid
@@ -174,7 +174,7 @@ def test_host_killed_its_workers_exit_and_clean_up(tmp_path):
         from tests.nodes import Identity
         pool = soma.Local(workers=2).start()
         out = pool.run(Graph.somatize(Identity() | Identity()), torch.ones(1 << 16))
-        print(" ".join(map(str, pool.pids())), pool._prefix, flush=True)
+        print(" ".join(map(str, pool.pids())), pool._pool.prefix, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
     pytest.importorskip("torch")
@@ -191,15 +191,15 @@ def test_segments_of_a_killed_worker_are_unlinked(local):
     torch = pytest.importorskip("torch")
     g = Graph.somatize(Identity() | Identity())
     out = local.run(g, torch.ones(1 << 18))
-    held = shm_names(local._prefix)
+    held = shm_names(local._pool.prefix)
     assert held
     victim = local.pids()[1]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: exited(local, victim))
     heals(local)
-    owned_by_victim = {n for n in shm_names(local._prefix) if f"-{victim}-" in n}
+    owned_by_victim = {n for n in shm_names(local._pool.prefix) if f"-{victim}-" in n}
     # what the host still holds stays (mapped, counted); the rest of the dead worker's segments are gone
     assert all(n in held for n in owned_by_victim)
     del out
     heals(local)
-    assert not {n for n in shm_names(local._prefix) if f"-{victim}-" in n}
+    assert not {n for n in shm_names(local._pool.prefix) if f"-{victim}-" in n}

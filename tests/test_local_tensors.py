@@ -127,16 +127,16 @@ def test_thousand_runs_leave_shm_and_fds_flat(local):
     for _ in range(50):
         local.run(g, x)
     fds_before = len(os.listdir("/proc/self/fd"))
-    shm_before = len(shm_names(local._prefix))
+    shm_before = len(shm_names(local._pool.prefix))
     for _ in range(1000):
         out = local.run(g, x)
     del out
     local.run(Graph.somatize(Identity()), 0)
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
-    assert len(shm_names(local._prefix)) <= shm_before + 4
+    assert len(shm_names(local._pool.prefix)) <= shm_before + 4
 
 
 def _segment_of(pool, t):
     """The segment a host tensor maps (its file in /dev/shm), found through the host's store."""
-    rec = pool._store._by_ptr[t.untyped_storage().data_ptr()]
+    rec = pool._pool.get_store()._by_ptr[t.untyped_storage().data_ptr()]
     return rec.name
