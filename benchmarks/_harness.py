@@ -1,0 +1,322 @@
+"""What every benchmark shares: arguments, alternation, statistics, tables, JSON, the calibrated burn.
+
+    suite = Suite("gil_wave", parse_args(argv, __doc__))
+    samples = alternate({"executor": lambda: ex.run(g, None), "local": lambda: local.run(g, None)},
+                        repeat=suite.repeat(7))
+    suite.add("local", {"B": 4}, ms(samples["local"]), "ms")
+    suite.add_ratio("local", {"B": 4}, samples["executor"], samples["local"], vs="executor")
+    suite.finish()          # prints the records, writes --json, returns the records
+
+Why alternate: this machine is a shared VM whose CPU drifts 2-3x between
+minutes. Measuring contender A for a minute and then B for a minute measures the
+drift; running A, B, C, then B, C, A, ... in one process puts every contender
+under the same weather, and a ratio taken within one round (`add_ratio`) cancels
+most of what is left.
+
+Everything here is stdlib only: worker processes of the process pools import this
+module (for `burn`) and should not pay for more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+CORES = os.cpu_count() or 1
+MiB = 1 << 20
+
+
+# -- arguments -----------------------------------------------------------------------------------
+
+def parse_args(argv, description: str, extra: Callable | None = None) -> argparse.Namespace:
+    """`--quick` (under a minute), `--smoke` (seconds: the test suite's mode), `--json FILE`."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and inputs (under a minute)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path (tests)")
+    parser.add_argument("--json", metavar="FILE", help="write one record per measurement to FILE")
+    if extra is not None:
+        extra(parser)
+    return parser.parse_args(argv)
+
+
+# -- running contenders --------------------------------------------------------------------------
+
+def alternate(contenders: dict[str, Callable[[], object]], repeat: int, warmup: int = 1,
+              self_timed: bool = False) -> dict[str, list]:
+    """Run every contender once per round, `warmup` rounds thrown away, then `repeat` kept.
+
+    Each round starts one contender later than the one before (A B C, B C A, ...),
+    so no contender always runs first or right after the same neighbour. A sample
+    is the call's wall time in seconds, or, with `self_timed`, what the call
+    returns (it measured itself: its own units, or several figures at once).
+    Sample i of every contender comes from round i: `add_ratio` pairs them.
+    """
+    names = list(contenders)
+    samples: dict[str, list] = {name: [] for name in names}
+    for round_no in range(warmup + repeat):
+        shift = round_no % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()  # garbage of the previous contender is not this one's cost
+            start = time.perf_counter()
+            value = contenders[name]()
+            elapsed = time.perf_counter() - start
+            if round_no >= warmup:
+                samples[name].append(value if self_timed else elapsed)
+    return samples
+
+
+def timed(func, *args):
+    """`(seconds, result)` of one call."""
+    start = time.perf_counter()
+    result = func(*args)
+    return time.perf_counter() - start, result
+
+
+def ms(values) -> list[float]:
+    return [v * 1e3 for v in values]
+
+
+def us(values) -> list[float]:
+    return [v * 1e6 for v in values]
+
+
+def paired_ratios(numerators, denominators) -> list[float]:
+    """numerator_i / denominator_i, round by round (both measured in the same round)."""
+    return [a / b for a, b in zip(numerators, denominators) if b]
+
+
+# -- the calibrated burn ---------------------------------------------------------------------------
+
+def burn(n: int) -> int:
+    """Pure-Python work that holds the GIL for its whole length: `n` loop iterations, not a clock.
+
+    A wall-clock loop (`while time.perf_counter() < end`) ends on time however
+    little it ran, so threads sharing the GIL would look parallel.
+    """
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+    return total
+
+
+def calibrate_burn(ms_target: float, tries: int = 7) -> int:
+    """The iteration count that takes about `ms_target` ms here, calibrated once.
+
+    The fastest of several tries: a shared VM only ever makes a try slower.
+    """
+    probe = 200_000
+    burn(probe)
+    best = min(timed(burn, probe)[0] for _ in range(tries))
+    return max(1, round(probe * ms_target / 1e3 / best))
+
+
+# -- records -----------------------------------------------------------------------------------------
+
+class Record:
+    """One measurement: a contender under some parameters, its samples, their unit."""
+
+    def __init__(self, benchmark: str, contender: str, params: dict, values: list, unit: str):
+        if not values:
+            raise ValueError(f"{benchmark}/{contender} {params}: no samples")
+        self.benchmark = benchmark
+        self.contender = contender
+        self.params = dict(params)
+        self.values = [float(v) for v in values]
+        self.unit = unit
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def to_json(self) -> dict:
+        return {"benchmark": self.benchmark, "contender": self.contender, "params": self.params,
+                "median": self.median, "min": min(self.values), "max": max(self.values),
+                "unit": self.unit, "n": len(self.values)}
+
+
+class Suite:
+    """The records of one benchmark module, and how they are shown and saved."""
+
+    def __init__(self, name: str, args: argparse.Namespace):
+        self.name = name
+        self.args = args
+        self.records: list[Record] = []
+        self.started = time.perf_counter()
+        self._machine_at_start = MachineShare()
+
+    @property
+    def mode(self) -> str:
+        return "smoke" if self.args.smoke else "quick" if self.args.quick else "full"
+
+    def repeat(self, full: int, quick: int = 3, smoke: int = 1) -> int:
+        return {"full": full, "quick": quick, "smoke": smoke}[self.mode]
+
+    def add(self, contender: str, params: dict, values, unit: str) -> Record:
+        record = Record(self.name, contender, params, list(values), unit)
+        self.records.append(record)
+        return record
+
+    def add_ratio(self, contender: str, params: dict, numerators, denominators, vs: str) -> Record:
+        """A ratio taken round by round; `vs` names what it is relative to (it joins the params)."""
+        return self.add(contender, {**params, "vs": vs}, paired_ratios(numerators, denominators), "x")
+
+    def find(self, contender: str, unit: str | None = None, **params) -> Record | None:
+        for r in self.records:
+            if r.contender == contender and (unit is None or r.unit == unit) and all(
+                    r.params.get(k) == v for k, v in params.items()):
+                return r
+        return None
+
+    def finish(self, summary: Callable[[], None] | None = None) -> list[dict]:
+        """Print every record, then the `summary` tables; write --json; return the records as dicts.
+
+        Call it after every pool is closed: the CPU of children that have exited and
+        been waited for counts as this benchmark's own, not as other programs'.
+        """
+        others, steal = self._machine_at_start.others()
+        self.add("machine", {"what": "other_programs_cpu"}, [others], "% of a core")
+        self.add("machine", {"what": "cpu_steal"}, [steal], "% of a core")
+        print_records(self.records, f"{self.name}: every measurement")
+        if summary is not None:
+            summary()
+        print(f"\nwhile it ran, other programs used {others:.0f}% of a core and the hypervisor stole {steal:.0f}% "
+              f"(of {CORES} cores: {CORES * 100}%)")
+        out = [r.to_json() for r in self.records]
+        if self.args.json:
+            with open(self.args.json, "w") as f:
+                json.dump(out, f, indent=1)
+            print(f"\nwrote {len(out)} records to {self.args.json}")
+        print(f"\n{self.name} ({self.mode}) took {time.perf_counter() - self.started:.1f} s")
+        return out
+
+
+class MachineShare:
+    """How much of the machine went to programs other than this benchmark, from now until `others()`.
+
+    /proc/stat counts every busy tick of the machine; this process and its
+    children (waited for: the pools' workers once closed) count their own. What is
+    left was someone else's: on a shared VM it explains a figure that came out
+    low better than any guess. Steal is time the hypervisor gave to other guests.
+    """
+
+    def __init__(self):
+        self.wall = time.perf_counter()
+        self.busy, self.steal = _machine_ticks()
+        self.own = _own_cpu()
+
+    def others(self) -> tuple[float, float]:
+        """(% of a core used by other programs, % of a core stolen), averaged since construction."""
+        wall = time.perf_counter() - self.wall
+        busy, steal = _machine_ticks()
+        ticks = os.sysconf("SC_CLK_TCK")
+        machine = (busy - self.busy) / ticks
+        others = max(0.0, machine - (_own_cpu() - self.own))
+        return 100 * others / wall, 100 * (steal - self.steal) / ticks / wall
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy ticks of all cores, stolen ticks) from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+def _own_cpu() -> float:
+    """CPU seconds of this process and of its children: the ones waited for and the ones still alive."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                total += sum(child.cpu_times()[:2])
+            except psutil.Error:
+                pass
+    except ImportError:
+        pass
+    return total
+
+
+# -- tables --------------------------------------------------------------------------------------------
+
+def fmt(value: float) -> str:
+    """Three significant figures or so, without scientific notation."""
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:,.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def print_table(title: str, headers: list[str], rows: list[list]) -> None:
+    """A Markdown table: readable in a terminal, pasteable into a README."""
+    cells = [[c if isinstance(c, str) else fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    print(f"\n{title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print("| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) + " |")
+    sys.stdout.flush()
+
+
+def params_text(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def print_records(records: list[Record], title: str) -> None:
+    rows = [[r.contender, params_text(r.params), r.median, min(r.values), max(r.values), r.unit, str(len(r.values))]
+            for r in records]
+    print_table(title, ["contender", "params", "median", "min", "max", "unit", "n"], rows)
+
+
+def cell(record: Record | None, ratio: Record | None = None) -> str:
+    """`median` or `median (ratio×)` for a pivot table; `—` when not measured."""
+    if record is None:
+        return "—"
+    text = fmt(record.median)
+    return f"{text} ({fmt(ratio.median)}×)" if ratio is not None else text
+
+
+# -- optional contenders ---------------------------------------------------------------------------------
+
+def optional_ray():
+    """The `ray` module when it imports, else None (it is never installed for a benchmark)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray
+
+
+def versions() -> str:
+    """Python, torch (when imported) and pyzmq versions and the cores, for the header."""
+    parts = [f"Python {sys.version.split()[0]}"]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        parts.append(f"torch {torch.__version__}")
+    try:
+        import zmq
+
+        parts.append(f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()})")
+    except ImportError:
+        pass
+    return ", ".join(parts) + f", {CORES} cores"

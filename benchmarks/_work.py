@@ -1,0 +1,122 @@
+"""The work that runs in the other processes: soma nodes and the same work as plain functions.
+
+It lives in an importable module (not in the benchmark scripts) so that every
+contender loads the very same code by name: `soma.Local` workers (they start with
+the host's sys.path), `ProcessPoolExecutor` and `multiprocessing.Pool` children
+(spawn passes sys.path too), torch.multiprocessing processes and Ray tasks.
+Nothing heavy is imported at the top: torch only where a tensor is made.
+"""
+
+from __future__ import annotations
+
+import time
+
+from _harness import burn
+from soma import Done, Node
+
+
+# -- pure Python -----------------------------------------------------------------------------------
+
+class Burn(Node):
+    """`burn(n)`: a fixed amount of pure-Python work holding the GIL."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def forward(self, x, ctx):
+        return Done(burn(self.n))
+
+
+class Echo(Node):
+    """Returns its input."""
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class AddOne(Node):
+    def forward(self, x, ctx):
+        return Done(x + 1)
+
+
+class Double(Node):
+    def forward(self, x, ctx):
+        return Done(x * 2)
+
+
+def echo(x):
+    return x
+
+
+def chain3(x):
+    """The three-node graph `AddOne >> Double >> AddOne` as one function (one task for a pool)."""
+    return (x + 1) * 2 + 1
+
+
+# -- tensors ----------------------------------------------------------------------------------------
+
+def make_tensor(numel: int, allocate=None):
+    """`numel` float32 ones, on this process's heap, or through `allocate` (a ctx's `empty`)."""
+    import torch
+
+    t = allocate(numel, dtype=torch.float32) if allocate is not None else torch.empty(numel, dtype=torch.float32)
+    return t.fill_(1.0)
+
+
+def make_timed(numel: int, allocate=None):
+    """`(tensor, seconds it took to create and fill)`, measured here, in the producing process."""
+    start = time.perf_counter()
+    t = make_tensor(numel, allocate)
+    return t, time.perf_counter() - start
+
+
+class MakeTimed(Node):
+    """Makes a float32 tensor of ones (heap, or `ctx.empty`) and returns it with its creation time."""
+
+    def __init__(self, numel: int, through_ctx: bool = False):
+        self.numel = numel
+        self.through_ctx = through_ctx
+
+    def forward(self, x, ctx):
+        return Done(make_timed(self.numel, ctx.empty if self.through_ctx else None))
+
+
+def last(t) -> float:
+    """A small value from a received tensor: its last element (one page touched, not a scan)."""
+    return float(t.reshape(-1)[-1])
+
+
+class Last(Node):
+    def forward(self, x, ctx):
+        return Done(last(x))
+
+
+def import_torch(then_sleep: float = 0.0) -> bool:
+    """Import torch in a pool's child; sleeping after keeps this child busy so the next task goes to another."""
+    import torch  # noqa: F401
+
+    time.sleep(then_sleep)
+    return True
+
+
+def queue_server(commands, results) -> None:
+    """A torch.multiprocessing process: the shared-memory reference for moving tensors.
+
+    `("make", numel)` puts `(tensor, creation seconds)`; `("last", tensor)` puts
+    `last(tensor)`; `("echo", tensor)` puts the tensor back; None ends it.
+    torch's own Queue reductions move every tensor through shared memory.
+    """
+    import torch  # noqa: F401  (registers torch's reductions before the first get)
+
+    while True:
+        command = commands.get()
+        if command is None:
+            return
+        kind, arg = command
+        if kind == "make":
+            results.put(make_timed(arg))
+        elif kind == "last":
+            results.put(last(arg))
+        elif kind == "echo":
+            results.put(arg)
+        del command, arg
