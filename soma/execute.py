@@ -64,7 +64,7 @@ def _thread_modes():
     would still build autograd graphs inside every wave.
     """
     torch = sys.modules.get("torch")
-    if torch is None:
+    if torch is None or not hasattr(torch, "is_inference_mode_enabled"):  # absent, or still importing
         return contextlib.nullcontext
     grad = torch.is_grad_enabled()
     inference = torch.is_inference_mode_enabled()

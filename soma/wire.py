@@ -168,6 +168,16 @@ class Receiver:
 
 # -- values ------------------------------------------------------------------------------------
 
+def loaded_torch():
+    """torch when it is imported far enough to have made tensors, else None (never imports it).
+
+    A worker may be importing torch in the background: until `torch.Tensor` exists
+    no value can be a tensor, and a half-imported module must not be touched.
+    """
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "multiprocessing") else None
+
+
 class Encoder:
     """Encodes values for one message.
 
@@ -193,7 +203,7 @@ class Encoder:
         kind = type(obj)
         if kind is tuple:
             return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
-        torch = sys.modules.get("torch")
+        torch = loaded_torch()
         if torch is not None and isinstance(obj, torch.Tensor):
             return msgpack.ExtType(EXT_TENSOR, msgpack.packb(self.tensor(obj, torch), use_bin_type=True))
         return self._pickled(obj)
@@ -266,7 +276,7 @@ def _tensor_pickler():
                 super().__init__(file, protocol=5)
                 self._encoder = encoder
                 self._handles = handles
-                self._torch = sys.modules.get("torch")
+                self._torch = loaded_torch()
 
             def persistent_id(self, obj):
                 torch = self._torch

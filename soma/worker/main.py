@@ -38,7 +38,7 @@ def parse_args(argv):
     parser.add_argument("--host-pid", type=int, required=True, help="the host's pid: exit when it is gone")
     parser.add_argument("--prefix", required=True, help="the pool's shared-memory segment prefix")
     parser.add_argument("--arena", type=int, default=256 << 20, help="bytes of free segments kept for reuse")
-    parser.add_argument("--preload-torch", action="store_true", help="import torch at start (the host uses it)")
+    parser.add_argument("--preload-torch", action="store_true", help="import torch right after saying hello, in the background (the host uses it)")
     return parser.parse_args(argv)
 
 

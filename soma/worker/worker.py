@@ -68,15 +68,19 @@ class Worker:
         self.store = None
         self.store_lock = threading.Lock()
         self.torch_ready = False
+        self.torch_lock = threading.Lock()
         self.local = threading.local()
-        if args.preload_torch or self.device.startswith("cuda"):
-            self.setup_torch()
+        self.preload_torch = args.preload_torch or self.device.startswith("cuda")
 
     # -- life --------------------------------------------------------------------------------
     def serve(self) -> int:
         signal.signal(signal.SIGTERM, self.terminated)
         threading.Thread(target=self.watch_host, name="soma-watchdog", daemon=True).start()
         self.send([wire.HELLO, self.id, os.getpid(), self.device])
+        if self.preload_torch:
+            # After HELLO, not before: importing torch takes a second or more, and the pool is ready
+            # without it. A task that needs torch meanwhile waits on the import, as it would anyway.
+            threading.Thread(target=self.setup_torch, name="soma-torch", daemon=True).start()
         try:
             self.lead_and_run()
         finally:
@@ -343,13 +347,18 @@ class Worker:
     def setup_torch(self) -> None:
         import torch
 
-        torch.set_num_threads(self.threads)
-        if self.device.startswith("cuda"):
-            torch.cuda.set_device(int(self.device.split(":")[1]))
-        self.torch_ready = True
+        with self.torch_lock:
+            if self.torch_ready:
+                return
+            torch.set_num_threads(self.threads)
+            if self.device.startswith("cuda"):
+                torch.cuda.set_device(int(self.device.split(":")[1]))
+            self.torch_ready = True
 
     def setup_torch_if_imported(self) -> None:
-        if not self.torch_ready and "torch" in sys.modules:
+        # While the background preload runs, torch is in sys.modules half-imported: waiting for it
+        # here would hold every task behind a second of imports; the preload configures it when done.
+        if not self.torch_ready and not self.preload_torch and "torch" in sys.modules:
             self.setup_torch()
 
     def on_thread(self) -> None:
