@@ -188,7 +188,7 @@ def many_runs(suite: h.Suite, local, runs: int, checkpoints: int = 5) -> None:
 def main(argv=None) -> list[dict]:
     args = h.parse_args(argv, __doc__)
     suite = h.Suite(NAME, args)
-    import torch  # noqa: F401  (the host uses tensors; Local preloads torch unless told not to)
+    import torch  # noqa: F401  (the host uses tensors)
 
     print(f"{NAME}: {h.versions()}; mode {suite.mode}")
     pools = Pools()

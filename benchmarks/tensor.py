@@ -60,7 +60,7 @@ class Contenders:
         self.commands, self.results = tmp.Queue(), tmp.Queue()
         self.queue_proc = tmp.Process(target=queue_server, args=(self.commands, self.results), daemon=True)
         self.queue_proc.start()
-        self.local = soma.Local(workers=workers).start()  # the host has torch: workers preload it
+        self.local = soma.Local(workers=workers).start()  # workers import torch at the first tensor (the warm-up)
         self.ask_queue("make", 1024)
         cf.wait(warm)
         self.ray = h.optional_ray()

@@ -33,19 +33,21 @@ class Local:
     workers), a list pinning worker i to `devices[i % len(devices)]`, or `"auto"`
     (every visible CUDA device). `arena`: bytes of shared memory each process keeps
     mapped for reuse (default: a quarter of RAM shared among the processes, at most
-    1 GiB each). `preload_torch`: import torch in workers at start (default: when
-    the host has imported it). `start_timeout`: how long `start()` waits for the
-    workers to say hello.
+    1 GiB each). `preload_torch`: import torch in each worker in the background
+    right after it starts (default False: a worker imports torch when a tensor or a
+    torch node first needs it, so a pool that never sees torch stays small and
+    starts fast; True spares the first torch run the ~1 s import).
+    `start_timeout`: how long `start()` waits for the workers to say hello.
     """
 
     def __init__(self, workers: int | None = None, devices=None, *, arena: int | None = None,
-                 preload_torch: bool | None = None, start_timeout: float = 60.0):
+                 preload_torch: bool = False, start_timeout: float = 60.0):
         self.n_workers = int(workers) if workers is not None else (os.cpu_count() or 1)
         if self.n_workers < 1:
             raise ValueError(f"soma.Local needs at least one worker, got workers={workers}")
         self.worker_devices = _pinning(devices, self.n_workers)
         self.arena = arena if arena is not None else _default_arena(self.n_workers)
-        self.preload_torch = preload_torch
+        self.preload_torch = bool(preload_torch)
         self.start_timeout = start_timeout
         self.threads_per_worker = max(1, (os.cpu_count() or 1) // self.n_workers)
         self._start_lock = threading.Lock()

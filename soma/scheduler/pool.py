@@ -51,7 +51,7 @@ class Pending:
 
 
 class WorkerPool:
-    def __init__(self, devices: list[str], *, arena: int, threads: int, preload_torch: bool | None):
+    def __init__(self, devices: list[str], *, arena: int, threads: int, preload_torch: bool):
         self.devices = devices
         self.arena = arena
         self.threads = threads
@@ -104,10 +104,9 @@ class WorkerPool:
         self._receiver = wire.Receiver(self._results)
 
     def _spawn(self, slot: int):
-        preload = self.preload_torch if self.preload_torch is not None else "torch" in __import__("sys").modules
         worker = spawn(slot, self.devices[slot], endpoints=self.endpoints, run_dir=self.run_dir,
                        secret=self.secret, prefix=self.prefix, threads=self.threads,
-                       arena=self.arena, preload_torch=preload)
+                       arena=self.arena, preload_torch=self.preload_torch)
         self.workers[slot] = worker
         return worker
 
