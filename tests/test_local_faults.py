@@ -203,3 +203,24 @@ def test_segments_of_a_killed_worker_are_unlinked(local):
     del out
     heals(local)
     assert not {n for n in shm_names(local._pool.prefix) if f"-{victim}-" in n}
+
+
+def test_a_pool_whose_workers_cannot_start_says_why_and_leaves_nothing(tmp_path, monkeypatch):
+    import soma
+
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\nexit 5\n")  # an interpreter that cannot even start a worker
+    broken.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(broken))  # workers run with the host's interpreter
+    before = shm_names()
+    pool = soma.Local(workers=1, start_timeout=30)
+    with pytest.raises(WorkerDied, match=r"exited with code 5 before it was ready, 3 times in a row"):
+        pool.start()
+    assert pool.pids() == []
+    assert shm_names() <= before
+    assert not [c for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE]
+    monkeypatch.undo()  # the interpreter is fixed: the same Local starts, runs and closes
+    try:
+        assert pool.run(Graph.somatize(AddOne()), 1) == 2
+    finally:
+        pool.close()

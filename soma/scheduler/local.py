@@ -73,9 +73,13 @@ class Local:
             if self._pool is None:
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
                                   preload_torch=self.preload_torch)
+                try:
+                    pool.start(time.monotonic() + self.start_timeout)
+                except BaseException:
+                    pool.close()  # no half-started pool: processes, sockets and files go, the error stays
+                    raise
                 self._pool = pool
                 _live_pools.add(self)
-                pool.start(time.monotonic() + self.start_timeout)
         return self
 
     def close(self) -> None:

@@ -150,8 +150,8 @@ class Worker:
             try:
                 self.handle(message)
             except Exception as err:  # an authentic but malformed message must not take the worker down
-                warn("soma.worker", "soma worker %s: dropped a %s message it could not handle: %s: %s", self.id,
-                            wire.KIND_NAMES.get(message[0]), type(err).__name__, err)
+                warn("soma.worker", "soma worker %s: dropped a %s message it could not handle: %s: %s",
+                     self.id, wire.KIND_NAMES.get(message[0]), type(err).__name__, err)
             finally:
                 if message[0] == wire.TASK:
                     with self.lead_cv:
@@ -207,7 +207,7 @@ class Worker:
                  forget: list) -> None:
         if forget:
             self.forget(forget)
-        # _code was registered when the message was received (lead_and_run).
+        # _code was registered when the message was received (see receive()).
         if frees:
             store = self.get_store()
             for name, n in frees:
