@@ -15,12 +15,13 @@ from pathlib import Path
 from . import __version__
 
 
-def _examples_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "examples"
+def _beside_package(folder: str) -> Path:
+    """examples/ and benchmarks/ sit beside the package in a source checkout (not in a wheel)."""
+    return Path(__file__).resolve().parent.parent / folder
 
 
 def _run_example(name: str) -> int:
-    path = _examples_dir() / f"{name}.py"
+    path = _beside_package("examples") / f"{name}.py"
     if not path.exists():
         print(f"soma: the example {path} is not there (examples/ ships with the source checkout)", file=sys.stderr)
         return 2
@@ -32,20 +33,16 @@ def _run_example(name: str) -> int:
     return 0
 
 
-def _benchmarks_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "benchmarks"
-
-
 def _benchmark_names() -> list[str]:
     """The modules of benchmarks/ (helpers start with `_`)."""
-    folder = _benchmarks_dir()
+    folder = _beside_package("benchmarks")
     return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")) if folder.is_dir() else []
 
 
 def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None) -> int:
     names = _benchmark_names()
     if not names:
-        print(f"soma: the benchmarks folder {_benchmarks_dir()} is not there (benchmarks/ ships with the source "
+        print(f"soma: the benchmarks folder {_beside_package('benchmarks')} is not there (benchmarks/ ships with the source "
               f"checkout)", file=sys.stderr)
         return 2
     if name not in names + ["all"]:
@@ -65,7 +62,7 @@ def _run_one_benchmark(name: str, argv: list[str]) -> int:
     # Its own process, exactly as `python benchmarks/NAME.py` runs it: a process pool's spawned
     # children re-import the main script by path, and one benchmark's imports (torch) and pools
     # must not colour the next one's figures.
-    script = _benchmarks_dir() / f"{name}.py"
+    script = _beside_package("benchmarks") / f"{name}.py"
     return subprocess.call([sys.executable, str(script), *argv])
 
 

@@ -102,5 +102,12 @@ class RunTimeout(SomaError, TimeoutError):
         return (_rebuild, (type(self), self.args, dict(nodes=self.nodes)))
 
 
+def traceback_text(exc: BaseException) -> str:
+    """An exception's traceback as text: what travels from a worker when the exception itself may not."""
+    import traceback
+
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
 def _rebuild(cls, args, kwargs):
     return cls(*args, **kwargs)

@@ -14,7 +14,7 @@ import sys
 import threading
 
 from .ctx import Ctx
-from .errors import NodeError, SomaError
+from .errors import NodeError, SomaError, traceback_text
 from .plan import Plan, Seq, Step, Wave
 from .postcondition import check_postcondition
 from .values import Done, unwrap
@@ -22,6 +22,15 @@ from .values import Done, unwrap
 
 class Cancelled(SomaError):
     """Internal: the run this branch belongs to was abandoned (timeout); stop before the next node."""
+
+
+def count_in(counts: dict, key, delta: int) -> None:
+    """Add `delta` to `counts[key]`, dropping the key at zero (a multiset of what runs now)."""
+    n = counts.get(key, 0) + delta
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
 
 
 class RunState:
@@ -39,16 +48,13 @@ class RunState:
         if self.cancelled:
             raise Cancelled(node_id)
         with self._lock:
-            self.running[node_id] = self.running.get(node_id, 0) + 1
+            count_in(self.running, node_id, +1)
         if self._observer is not None:
             self._observer.enter(node_id)
 
     def leave(self, node_id: str) -> None:
         with self._lock:
-            if self.running[node_id] == 1:
-                del self.running[node_id]
-            else:
-                self.running[node_id] -= 1
+            count_in(self.running, node_id, -1)
         if self._observer is not None:
             self._observer.leave(node_id)
 
@@ -155,9 +161,5 @@ class Runner:
         return unwrap(out.value)
 
     def node_failed(self, node_id: str, exc: BaseException) -> NodeError:
-        text = None
-        if self.remote:
-            import traceback
-
-            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        text = traceback_text(exc) if self.remote else None
         return NodeError(node_id, f"node `{node_id}` failed: {type(exc).__name__}: {exc}", remote_traceback=text)

@@ -22,8 +22,3 @@ class Placement:
         else:
             self._devices[node_id] = device
 
-    def items(self):
-        return self._devices.items()
-
-    def copy(self) -> "Placement":
-        return Placement(self._devices)

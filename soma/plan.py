@@ -89,6 +89,13 @@ class Wave(Plan):
         return " | ".join(f"({b})" if isinstance(b, Seq) else str(b) for b in self.branches)
 
 
+def last_step(plan: Plan) -> str:
+    """The node named as the producer of a plan's output (a wave's: its first branch's)."""
+    while not isinstance(plan, Step):
+        plan = plan.items[-1] if isinstance(plan, Seq) else plan.branches[0]
+    return plan.id
+
+
 def compile_plan(topology) -> Plan:
     """Compile a graph's topology (its id tree) into a plan.
 

@@ -205,16 +205,14 @@ class SegmentStore:
 
     # -- sender side -----------------------------------------------------------------------
     def locate(self, tensor):
-        """`(name, segment bytes, byte offset of the tensor's storage)` when the tensor already lives in a
-        segment this process knows, else None."""
-        ptr = tensor.untyped_storage().data_ptr()
+        """`(name, segment bytes)` when the tensor's storage is one this process holds on a segment, else None."""
+        storage = tensor.untyped_storage()
         with self._lock:
-            rec = self._by_ptr.get(ptr)
+            rec = self._by_ptr.get(storage.data_ptr())
             if rec is None:
                 return None
             seg = self._owned.get(rec.name)
-            nbytes = seg.nbytes if seg is not None else tensor.untyped_storage().nbytes()
-            return rec.name, nbytes
+            return rec.name, seg.nbytes if seg is not None else storage.nbytes()
 
     def copy_in(self, tensor):
         """A contiguous copy of `tensor` in a segment of this process: `(copy, name, segment bytes)`."""
@@ -293,10 +291,6 @@ class SegmentStore:
         return out
 
     # -- lifetime --------------------------------------------------------------------------
-    def owned_names(self) -> set[str]:
-        with self._lock:
-            return set(self._owned)
-
     def stats(self) -> dict:
         with self._lock:
             return {

@@ -17,7 +17,7 @@ a worker pinned to `cuda:N`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 
@@ -49,7 +49,6 @@ class Chain:
 @dataclass(eq=False)
 class Spread:
     parts: list
-    slots_fixed: bool = field(default=False)
 
 
 def compile_program(g, key_of, worker_devices: list[str]):

@@ -89,10 +89,6 @@ class LeaseBook:
         with self._lock:
             return self._frees.pop(owner, [])
 
-    def owners_with_frees(self) -> list[int]:
-        with self._lock:
-            return [pid for pid, frees in self._frees.items() if frees]
-
     def held_names(self) -> set[str]:
         with self._lock:
             return set(self._entries)

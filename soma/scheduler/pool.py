@@ -22,6 +22,7 @@ from collections import Counter, deque
 from .. import wire
 from .._log import warn
 from ..errors import NodeError, PostconditionError, RemoteTraceback, RunTimeout, SomaError, WorkerDied
+from ..plan import last_step
 from ..shm import pool_prefix, unlink_all
 from .leases import LeaseBook
 from .procs import spawn
@@ -338,7 +339,7 @@ class WorkerPool:
         try:
             return self._decode(body, worker)
         except Exception as err:
-            producer = list(piece.plan.steps())[-1]
+            producer = last_step(piece.plan)
             return NodeError(producer, f"node `{producer}` failed: its output could not be received from worker "
                                        f"{worker.id}: {type(err).__name__}: {err}")
 

@@ -77,11 +77,10 @@ class WorkerProcess:
         if self._status is not None:
             self._status.close()
             self._status = None
-        for path in (self.status_path,):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(self.status_path)
+        except FileNotFoundError:
+            pass
 
 
 def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: bytes, prefix: str,

@@ -13,9 +13,9 @@ import zmq
 
 from .. import wire
 from .._log import warn
-from ..errors import NodeError, PostconditionError
-from ..execute import RunState, Runner
-from ..plan import Seq, Step, Wave
+from ..errors import NodeError, PostconditionError, traceback_text
+from ..execute import RunState, Runner, count_in
+from ..plan import Seq, Step, Wave, last_step
 
 
 POLL_MS = 200  # how long the leading thread waits on the socket before looking around
@@ -323,7 +323,7 @@ class Worker:
                 f"node `{node_id}` failed: its code could not be loaded in worker {self.id}: "
                 f"{type(err).__name__}: {err} (workers start with the host's sys.path and working directory; "
                 f"define the node in a module they can import)",
-                remote_traceback=format_exc(err),
+                remote_traceback=traceback_text(err),
             ) from err
         self.nodes[key] = node
         self.setup_torch_if_imported()
@@ -331,16 +331,14 @@ class Worker:
 
     # -- what runs now, published for the host ----------------------------------------------------
     def enter(self, node_id: str) -> None:
-        with self.status_lock:
-            self.now_running[node_id] = self.now_running.get(node_id, 0) + 1
-            self.status.write(self.now_running)
+        self.count_running(node_id, +1)
 
     def leave(self, node_id: str) -> None:
+        self.count_running(node_id, -1)
+
+    def count_running(self, node_id: str, delta: int) -> None:
         with self.status_lock:
-            if self.now_running[node_id] == 1:
-                del self.now_running[node_id]
-            else:
-                self.now_running[node_id] -= 1
+            count_in(self.now_running, node_id, delta)
             self.status.write(self.now_running)
 
     # -- torch, devices, shared memory -----------------------------------------------------------
@@ -411,18 +409,6 @@ def build_plan(tree, nodes_by_key: dict):
         return Step(node_id)
     children = tuple(build_plan(child, nodes_by_key) for child in tree[1])
     return Seq(children) if kind == "q" else Wave(children)
-
-
-def last_step(plan) -> str:
-    while not isinstance(plan, Step):
-        plan = plan.items[-1] if isinstance(plan, Seq) else plan.branches[0]
-    return plan.id
-
-
-def format_exc(err: BaseException) -> str:
-    import traceback
-
-    return "".join(traceback.format_exception(type(err), err, err.__traceback__))
 
 
 def error_outcome(err: NodeError) -> list:
