@@ -140,3 +140,17 @@ def _segment_of(pool, t):
     """The segment a host tensor maps (its file in /dev/shm), found through the host's store."""
     rec = pool._pool.get_store()._by_ptr[t.untyped_storage().data_ptr()]
     return rec.name
+
+
+def test_shared_memory_that_runs_out_is_an_error_naming_the_node(local, monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)  # the host's next segment cannot be reserved
+    with pytest.raises(NodeError, match=r"^node `identity` failed: its input could not be put in shared memory: "
+                                        r"MemoryError: shared memory is full"):
+        local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))
+    monkeypatch.undo()
+    assert float(local.run(Graph.somatize(Identity()), torch.ones(BIG)).sum()) == BIG  # and nothing is lost

@@ -177,6 +177,10 @@ class Local:
         except wire.Unsendable as err:
             entry = pieces[0].entry
             raise NodeError(entry, f"node `{entry}` failed: its input cannot be sent to a worker: {err}") from None
+        except (MemoryError, OSError) as err:  # /dev/shm full, or a segment that could not be made
+            entry = pieces[0].entry
+            raise NodeError(entry, f"node `{entry}` failed: its input could not be put in shared memory: "
+                                   f"{type(err).__name__}: {err}") from err
         pool.settle()
         dead = self._registry.take_dead()
         if dead:
