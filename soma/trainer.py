@@ -175,27 +175,24 @@ class Trainer:
 # -- argument checks --------------------------------------------------------------------------
 
 
-def _check_every(every) -> int:
+def _positive_int(value, message: str) -> int:
+    """`value` as an int >= 1 (bools refused), else a ValueError with `message`."""
     try:
-        value = None if isinstance(every, bool) else operator.index(every)
+        n = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
-        value = None
-    if value is None or value < 1:
-        raise ValueError(
-            f"Trainer(every={every!r}): every must be an integer >= 1, the number of micro-batches "
-            f"per optimizer step (every=1 steps on every batch)"
-        )
-    return value
+        n = None
+    if n is None or n < 1:
+        raise ValueError(message)
+    return n
+
+
+def _check_every(every) -> int:
+    return _positive_int(every, f"Trainer(every={every!r}): every must be an integer >= 1, the number of "
+                                f"micro-batches per optimizer step (every=1 steps on every batch)")
 
 
 def _check_epochs(epochs) -> int:
-    try:
-        value = None if isinstance(epochs, bool) else operator.index(epochs)
-    except TypeError:
-        value = None
-    if value is None or value < 1:
-        raise ValueError(f"Trainer.fit(epochs={epochs!r}): epochs must be an integer >= 1")
-    return value
+    return _positive_int(epochs, f"Trainer.fit(epochs={epochs!r}): epochs must be an integer >= 1")
 
 
 def _where_parameters_live(g) -> dict[int, str]:
