@@ -7,9 +7,11 @@
     str(g.plan())  # 'tokenize >> (encoder | other) >> join'
     g              # Graph(tokenize >> (encoder.on('cuda:0') | other.on('cuda:1')) >> join)
 
-Three facts live here and stay apart: the topology (an id tree, immutable once
-built), the catalog (`id → Node`), and the placement (`id → Device`, the only
-mutable one, through `place()`). The plan is compiled from the topology alone.
+Three facts live here and stay apart: the topology (a tree of `Step(id)`,
+`Seq` and `Wave`, immutable once built: the plan's own vocabulary, so there is
+one tree and not two), the catalog (`id → Node`), and the placement
+(`id → Device`, the only mutable one, through `place()`). The plan is compiled
+from the topology alone.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .errors import DeviceError, GraphError
 from .expr import Chain, Expr, Leaf, check_id
 from .node import Node
 from .placement import Placement
-from .plan import Plan, compile_plan
+from .plan import Plan, Seq, Step, Wave, compile_plan
 
 
 class Graph:
@@ -157,38 +159,35 @@ def _assign_ids(leaves: list[Leaf]) -> dict[int, str]:
     return ids
 
 
-def _topology(expr: Expr, ids: dict[int, str]):
+def _topology(expr: Expr, ids: dict[int, str]) -> Plan:
+    """The expression's shape with ids: `Leaf` → `Step`, `Chain` → `Seq`, `Fan` → `Wave`."""
     if isinstance(expr, Leaf):
-        return ids[id(expr)]
+        return Step(ids[id(expr)])
     if isinstance(expr, Chain):
-        return ("seq", tuple(_topology(item, ids) for item in expr.items))
-    return ("wave", tuple(_topology(b, ids) for b in expr.branches))
+        return Seq(tuple(_topology(item, ids) for item in expr.items))
+    return Wave(tuple(_topology(b, ids) for b in expr.branches))
 
 
-def _ends(topology, edges: list) -> tuple[list[str], list[str]]:
+def _ends(topology: Plan, edges: list) -> tuple[list[str], list[str]]:
     """(entry ids, exit ids) of a topology, appending the edges inside it."""
-    if isinstance(topology, str):
-        return [topology], [topology]
-    kind, children = topology
-    ends = [_ends(child, edges) for child in children]
-    if kind == "wave":
+    if isinstance(topology, Step):
+        return [topology.id], [topology.id]
+    if isinstance(topology, Wave):
+        ends = [_ends(branch, edges) for branch in topology.branches]
         return [i for e, _ in ends for i in e], [o for _, x in ends for o in x]
+    ends = [_ends(item, edges) for item in topology.items]
     for (_, exits), (entries, _) in zip(ends, ends[1:]):
         edges.extend((src, dst) for src in exits for dst in entries)
     return ends[0][0], ends[-1][1]
 
 
-def _render(topology, placement: Placement) -> str:
-    if isinstance(topology, str):
-        dev = placement.of(topology)
-        return topology if dev is None else f"{topology}.on({str(dev)!r})"
-    kind, children = topology
-    if kind == "seq":
-        return " >> ".join(
-            f"({_render(c, placement)})" if isinstance(c, tuple) and c[0] == "wave" else _render(c, placement)
-            for c in children
-        )
-    return " | ".join(
-        f"({_render(c, placement)})" if isinstance(c, tuple) and c[0] == "seq" else _render(c, placement)
-        for c in children
-    )
+def _render(topology: Plan, placement: Placement) -> str:
+    """The topology in the DSL's notation, with each placed node's `.on(...)`."""
+    if isinstance(topology, Step):
+        dev = placement.of(topology.id)
+        return topology.id if dev is None else f"{topology.id}.on({str(dev)!r})"
+    if isinstance(topology, Seq):
+        return " >> ".join(f"({_render(c, placement)})" if isinstance(c, Wave) else _render(c, placement)
+                           for c in topology.items)
+    return " | ".join(f"({_render(c, placement)})" if isinstance(c, Seq) else _render(c, placement)
+                      for c in topology.branches)

@@ -11,6 +11,7 @@ node cannot change a plan: that is true by construction, not by a check.
 
 from __future__ import annotations
 
+
 class Plan:
     """Base of `Step`, `Seq` and `Wave`: immutable, equal and hashable by structure."""
 
@@ -96,14 +97,13 @@ def last_step(plan: Plan) -> str:
     return plan.id
 
 
-def compile_plan(topology) -> Plan:
-    """Compile a graph's topology (its id tree) into a plan.
+def compile_plan(topology: Plan) -> Plan:
+    """Compile a graph's topology into its plan.
 
-    The topology is the tree `Graph.somatize` builds: a str id, `("seq", items)`
-    or `("wave", branches)`.
+    The graph keeps its shape in the plan's own vocabulary (`Step`/`Seq`/`Wave`),
+    and a wave's branches run concurrently and a sequence's items in order: the
+    plan is that tree itself. The placement is not an argument, and never will be.
     """
-    if isinstance(topology, str):
-        return Step(topology)
-    kind, children = topology
-    compiled = tuple(compile_plan(child) for child in children)
-    return Seq(compiled) if kind == "seq" else Wave(compiled)
+    if not isinstance(topology, Plan):
+        raise TypeError(f"a topology is a tree of Step, Seq and Wave, not {type(topology).__name__}")
+    return topology

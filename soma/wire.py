@@ -191,6 +191,7 @@ class Encoder:
     def __init__(self, get_store):
         self._get_store = get_store
         self.shared: list[str] = []
+        self._copies: list = []
 
     def pack(self, value) -> bytes:
         try:
@@ -254,6 +255,7 @@ class Encoder:
             stride, offset = list(t.stride()), t.storage_offset()
         else:
             t, name, seg_bytes = self._get_store(True).copy_in(t)
+            self._copies.append(t)
             stride, offset = list(t.stride()), 0
         self.shared.append(name)
         return [T_SHM, dtype, list(t.shape), stride, offset, t.requires_grad, name, seg_bytes]
