@@ -25,23 +25,45 @@ def check_id(name, what: str = "a node id") -> str:
     return name
 
 
-def as_expr(value, op: str, other) -> "Expr":
+def as_expr(value, op: str, other, value_on_left: bool = False) -> "Expr":
+    """`value` as an expression, or a GraphError that shows both operands in the order they were written.
+
+    `other` is the operand that is already an expression; `value_on_left` says that
+    `value` was written on the left of `op` (Python called the right operand's
+    reflected operator: `upper >> Tokenize()`).
+    """
     from .node import Node
 
     if isinstance(value, Expr):
         return value
     if isinstance(value, Node):
         return Leaf(value)
-    raise GraphError(
-        f"cannot compose {describe(other)} {op} {type(value).__name__} {value!r}: both sides of "
-        f"`{op}` must be soma nodes or expressions (wrap a plain function with soma.fn)"
-    )
+    left, right = (_operand(value), other.render()) if value_on_left else (other.render(), _operand(value))
+    if isinstance(value, type) and issubclass(value, Node):
+        raise GraphError(f"cannot compose {left} {op} {right}: `{value.__name__}` is a Node class, not a node: "
+                         f"did you mean `{value.__name__}()`?")
+    raise GraphError(f"cannot compose {left} {op} {right}: both sides of `{op}` must be soma nodes or "
+                     f"expressions{_hint(value)}")
 
 
-def describe(value) -> str:
-    if isinstance(value, Expr):
-        return value.render()
-    return type(value).__name__
+def _operand(value) -> str:
+    """What a non-node operand is, in a few words: `function upper`, `class Tokenize`, `int 3`."""
+    if isinstance(value, type):
+        return f"class {value.__name__}"
+    name = getattr(value, "__name__", None)
+    if callable(value) and isinstance(name, str):
+        return f"function {name}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _hint(value) -> str:
+    """How to turn a callable into a node; nothing for other values."""
+    if not callable(value):
+        return ""
+    name = getattr(value, "__name__", None)
+    example = f"soma.fn({name})" if isinstance(name, str) and name.isidentifier() else 'soma.fn(f, name="...")'
+    return f" (wrap a plain function with soma.fn: `{example}`)"
 
 
 class Expr:
@@ -54,14 +76,14 @@ class Expr:
         return Chain(_flat(self, Chain) + _flat(other, Chain))
 
     def __rrshift__(self, other) -> "Chain":
-        return as_expr(other, ">>", self) >> self
+        return as_expr(other, ">>", self, value_on_left=True) >> self
 
     def __or__(self, other) -> "Fan":
         other = as_expr(other, "|", self)
         return Fan(_flat(self, Fan) + _flat(other, Fan))
 
     def __ror__(self, other) -> "Fan":
-        return as_expr(other, "|", self) | self
+        return as_expr(other, "|", self, value_on_left=True) | self
 
     def on(self, device) -> "Expr":
         """Give `device` to every leaf that has none yet (the innermost `.on` wins)."""

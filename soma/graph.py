@@ -31,11 +31,16 @@ class Graph:
         if isinstance(expr, Node):
             expr = Leaf(expr)
         if not isinstance(expr, Expr):
+            hint = (f": `{expr.__name__}` is a Node class, not a node: did you mean `{expr.__name__}()`?"
+                    if isinstance(expr, type) and issubclass(expr, Node) else "")
             raise GraphError(
                 f"Graph.somatize needs a soma Node or an expression built with >> and |, got {type(expr).__name__}"
+                f"{hint}"
             )
         leaves = list(expr.leaves())
         ids = _assign_ids(leaves)
+        for leaf in leaves:
+            _check_forward(ids[id(leaf)], leaf.node)
         self._catalog: dict[str, Node] = {ids[id(leaf)]: leaf.node for leaf in leaves}
         self._topology = _topology(expr, ids)
         self._placement = Placement(
@@ -157,6 +162,33 @@ def _assign_ids(leaves: list[Leaf]) -> dict[int, str]:
         taken.add(candidate)
         ids[id(leaf)] = candidate
     return ids
+
+
+def _check_forward(node_id: str, node: Node) -> None:
+    """A GraphError now, naming the node, when its `forward` cannot be called as soma calls it: `forward(x, ctx)`.
+
+    Only a signature that surely refuses two positional arguments is refused:
+    defaults, `*args` and callables without a signature (builtins) pass.
+    """
+    forward = getattr(node, "forward", None)
+    cls = type(node).__name__
+    if not callable(forward):
+        raise GraphError(f"node `{node_id}` ({cls}) has no callable forward: soma calls forward(x, ctx)")
+    import inspect  # here, not at the top: `import soma` and the workers do not need it
+
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin, an odd callable): it may well accept (x, ctx)
+    try:
+        signature.bind(None, None)
+    except TypeError as err:
+        written = getattr(type(node), "forward", None)  # as the class wrote it: `(self, x)`, not the bound `(x)`
+        shown = inspect.signature(written) if inspect.isfunction(written) else signature
+        raise GraphError(
+            f"node `{node_id}` ({cls}): soma calls forward(x, ctx), but {cls}.forward{shown} cannot be called "
+            f"that way ({err}); define it as `def forward(self, x, ctx)`"
+        ) from None
 
 
 def _topology(expr: Expr, ids: dict[int, str]) -> Plan:

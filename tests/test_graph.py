@@ -183,8 +183,9 @@ def test_composing_with_a_non_node_says_to_use_fn():
         Identity() >> len
     with pytest.raises(GraphError, match=r"wrap a plain function with soma.fn"):
         len >> Identity()
-    with pytest.raises(GraphError, match=r"wrap a plain function with soma.fn"):
-        Identity() | 3
+    with pytest.raises(GraphError, match=r"^cannot compose identity \| int 3: both sides of `\|` must be soma nodes "
+                                         r"or expressions$"):
+        Identity() | 3  # not a function: no soma.fn hint
 
 
 def test_operators_flatten():
