@@ -1,0 +1,107 @@
+"""A node's code on its way to a worker, with its file name, line numbers and source lines kept.
+
+    blob = nodecode.dumps(node)     # host: what `Local` sends once per node and worker
+    node = nodecode.loads(blob)     # worker
+
+Why not plain `cloudpickle.dumps`: a class or function defined in `__main__` (a
+script, a notebook) travels by value, code object and all, and cloudpickle >=
+3.1 writes every such code object's `co_filename` as `"<dynamic-code>"` (it
+wants byte-identical payloads wherever the code was defined). The line numbers
+survive, the file name does not, so a node that raises in a worker shows
+`File "<dynamic-code>", line 8, in forward` and the user cannot find the line.
+
+`dumps` uses a cloudpickle pickler that rebuilds each by-value code object with
+its real `co_filename`, and ships the source lines the code spans, taken from
+the host's `linecache` (which also knows notebook cells that are no file). The
+worker, rebuilding the code, hands those lines to its own `linecache` when the
+file cannot be read there, so a traceback shows the source line too. The blob
+is an ordinary pickle: `loads` is `pickle.loads`, and a worker that calls
+`pickle.loads` itself gets the same node; unpickling imports only this module.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import os
+import pickle
+import types
+
+_DYNAMIC = "<dynamic-code>"
+
+
+def dumps(node) -> bytes:
+    """The node's code and state, pickled by cloudpickle with file names and source lines kept (host side)."""
+    with io.BytesIO() as file:
+        _pickler_class()(file).dump(node)
+        return file.getvalue()
+
+
+def loads(blob: bytes):
+    """The node back from `dumps` (worker side); it imports cloudpickle itself if the blob needs it."""
+    return pickle.loads(blob)
+
+
+def _make_code(args: tuple, filename: str, lines: tuple | None):
+    """Unpickling: the code object cloudpickle's arguments describe, under its real file name."""
+    args = tuple(filename if a == _DYNAMIC else a for a in args)
+    if lines:
+        _remember_lines(filename, lines)
+    return types.CodeType(*args)
+
+
+def _remember_lines(filename: str, lines: tuple) -> None:
+    """Give `linecache` the shipped `(lineno, text)` pairs of a file that cannot be read here."""
+    if os.path.isfile(filename):
+        return  # the same file as the host's (Local runs on this machine): linecache reads it as usual
+    entry = linecache.cache.get(filename)
+    known = list(entry[2]) if entry is not None and len(entry) == 4 else []
+    for lineno, text in lines:
+        known.extend("\n" for _ in range(lineno - len(known)))
+        known[lineno - 1] = text
+    # mtime None: checkcache() leaves the entry alone (as for source from a loader, or a notebook cell)
+    linecache.cache[filename] = (sum(map(len, known)), None, known, filename)
+
+
+_PICKLER = None
+
+
+def _pickler_class():
+    """cloudpickle's Pickler, with by-value code objects reduced by `_reduce_code` (made once)."""
+    global _PICKLER
+    if _PICKLER is None:
+        import cloudpickle
+
+        base_reduce = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
+
+        class Pickler(cloudpickle.Pickler):
+            def __init__(self, file):
+                super().__init__(file)
+                self.shipped: dict[str, set] = {}  # filename → line numbers already in this blob: each travels once
+
+            def reducer_override(self, obj):
+                if type(obj) is types.CodeType and base_reduce is not None:
+                    return self.reduce_code(obj)
+                return super().reducer_override(obj)
+
+            def reduce_code(self, code):
+                rebuild, args = base_reduce(code)
+                if rebuild is not types.CodeType or _DYNAMIC not in args:
+                    return rebuild, args  # a cloudpickle that keeps file names (or builds code otherwise)
+                return _make_code, (args, code.co_filename, self.source_lines(code))
+
+            def source_lines(self, code) -> tuple | None:
+                """`(lineno, text)` for the lines `code` spans (its nested code objects ship their own)."""
+                filename = code.co_filename
+                shipped = self.shipped.setdefault(filename, set())
+                numbers = {code.co_firstlineno} | {line for _, _, line in code.co_lines() if line}
+                lines = []
+                for lineno in sorted(numbers - shipped):
+                    text = linecache.getline(filename, lineno)
+                    if text:
+                        lines.append((lineno, text))
+                shipped |= numbers
+                return tuple(lines) or None
+
+        _PICKLER = Pickler
+    return _PICKLER
