@@ -1,5 +1,6 @@
 """The package around the core: no torch on import, the command line, the example."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,6 @@ def test_soma_demo_runs_local_against_the_executor():
     assert out.returncode == 0, out.stderr
     assert "Executor (threads, one process)" in out.stdout and "Local    (" in out.stdout
     assert "speed-up:" in out.stdout and "-m soma.worker" in out.stdout
+    assert re.search(r"speed-up: \d+\.\d\dx \(median of 7 rounds, range \d+\.\d\dx-\d+\.\d\dx; the limit here is \dx\)",
+                     out.stdout), out.stdout
+    assert "while it ran, other programs used " in out.stdout
