@@ -28,6 +28,11 @@ def _run_example(name: str) -> int:
     saved, sys.argv = sys.argv, [str(path)]  # the example sees its own argv, not the `soma` command's
     try:
         runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as stop:  # the example's own exit status is the command's (2: it lacks what it needs)
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
     finally:
         sys.argv = saved
     return 0
@@ -45,6 +50,13 @@ def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None
         print(f"soma: the benchmarks folder {_beside_package('benchmarks')} is not there (benchmarks/ ships with the source "
               f"checkout)", file=sys.stderr)
         return 2
+    flags = (["--quick"] if quick else []) + (["--smoke"] if smoke else [])
+    given = " ".join(flags + (["--json", json_path] if json_path else []))
+    if name is None and given:
+        # A flag is an order to run something: never ignore it by listing (docs/design.md says why not run all).
+        print(f"soma: `soma bench {given}` names no benchmark: write `soma bench NAME {given}` or "
+              f"`soma bench all {given}` (each in turn, minutes); benchmarks: {', '.join(names)}", file=sys.stderr)
+        return 2
     if name not in names + ["all"]:
         out = sys.stdout if name is None else sys.stderr
         if name is not None:
@@ -52,7 +64,6 @@ def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None
         print("benchmarks: " + ", ".join(names) + ", or all (each in turn)\n"
               "usage: soma bench NAME [--quick] [--smoke] [--json FILE]", file=out)
         return 0 if name is None else 2
-    flags = (["--quick"] if quick else []) + (["--smoke"] if smoke else [])
     if name != "all":
         return _run_one_benchmark(name, flags + (["--json", json_path] if json_path else []))
     return _run_all_benchmarks(names, flags, json_path)
