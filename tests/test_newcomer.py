@@ -1,6 +1,10 @@
 """What a newcomer trips over in the first ten minutes (issue 13): messages that say what went wrong, exactly."""
 
+import importlib.util
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +115,68 @@ def test_every_forward_that_takes_x_and_ctx_is_accepted_and_runs():
     g = Graph.somatize(CtxDefault() | Star() | Rest() | Static() | soma.fn(upper))
     assert g.run("a") == (("default", "a"), ("star", "a"), ("rest", "a"), ("static", "a"), "A")
     assert Graph.somatize(Builtin()).nodes() == ["builtin"]
+
+
+# -- the README, pasted as it is ---------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_the_readmes_first_snippet_runs_as_pasted_and_prints_what_its_comments_say():
+    first = readme_blocks("python")[0]
+    done = subprocess.run([sys.executable, "-c", first], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    promised = [line.split("# ", 1)[1] for line in first.splitlines() if line.startswith("print(")]
+    assert done.stdout.splitlines() == promised
+
+
+def test_the_seed_example_follows_it_and_builds_without_a_gpu():
+    first, second = readme_blocks("python")[:2]
+    assert 'Encoder().on("cuda:0") | Other().on("cuda:1")' in second
+    namespace: dict = {}
+    exec(compile(first + second, "README.md", "exec"), namespace)  # prints the first snippet's lines again
+    g = namespace["g"]
+    assert g.nodes() == ["tokenize", "encoder", "other", "join"]
+    assert g.devices() == {"encoder": "cuda:0", "other": "cuda:1"}
+    assert str(g.plan()) == "tokenize >> (encoder | other) >> join"
+
+
+def test_numpy_comes_wherever_torch_does():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in ("torch", "test"):
+        assert any(r.startswith("torch") for r in extras[name]) and "numpy" in extras[name], name
+    installs = [line for block in readme_blocks("bash") for line in block.splitlines() if "torch==" in line]
+    installs += re.findall(r"`(pip install torch[^`]*)`", (ROOT / "README.md").read_text())
+    assert installs and all("pip install torch==2.13.0 numpy" in line for line in installs), installs
+
+
+# -- soma demo: a speed-up a newcomer can trust ---------------------------------------------------------
+
+def load_demo():
+    spec = importlib.util.spec_from_file_location("gil_demo", ROOT / "examples" / "gil_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_says_when_other_programs_took_the_cores():
+    demo = load_demo()
+    assert demo.machine_report((3.0, 0.0), 2) == [
+        "", "while it ran, other programs used 3% of a core and the hypervisor stole 0% (of 2 cores: 200%)"]
+    assert demo.machine_report((60.0, 5.0), 2)[2] == (
+        "Other programs took the cores during this run (65% of a core on average): the speed-up above is lower "
+        "than this machine gives when it is quiet. Run `soma demo` again when it is.")
+    assert demo.machine_report(None, 2) == []  # no /proc/stat: nothing to say
+
+
+def test_the_demo_alternates_which_contender_goes_first():
+    demo, order = load_demo(), []
+    samples = demo.alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3)
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert [len(v) for v in samples.values()] == [3, 3] and all(t >= 0 for v in samples.values() for t in v)
