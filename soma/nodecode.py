@@ -22,7 +22,6 @@ is an ordinary pickle: `loads` is `pickle.loads`, and a worker that calls
 from __future__ import annotations
 
 import io
-import linecache
 import os
 import pickle
 import types
@@ -54,6 +53,8 @@ def _remember_lines(filename: str, lines: tuple) -> None:
     """Give `linecache` the shipped `(lineno, text)` pairs of a file that cannot be read here."""
     if os.path.isfile(filename):
         return  # the same file as the host's (Local runs on this machine): linecache reads it as usual
+    import linecache  # here, not at the top: a worker that loads a node pays only for what it uses
+
     entry = linecache.cache.get(filename)
     known = list(entry[2]) if entry is not None and len(entry) == 4 else []
     for lineno, text in lines:
@@ -67,9 +68,11 @@ _PICKLER = None
 
 
 def _pickler_class():
-    """cloudpickle's Pickler, with by-value code objects reduced by `_reduce_code` (made once)."""
+    """cloudpickle's Pickler, with each by-value code object rebuilt by `_make_code` (the class is made once)."""
     global _PICKLER
     if _PICKLER is None:
+        import linecache
+
         import cloudpickle
 
         base_reduce = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
