@@ -178,7 +178,7 @@ def measure_echo(suite: h.Suite, c: Contenders, sizes: dict) -> None:
             "torch_queue": c.ask_queue("make", numel)[0],
         }
         back = c.local.run(g, received["local"])
-        if nbytes >= soma.wire.INLINE_LIMIT:  # below it tensors travel inline, as copies
+        if nbytes >= soma.codec.INLINE_LIMIT:  # below it tensors travel inline, as copies
             assert back.untyped_storage().data_ptr() == received["local"].untyped_storage().data_ptr()
         del back
         calls[f"local/{size}"] = lambda t=received["local"]: h.timed(c.local.run, g, t)[0]

@@ -34,10 +34,11 @@ _NAMES = {
     "PlacementError": "soma.errors",
     "NodeError": "soma.errors",
     "PostconditionError": "soma.errors",
+    "SharedMemoryFull": "soma.errors",
     "WorkerDied": "soma.errors",
     "RunTimeout": "soma.errors",
 }
-_MODULES = {"plan", "torch", "wire", "errors"}
+_MODULES = {"plan", "torch", "protocol", "codec", "errors"}
 
 
 def __getattr__(name: str):

@@ -1,11 +1,12 @@
 """Every failure a user can hit, named by who caused it.
 
-The node's fault: `NodeError` and its `PostconditionError`.
+The node's fault: `NodeError`, its `PostconditionError` and `SharedMemoryFull`.
 The circumstances' fault: `WorkerDied`, `RunTimeout`.
 The declaration's fault: `DeviceError`, `GraphError`, `PlacementError`.
 
-Each message names the node, worker or device it is about. Every exception
-pickles with its attributes (they cross processes in `Local` and `Ray`).
+Each message names the node, worker or device it is about. Errors of one input
+of a `map` carry that input's position as `.index` (None elsewhere). Every
+exception pickles with its attributes (they cross processes in `Local` and `Ray`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from __future__ import annotations
 
 class SomaError(Exception):
     """Base of every error soma raises."""
+
+    index = None  # the input's position, when the error belongs to one input of a map
+
+    def __reduce__(self):
+        # Rebuilt without calling __init__: every attribute (.node, .index, __notes__, ...) travels as it is.
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
 
 
 class DeviceError(SomaError, ValueError):
@@ -24,15 +31,12 @@ class GraphError(SomaError, ValueError):
 
 
 class PlacementError(SomaError):
-    """A placement cannot be honoured by the runner (no worker serves the device)."""
+    """A placement cannot be honoured by the runner (no worker serves the device, or this machine lacks it)."""
 
     def __init__(self, message: str, *, node: str | None = None, devices: tuple = ()):
         super().__init__(message)
         self.node = node
         self.devices = tuple(devices)
-
-    def __reduce__(self):
-        return (_rebuild, (type(self), self.args, dict(node=self.node, devices=self.devices)))
 
 
 class NodeError(SomaError):
@@ -47,9 +51,10 @@ class NodeError(SomaError):
         self.node = node
         self.remote_traceback = remote_traceback
 
-    def __reduce__(self):
-        return (_rebuild, (type(self), (self.node, self.args[0]),
-                           dict(remote_traceback=self.remote_traceback)))
+    @classmethod
+    def failed(cls, node: str, reason: str, **kwargs) -> "NodeError":
+        """The error with soma's one wording for it: "node `x` failed: <reason>"."""
+        return cls(node, f"node `{node}` failed: {reason}", **kwargs)
 
 
 class RemoteTraceback(Exception):
@@ -73,8 +78,17 @@ class PostconditionError(NodeError):
         self.declared = declared
         self.actual = actual
 
-    def __reduce__(self):
-        return (type(self), (self.node, self.declared, self.actual))
+
+class SharedMemoryFull(NodeError):
+    """A tensor of a node's input or output could not be given shared memory (`/dev/shm` is full)."""
+
+    @classmethod
+    def reserving(cls, node: str, nbytes: int, what: str) -> "SharedMemoryFull":
+        return cls.failed(
+            node,
+            f"shared memory is full: could not reserve {_size(nbytes)} in /dev/shm for {what}. Free space in "
+            f"/dev/shm (`df -h /dev/shm` shows it), or give it more (in docker: `--shm-size=8g`)",
+        )
 
 
 class WorkerDied(SomaError):
@@ -86,20 +100,14 @@ class WorkerDied(SomaError):
         self.pid = pid
         self.node = node
 
-    def __reduce__(self):
-        return (_rebuild, (type(self), self.args,
-                           dict(worker=self.worker, pid=self.pid, node=self.node)))
-
 
 class RunTimeout(SomaError, TimeoutError):
     """A run's `timeout` expired; `.nodes` are the nodes that were still running."""
 
-    def __init__(self, message: str, *, nodes: tuple = ()):
+    def __init__(self, message: str, *, nodes: tuple = (), waiting: tuple = ()):
         super().__init__(message)
         self.nodes = tuple(nodes)
-
-    def __reduce__(self):
-        return (_rebuild, (type(self), self.args, dict(nodes=self.nodes)))
+        self.waiting = tuple(waiting)
 
 
 def traceback_text(exc: BaseException) -> str:
@@ -109,5 +117,15 @@ def traceback_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
-def _rebuild(cls, args, kwargs):
-    return cls(*args, **kwargs)
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _restore(cls, args, state):
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err

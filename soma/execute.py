@@ -1,10 +1,14 @@
-"""Running a plan in one process: the interpreter the in-process `Executor` and every
-`Local` worker share, so the two cannot disagree about what a node's output is.
+"""Running a plan in one process: the interpreter the in-process `Executor`, every `Local`
+worker and every Ray actor share, so they cannot disagree about what a node's output is.
 
-    run_plan(plan, x) ─ Step ─ invoke(node) ─ forward(x, ctx) ─ Done? ─ postcondition ─ unwrap
-                      ├ Seq  ─ items in order, each on the previous output
-                      └ Wave ─ one thread per branch, each branch whole on its thread;
-                               wait for every branch, then raise the first failure in branch order
+    run(plan, x) ─ Step ─ invoke(node) ─ [setup once] ─ forward(x, ctx) ─ Done? ─ postcondition ─ unwrap
+                 ├ Seq  ─ items in order, each on the previous output
+                 └ Wave ─ one thread per branch, each branch whole on its thread;
+                          wait for every branch, then raise the first failure in branch order
+
+A node object runs one input at a time, whoever calls it: `invoke` holds the
+node's own lock around `setup` and `forward`, so a node needs no locks of its own
+(SPEC 2, "Copies").
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
+import weakref
 
 from .ctx import Ctx
-from .errors import NodeError, SomaError, traceback_text
+from .errors import NodeError, SharedMemoryFull, SomaError, traceback_text
 from .plan import Plan, Seq, Step, Wave
 from .postcondition import check_postcondition
 from .values import Done, unwrap
@@ -34,15 +40,20 @@ def count_in(counts: dict, key, delta: int) -> None:
 
 
 class RunState:
-    """What one run shares across its threads: the nodes running now, and a cancel flag."""
+    """What one run (one input) shares across its threads: the nodes running now, and a cancel flag.
 
-    __slots__ = ("running", "cancelled", "_lock", "_observer")
+    `observer.enter(unit, node)` / `.leave(unit, node)`, when given, hear of every node
+    (a worker publishes what runs on its status page, for the host to read when it dies).
+    """
 
-    def __init__(self, observer=None):
+    __slots__ = ("running", "cancelled", "unit", "_lock", "_observer")
+
+    def __init__(self, observer=None, unit: int = 0):
         self.running: dict[str, int] = {}
         self.cancelled = False
+        self.unit = unit
         self._lock = threading.Lock()
-        self._observer = observer  # a worker publishes what runs, for the host to read when it dies
+        self._observer = observer
 
     def enter(self, node_id: str) -> None:
         if self.cancelled:
@@ -50,17 +61,77 @@ class RunState:
         with self._lock:
             count_in(self.running, node_id, +1)
         if self._observer is not None:
-            self._observer.enter(node_id)
+            self._observer.enter(self.unit, node_id)
 
     def leave(self, node_id: str) -> None:
         with self._lock:
             count_in(self.running, node_id, -1)
         if self._observer is not None:
-            self._observer.leave(node_id)
+            self._observer.leave(self.unit, node_id)
 
     def running_now(self) -> tuple[str, ...]:
         with self._lock:
             return tuple(self.running)
+
+
+class _Guard:
+    """A node object's lock (one input at a time) and whether its `setup` has run."""
+
+    __slots__ = ("lock", "ready", "__weakref__")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ready = False
+
+
+_guards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_pinned_guards: dict = {}  # nodes that cannot be weakly referenced: kept as long as the process
+_guards_lock = threading.Lock()
+
+
+def guard_of(node) -> _Guard:
+    try:
+        return _guards[node]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable (__slots__ without __weakref__)
+        found = _pinned_guards.get(id(node))
+        if found is not None and found[0] is node:
+            return found[1]
+    with _guards_lock:
+        try:
+            return _guards.setdefault(node, _Guard())
+        except TypeError:
+            found = _pinned_guards.get(id(node))
+            if found is None or found[0] is not node:
+                found = _pinned_guards[id(node)] = (node, _Guard())
+            return found[1]
+
+
+def on_threads(calls: list) -> list:
+    """Run each zero-argument call on a thread of its own; wait for all of them.
+
+    Returns one `(True, value)` or `(False, exception)` per call, in order: a failure
+    waits for its siblings, and no thread is left behind. Threads inherit torch's
+    grad and inference mode from this one.
+    """
+    results: list = [None] * len(calls)
+    inherit = _thread_modes()
+
+    def one(i: int) -> None:
+        try:
+            with inherit():
+                results[i] = (True, calls[i]())
+        except BaseException as exc:  # every failure waits for the siblings
+            results[i] = (False, exc)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"soma-branch-{i}", daemon=True)
+               for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def _thread_modes():
@@ -88,7 +159,11 @@ class Runner:
 
     `nodes`: id → Node. `devices`: id → device string for placed nodes.
     `worker`: the worker id for `ctx.worker` (None in-process). `allocate`: the
-    worker's shared arena for `ctx.empty`.
+    worker's shared arena for `ctx.empty`. `remote`: in a worker, where the
+    exception may not travel: keep its traceback text, and turn `SystemExit` and
+    `KeyboardInterrupt` raised by a node into its `NodeError` too (in-process they
+    are the user's own Ctrl-C and exit, and pass through). `on_thread`: called
+    first on every branch thread (a worker pins its CUDA device).
     """
 
     def __init__(self, nodes, devices: dict, worker: str | None = None, allocate=None, remote: bool = False,
@@ -97,69 +172,111 @@ class Runner:
         self.devices = devices
         self.worker = worker
         self.allocate = allocate
-        self.remote = remote  # in a worker: keep traceback text, the cause may not travel
-        self.on_thread = on_thread  # called first on every branch thread (a worker pins its CUDA device)
+        self.remote = remote
+        self.on_thread = on_thread
+        self._caught = BaseException if remote else Exception
 
-    def run(self, plan: Plan, x, state: RunState | None = None):
+    def run(self, plan: Plan, x, state: RunState | None = None, spans: list | None = None):
+        """Run `plan` on `x`. With `spans`, append `[node, start ns, end ns, thread id, outcome]` per node."""
         state = state if state is not None else RunState()
         if type(plan) is Step:
-            return self.invoke(plan.id, x, state)
+            return self.invoke(plan.id, x, state, spans)
         if type(plan) is Seq:
             for item in plan.items:
-                x = self.run(item, x, state)
+                x = self.run(item, x, state, spans)
             return x
-        return self.run_wave(plan, x, state)
+        return self.run_wave(plan, x, state, spans)
 
-    def run_wave(self, wave: Wave, x, state: RunState):
+    def run_wave(self, wave: Wave, x, state: RunState, spans: list | None):
         """Every branch whole on its own thread; all of them are waited for before raising."""
-        results: list = [None] * len(wave.branches)
-        failures: list = [None] * len(wave.branches)
-        inherit = _thread_modes()
+        on_thread = self.on_thread
 
-        def branch(i: int, plan: Plan) -> None:
-            try:
-                with inherit():
-                    if self.on_thread is not None:
-                        self.on_thread()
-                    results[i] = self.run(plan, x, state)
-            except BaseException as exc:  # every failure waits for the siblings
-                failures[i] = exc
+        def branch(plan):
+            def call():
+                if on_thread is not None:
+                    on_thread()
+                return self.run(plan, x, state, spans)
+            return call
 
-        threads = [
-            threading.Thread(target=branch, args=(i, b), name=f"soma-branch-{i}", daemon=True)
-            for i, b in enumerate(wave.branches)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        errors = [f for f in failures if f is not None]
+        outcomes = on_threads([branch(b) for b in wave.branches])
+        errors = [value for ok, value in outcomes if not ok]
         if errors:
             first = next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
             for other in errors:
-                if other is not first and not isinstance(other, Cancelled) and hasattr(first, "add_note"):
+                if other is not first and not isinstance(other, Cancelled):
                     first.add_note(f"another branch of the same wave also failed: {other}")
             raise first
-        return tuple(results)
+        return tuple(value for _, value in outcomes)
 
-    def invoke(self, node_id: str, x, state: RunState):
-        """Run one node: forward, check it returned Done, check the postcondition, unwrap."""
+    def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):
+        """Run one node: setup once, forward, check it returned Done, check the postcondition, unwrap."""
         node = self.nodes[node_id]
         device = self.devices.get(node_id)
         ctx = Ctx(node_id, device, self.worker, self.allocate)
+        guard = guard_of(node)
         state.enter(node_id)
+        start = time.monotonic_ns() if spans is not None else 0
+        outcome = "ok"
         try:
-            try:
-                out = node.forward(x, ctx)
-            except Exception as exc:
-                raise self.node_failed(node_id, exc) from exc
+            with guard.lock:  # one input at a time per node object
+                if not guard.ready:
+                    self.setup(node, node_id, ctx)
+                    guard.ready = True
+                try:
+                    out = node.forward(x, ctx)
+                except self._caught as exc:
+                    raise self.node_failed(node_id, exc, device=device) from exc
+            if type(out) is not Done:
+                raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
+            check_postcondition(node_id, device, out.value)
+        except BaseException as exc:
+            outcome = type(exc).__name__
+            raise
         finally:
             state.leave(node_id)
-        if type(out) is not Done:
-            raise NodeError(node_id, f"node `{node_id}` failed: forward returned {type(out).__name__}, not Done")
-        check_postcondition(node_id, device, out.value)
+            if spans is not None:
+                spans.append([node_id, start, time.monotonic_ns(), threading.get_native_id(), outcome])
         return unwrap(out.value)
 
-    def node_failed(self, node_id: str, exc: BaseException) -> NodeError:
+    def setup(self, node, node_id: str, ctx: Ctx) -> None:
+        """`node.setup(ctx)`, once per node object, before its first forward (when the node defines it)."""
+        setup = getattr(node, "setup", None)
+        if setup is None:
+            return
+        try:
+            setup(ctx)
+        except self._caught as exc:
+            err = self.node_failed(node_id, exc, doing="setup raised")
+            raise err from exc
+
+    def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:
+        """The NodeError for an exception a node raised (a full /dev/shm has its own)."""
+        from .shm import ShmFull
+
+        if isinstance(exc, ShmFull):
+            return SharedMemoryFull.reserving(node_id, exc.nbytes, "a tensor it made with ctx.empty")
         text = traceback_text(exc) if self.remote else None
-        return NodeError(node_id, f"node `{node_id}` failed: {type(exc).__name__}: {exc}", remote_traceback=text)
+        what = f"{doing} {type(exc).__name__}" if doing else type(exc).__name__
+        missing = missing_device(device)
+        if missing:
+            what = f"it is placed on `{device}`, but {missing}; {what}"
+        return NodeError.failed(node_id, f"{what}: {exc}", remote_traceback=text)
+
+
+def missing_device(device: str | None) -> str | None:
+    """Why this process cannot reach `device` (a `cuda:N`), or None when it can or it is not CUDA.
+
+    Asked only once a placed node has failed: the placement alone is no error (a node
+    placed on cuda:0 that makes no tensors runs anywhere, and tests rely on that).
+    """
+    if not device or not device.startswith("cuda"):
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "torch is not imported in this process, so no CUDA device is in use here"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return "this machine has no CUDA device (torch.cuda.is_available() is False)"
+    if int(device.split(":")[1]) >= count:
+        return f"this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})"
+    return None

@@ -23,7 +23,7 @@ Who frees what, and when (the rules `docs/local.md` explains at length):
 * When the pool closes, or a worker dies, its files are unlinked. Mappings
   survive an unlink, so results a caller still holds stay valid after `close()`.
 
-Small tensors do not use segments (see `soma.wire`): a segment per 0-d tensor
+Small tensors do not use segments (see `soma.codec`): a segment per 0-d tensor
 would cost more than the bytes.
 """
 
@@ -72,6 +72,17 @@ def unlink_all(prefix: str, owner: int | None = None, keep: set | frozenset = fr
 
 class ShmError(RuntimeError):
     """A handle names a segment this process must not or cannot map."""
+
+
+class ShmFull(MemoryError):
+    """`/dev/shm` could not reserve a segment; `nbytes` is what was asked for.
+
+    Whoever knows which node the tensor belongs to turns it into `SharedMemoryFull`.
+    """
+
+    def __init__(self, nbytes: int, why: str):
+        super().__init__(f"shared memory is full: could not reserve {nbytes} bytes in {SHM_DIR} ({why})")
+        self.nbytes = nbytes
 
 
 class _Segment:
@@ -163,10 +174,7 @@ class SegmentStore:
         except OSError as err:
             os.close(fd)
             unlink_quietly(name)
-            raise MemoryError(
-                f"shared memory is full: could not reserve {size} bytes in {SHM_DIR} ({err.strerror}); "
-                f"free some, or make /dev/shm larger"
-            ) from None
+            raise ShmFull(size, err.strerror) from None
         os.close(fd)
         base = self._torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
         seg = _Segment(name, size, base)

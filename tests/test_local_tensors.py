@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from soma import Graph, NodeError  # noqa: E402
-from soma.wire import INLINE_LIMIT  # noqa: E402
+from soma import Graph, NodeError, SharedMemoryFull  # noqa: E402
+from soma.codec import INLINE_LIMIT  # noqa: E402
 from tests.conftest import shm_names  # noqa: E402
 from tests.nodes import (  # noqa: E402
     Double, Identity, InPlaceAdd, MakeTensor, Obeys, RequiresGradOutput, Shared, Slice, WrapInHolder,
@@ -149,8 +149,8 @@ def test_shared_memory_that_runs_out_is_an_error_naming_the_node(local, monkeypa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)  # the host's next segment cannot be reserved
-    with pytest.raises(NodeError, match=r"^node `identity` failed: its input could not be put in shared memory: "
-                                        r"MemoryError: shared memory is full"):
+    with pytest.raises(SharedMemoryFull, match=r"^node `identity` failed: shared memory is full: could not reserve "
+                                               r"[\d.]+ [KMG]iB in /dev/shm for its input\. Free space in /dev/shm"):
         local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))
     monkeypatch.undo()
     assert float(local.run(Graph.somatize(Identity()), torch.ones(BIG)).sum()) == BIG  # and nothing is lost

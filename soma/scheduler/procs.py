@@ -9,11 +9,12 @@ import sys
 import threading
 import time
 
-from .. import wire
+from ..protocol import SECRET_ENV
+from ..status import StatusPage
 
 
 class WorkerProcess:
-    """One incarnation of a worker slot: its process, its readiness, the node code it holds."""
+    """One incarnation of a worker slot: its process, its readiness, what it has been sent."""
 
     def __init__(self, slot: int, device: str, proc: subprocess.Popen, status_path: str):
         self.slot = slot
@@ -26,7 +27,8 @@ class WorkerProcess:
         self.ready = threading.Event()  # set by its HELLO
         self._checked = 0.0
         self.retired = False  # its death has been handled
-        self.loaded: set[int] = set()  # node keys whose code it has
+        self.loaded: set[int] = set()  # node keys whose code it has been sent
+        self.pieces: set[int] = set()  # piece ids whose spec it has been sent
         self.forget: list[int] = []  # keys of nodes gone on the host, to tell it with its next task
         self._status = None
 
@@ -53,13 +55,13 @@ class WorkerProcess:
             return f"was killed by signal {-code} ({name}{hint})"
         return f"exited with code {code}"
 
-    def running_nodes(self) -> list[str]:
-        """What its status page says it was running (readable after it died)."""
+    def running(self) -> list[tuple[int, str]]:
+        """`(unit id, node id)` its status page says it is (or was, when it died) running."""
         try:
             if self._status is None:
-                self._status = wire.StatusPage(self.status_path, create=False)
+                self._status = StatusPage(self.status_path, create=False)
             return self._status.read()
-        except OSError:
+        except (OSError, ValueError):
             return []
 
     def kill(self) -> None:
@@ -97,7 +99,7 @@ def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: byt
     if preload_torch:
         argv.append("--preload-torch")
     env = dict(os.environ)
-    env[wire.SECRET_ENV] = secret.hex()  # readable only by this user, in /proc/<pid>/environ (0400)
+    env[SECRET_ENV] = secret.hex()  # readable only by this user, in /proc/<pid>/environ (0400)
     env["SOMA_SYS_PATH"] = os.pathsep.join(p if p else os.getcwd() for p in sys.path)
     # Its share of the cores: two processes each using every core run 1.5-3x slower here.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):

@@ -1,9 +1,12 @@
 """The nodes a pool has seen: their keys, their pickled code, and which of them the host has let go.
 
 A node's key is its identity for the pool: its code travels once per worker under
-that key, and a node used by two graphs is one node with one state. When the
-host's node object is garbage collected no graph can run it again, so its key is
-queued for the workers to forget.
+that key, and a node used by two graphs is one node with one state. Its code is
+pickled once, when a graph that holds it is first compiled for this pool: every
+copy is made from the node as it was then (and a node that cannot be pickled is
+an error before anything is sent). When the host's node object is garbage
+collected no graph can run it again, so its key is queued for the workers to
+forget.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ class NodeRegistry:
             try:
                 entry[1] = cloudpickle.dumps(entry[0]())
             except Exception as err:
-                raise NodeError(node_id, f"node `{node_id}` failed: it cannot be sent to a worker: "
-                                         f"{type(err).__name__}: {err} (keep unpicklable things such as locks, "
-                                         f"sockets and open files out of the node, or create them in forward)") from err
+                raise NodeError.failed(node_id, f"it cannot be sent to a worker: {type(err).__name__}: {err} (keep "
+                                                f"unpicklable things such as locks, sockets and open files out of "
+                                                f"the node, or create them in setup)") from err
         return entry[1]
 
     def take_dead(self) -> list[int]:

@@ -3,27 +3,42 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
+from collections import deque
 
-import msgpack
 import zmq
 
-from .. import wire
+from .. import codec, protocol, transport
 from .._log import warn
-from ..errors import NodeError, PostconditionError, traceback_text
-from ..execute import RunState, Runner, count_in
-from ..plan import Seq, Step, Wave, last_step
+from ..errors import NodeError, SharedMemoryFull, traceback_text
+from ..execute import RunState, Runner
+from ..plan import last_step
+from ..protocol import Cancel, Free, Outcome, Result, Stop, Task
+from ..shm import ShmFull, unlink_all
+from ..status import StatusPage
 
-
-POLL_MS = 200  # how long the leading thread waits on the socket before looking around
+POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 WATCHDOG_S = 0.5
-PROMOTE_S = 0.002  # a task running longer than this on the leading thread hands the lead to a follower
-TICK_S = 0.002  # how often a follower looks, while tasks keep coming (a wakeup each: not too often)
-ACTIVE_S = 0.1  # after this long without a task, followers sleep until the next one
-PLAN_CACHE = 1024  # branch specs kept decoded
+PROMOTE_S = 0.002  # a receiver that has run units this long hands the receiving to a follower
+TICK_S = 0.002  # how often a follower looks, while units keep coming (a wakeup each: not too often)
+ACTIVE_S = 0.1  # after this long without a unit, followers sleep until the next one
+FLUSH_S = 0.001  # outcomes of short units wait at most this long to travel together
+MAX_THREADS = 64  # serving threads: one per piece running at once, and one receiving
+
+
+class Lane:
+    """The units of one piece waiting in this worker: run in arrival order, by one thread at a time."""
+
+    __slots__ = ("piece", "units", "busy")
+
+    def __init__(self, piece: int):
+        self.piece = piece
+        self.units: deque = deque()
+        self.busy = False  # a thread is running its units
 
 
 class Worker:
@@ -34,8 +49,9 @@ class Worker:
         self.host_pid = args.host_pid
         self.prefix = args.prefix
         self.arena = args.arena
+        self.run_dir = os.path.dirname(args.status)
         self.secret = secret
-        self.zctx = wire.context()
+        self.zctx = transport.context()
         self.inbox = self.zctx.socket(zmq.DEALER)
         # One identity per incarnation: a ROUTER ignores a new peer that reuses an identity it still
         # has registered, so a replacement named like the worker it replaces would never get a task.
@@ -49,22 +65,27 @@ class Worker:
         self.outbox.setsockopt(zmq.SNDHWM, 0)
         self.outbox.setsockopt(zmq.RECONNECT_IVL, 5)
         self.outbox.connect(args.results)
-        self.receiver = wire.Receiver(self.inbox)
+        self.receiver = transport.Receiver(self.inbox)
         self.send_lock = threading.Lock()
-        self.lead_cv = threading.Condition()
-        self.leader = None  # the thread that receives now
-        self.busy_since = None  # when the leading thread started running a task itself
-        self.active_until = 0.0  # followers tick until then (tasks came recently)
-        self.followers_asleep = 0
-        self.serving_threads = 1
+        # Who does what (all under `cv`): one thread receives; threads take runnable lanes.
+        self.cv = threading.Condition()
+        self.receiving = None  # the thread that receives now
+        self.receiver_busy_since = None  # when that thread went off to run units itself
+        self.runnable: deque = deque()  # lanes with units and nobody running them
+        self.lanes: dict[int, Lane] = {}
+        self.active_until = 0.0  # followers tick until then (units came recently)
+        self.idle = 0  # threads asleep on cv
+        self.running = 0  # threads running a lane
+        self.serving = 1
         self.stopping = threading.Event()
-        self.nodes: dict[int, object] = {}  # node key → the node object (its state lives here)
+        self.cancelled: set = set()  # unit ids the host no longer wants (dropped unless started)
+        # What this worker knows: node code, nodes, pieces.
         self.blobs: dict[int, bytes] = {}  # node key → code received and not loaded yet
+        self.nodes: dict[int, object] = {}  # node key → the node object (its copy lives here)
+        self.specs: dict[int, bytes] = {}  # piece id → spec
+        self.pieces: dict[int, tuple] = {}  # piece id → (plan, steps, runner), once its nodes are loaded
         self.load_lock = threading.Lock()
-        self.plans: dict[bytes, tuple] = {}  # branch spec → (plan, ids → keys, devices)
-        self.status = wire.StatusPage(args.status, create=True)
-        self.status_lock = threading.Lock()
-        self.now_running: dict[str, int] = {}
+        self.status = StatusPage(args.status, create=True)
         self.store = None
         self.store_lock = threading.Lock()
         self.torch_ready = False
@@ -76,24 +97,24 @@ class Worker:
     def serve(self) -> int:
         signal.signal(signal.SIGTERM, self.terminated)
         threading.Thread(target=self.watch_host, name="soma-watchdog", daemon=True).start()
-        self.send([wire.HELLO, self.id, os.getpid(), self.device])
+        self.send(protocol.Hello(self.id, os.getpid(), self.device))
         if self.preload_torch:
             # After HELLO, not before: importing torch takes a second or more, and the pool is ready
-            # without it. A task that needs torch meanwhile waits on the import, as it would anyway.
+            # without it. A unit that needs torch meanwhile waits on the import, as it would anyway.
             threading.Thread(target=self.setup_torch, name="soma-torch", daemon=True).start()
         try:
-            self.lead_and_run()
+            self.serve_forever()
         finally:
             self.finish()
         return 0
 
     def watch_host(self) -> None:
-        """Exit soon after the host is gone (our parent changes when it dies)."""
+        """Exit soon after the host is gone (our parent changes when it dies), cleaning up after it."""
         while not self.stopping.wait(WATCHDOG_S):
             if os.getppid() != self.host_pid:
-                from ..shm import unlink_all
-
-                unlink_all(self.prefix)  # the host cannot clean up any more; whoever notices does
+                # The host cannot clean up any more: whoever notices does (several workers may; all is idempotent).
+                unlink_all(self.prefix)
+                shutil.rmtree(self.run_dir, ignore_errors=True)
                 os._exit(0)
 
     def terminated(self, signum, _frame) -> None:
@@ -115,184 +136,273 @@ class Worker:
         self.status.close()
         os._exit(0)
 
-    # -- receiving: the lead, and who takes it when a task runs long ------------------------------
-    def lead_and_run(self) -> None:
-        """Every serving thread runs this: lead (receive and run what arrives) or wait to take the lead.
+    # -- serving: one thread receives, the others run lanes ----------------------------------------
+    def serve_forever(self) -> None:
+        """What every serving thread runs: run a lane that waits, or receive, or wait for either.
 
-        The thread that receives a task runs it itself and keeps the lead: no hand-off
-        between threads on a task's way, which costs as much as the task itself for a
-        small one. Only when a task runs longer than PROMOTE_S does a follower take the
-        lead, so tasks of concurrent runs are still received while a long one runs.
-        Followers tick every TICK_S while tasks keep coming and sleep untimed when the
-        worker is idle, so an idle worker uses no CPU.
+        The thread that receives units runs them itself and keeps receiving afterwards:
+        no hand-off between threads on a unit's way, which costs as much as a small unit.
+        Only when it has been running units for longer than PROMOTE_S does a follower
+        take over receiving, so units of other inputs and pieces are still received.
+        Other runnable lanes (another piece, a wave's other branch) go to idle threads
+        at once. Followers tick every TICK_S while units keep coming, and sleep untimed
+        when the worker is idle, so an idle worker uses no CPU.
         """
         me = threading.current_thread()
         while not self.stopping.is_set():
-            with self.lead_cv:
-                while self.leader is not None and self.leader is not me:
+            lane = None
+            with self.cv:
+                while True:
                     if self.stopping.is_set():
                         return
-                    if time.monotonic() < self.active_until:
-                        self.lead_cv.wait(TICK_S)
-                        busy = self.busy_since
-                        if busy is not None and time.monotonic() - busy > PROMOTE_S:
-                            self.leader, self.busy_since = me, None  # the busy thread follows when done
+                    if self.runnable:
+                        lane = self.runnable.popleft()
+                        self.running += 1
+                        break
+                    if self.receiving is None or self.receiving is me:
+                        self.receiving, self.receiver_busy_since = me, None
+                        break
+                    now = time.monotonic()
+                    busy = self.receiver_busy_since
+                    if busy is not None and now - busy > PROMOTE_S:
+                        self.receiving, self.receiver_busy_since = me, None  # the busy one follows when done
+                        break
+                    if now < self.active_until:
+                        self.cv.wait(TICK_S)
                     else:
-                        self.followers_asleep += 1
-                        self.lead_cv.wait()
-                        self.followers_asleep -= 1
-                self.leader = me
+                        self.idle += 1
+                        self.cv.wait()
+                        self.idle -= 1
+            if lane is not None:
+                self.run_lane(lane)
+                with self.cv:
+                    self.running -= 1
+                continue
             message = self.receive()
             if message is None:
                 continue
-            if message[0] == wire.TASK:
-                self.start_task(message)
-            try:
-                self.handle(message)
-            except Exception as err:  # an authentic but malformed message must not take the worker down
-                warn("soma.worker", "soma worker %s: dropped a %s message it could not handle: %s: %s",
-                     self.id, wire.KIND_NAMES.get(message[0]), type(err).__name__, err)
-            finally:
-                if message[0] == wire.TASK:
-                    with self.lead_cv:
-                        if self.leader is me:
-                            self.busy_since = None
-
-    def start_task(self, message: list) -> None:
-        """Before running a task on the leading thread: make sure someone can take the lead."""
-        now = time.monotonic()
-        with self.lead_cv:
-            self.busy_since = now
-            waking = now >= self.active_until
-            self.active_until = now + ACTIVE_S
-            if self.serving_threads < 2:
-                self.serving_threads += 1
-                threading.Thread(target=self.lead_and_run, name="soma-follower", daemon=True).start()
-            elif waking and self.followers_asleep:
-                self.lead_cv.notify()  # the first task after a quiet spell: followers start ticking
+            lane = self.handle(message)
+            if lane is not None:
+                self.run_lane(lane, receiving=True)
+                with self.cv:
+                    self.running -= 1
 
     def receive(self):
-        frames = self.receiver.wait(POLL_MS)
-        message = None if frames is None else wire.unseal(self.secret, frames, "the host")
-        if message is not None and message[0] == wire.TASK:
-            if not well_formed_task(message):
-                warn("soma.worker", "soma worker %s: dropped a malformed TASK message", self.id)
-                return None
-            if message[2]:
-                # Registered while this thread still leads: a later task that counts on this code (the
-                # host sends it once per worker) may run on another thread before this one gets to it.
-                with self.load_lock:
-                    self.blobs.update(message[2])
-        return message
+        frame = self.receiver.wait(POLL_MS)
+        return None if frame is None else protocol.parse(self.secret, frame, "the host")
 
-    def send(self, message: list) -> None:
-        frame = wire.seal(self.secret, message)
+    def handle(self, message):
+        """Act on a message; for a Task, return a lane for this (receiving) thread to run itself."""
+        if isinstance(message, Task):
+            return self.accept(message)
+        if isinstance(message, Free):
+            self.free(message.frees)
+        elif isinstance(message, Cancel):
+            with self.cv:
+                self.cancelled.update(message.units)
+        elif isinstance(message, Stop):
+            self.stopping.set()
+            self.finish()
+        else:
+            warn("soma.worker", "soma worker %s: dropped a %s message a host should not send", self.id,
+                 type(message).__name__)
+        return None
+
+    def accept(self, task: Task):
+        """Register the task's code and pieces, queue its units; this thread takes the first runnable lane."""
+        try:
+            if task.forget:
+                self.forget(task.forget)
+            if task.frees:
+                self.free(task.frees)
+            with self.load_lock:
+                # Registered while this thread still receives: a later unit that counts on this code
+                # (the host sends it once per worker) may run on another thread before this one gets to it.
+                self.blobs.update(task.code)
+                self.specs.update(task.pieces)
+        except Exception as err:  # an authentic but malformed message must not take the worker down
+            warn("soma.worker", "soma worker %s: dropped a malformed Task: %s: %s", self.id, type(err).__name__, err)
+            return None
+        now = time.monotonic()
+        with self.cv:
+            for unit in task.units:
+                lane = self.lanes.get(unit.piece)
+                if lane is None:
+                    lane = self.lanes[unit.piece] = Lane(unit.piece)
+                lane.units.append(unit)
+                if not lane.busy:
+                    lane.busy = True
+                    self.runnable.append(lane)
+            if not self.runnable:
+                return None
+            mine = self.runnable.popleft()
+            self.receiver_busy_since = now
+            waking = now >= self.active_until
+            self.active_until = now + ACTIVE_S
+            # Someone must receive while this thread runs units, and every other runnable lane needs a thread.
+            wanted = 1 + len(self.runnable)
+            free = self.serving - 1 - self.running  # threads other than this one, not running a lane
+            self.running += 1
+            for _ in range(min(wanted - free, MAX_THREADS - self.serving)):
+                self.serving += 1
+                threading.Thread(target=self.serve_forever, name="soma-serving", daemon=True).start()
+            if self.idle and (self.runnable or waking):
+                self.cv.notify(len(self.runnable) + 1)
+        return mine
+
+    def send(self, message) -> None:
+        frame = protocol.pack(self.secret, message)
         with self.send_lock:
             self.outbox.send(frame)
 
-    def handle(self, message: list) -> None:
-        kind = message[0]
-        if kind == wire.TASK:
-            self.run_task(*message[1:])
-        elif kind == wire.FREE:
-            store = self.get_store()
-            for name, n in message[1]:
-                store.free(name, n)
-        elif kind == wire.STOP:
-            self.stopping.set()
-            self.finish()
+    # -- running a lane ------------------------------------------------------------------------------
+    def run_lane(self, lane: Lane, receiving: bool = False) -> None:
+        """Run the lane's units in order until it is empty; outcomes of short units travel together."""
+        outcomes: list = []
+        first_at = 0.0
+        while True:
+            with self.cv:
+                if not lane.units:
+                    lane.busy = False
+                    if receiving and self.receiving is threading.current_thread():
+                        self.receiver_busy_since = None
+                    break
+                unit = lane.units.popleft()
+                cancelled = unit.id in self.cancelled
+                if cancelled:
+                    self.cancelled.discard(unit.id)
+            if cancelled:
+                outcomes.append(Outcome(unit.id, False, {"kind": "cancelled"}, None, 0.0))
+            else:
+                outcomes.append(self.run_unit(unit))
+            now = time.monotonic()
+            if len(outcomes) == 1:
+                first_at = now
+            if now - first_at >= FLUSH_S:
+                self.flush(outcomes)
+                outcomes = []
+        if outcomes:
+            self.flush(outcomes)
 
-    # -- running a task ---------------------------------------------------------------------------
-    def run_task(self, task_id: int, _code: dict, branches: list, payload: bytes, frees: list,
-                 forget: list) -> None:
-        if forget:
-            self.forget(forget)
-        # _code was registered when the message was received (see receive()).
-        if frees:
-            store = self.get_store()
-            for name, n in frees:
-                store.free(name, n)
-        outcomes = self.run_branches(branches, payload)
-        # The input and the outputs are dropped by now: what died is reported with the result.
+    def flush(self, outcomes: list) -> None:
+        # Inputs and outputs of these units are dropped by now: what died is reported with them.
         releases = self.store.releases() if self.store is not None else []
-        self.send([wire.RESULT, self.id, task_id, outcomes, releases])
+        self.send(Result(self.id, os.getpid(), outcomes, releases))
 
-    def run_branches(self, branches: list, payload: bytes) -> list:
-        specs = []
-        for spec in branches:
-            try:
-                specs.append(self.branch(spec))
-            except NodeError as err:
-                return [error_outcome(err)] * len(branches)
-        decoder = wire.Decoder(self.get_store)
+    def run_unit(self, unit) -> Outcome:
+        """Decode the input, run the piece, encode the output: one Outcome, whatever happens.
+
+        The status page names the unit's node all along (its first node while its code
+        loads and its input is decoded, its last while the output is encoded), so a
+        worker that dies at any moment is reported with the node it was busy with.
+        """
+        start = time.perf_counter()
+        spans = [] if unit.traced else None
+        entry = producer = "?"
+        status = self.status
         try:
-            x = decoder.unpack(payload)
-        except Exception as err:
-            first = specs[0][0]
-            entry = next(first.steps())
-            return [error_outcome(NodeError(entry, f"node `{entry}` failed: its input could not be received "
-                                                   f"in worker {self.id}: {type(err).__name__}: {err}"))] * len(specs)
-        self.setup_torch_if_imported()
-        state = RunState(observer=self)
-        if len(specs) == 1:
-            return [self.run_branch(specs[0], x, state)]
-        # Several branches of one wave came to this worker together: each on a thread, as in-process.
-        outcomes: list = [None] * len(specs)
-
-        def one(i):
-            outcomes[i] = self.run_branch(specs[i], x, state)
-
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(1, len(specs))]
-        for t in threads:
-            t.start()
-        one(0)
-        for t in threads:
-            t.join()
-        return outcomes
-
-    def run_branch(self, spec: tuple, x, state: RunState) -> list:
-        plan, nodes, devices = spec
-        runner = Runner(nodes, devices, worker=self.id, allocate=self.allocate, remote=True, on_thread=self.on_thread)
-        self.on_thread()
-        try:
-            value = runner.run(plan, x, state)
+            plan, steps = self.plan(unit.piece)
+            entry, producer = next(plan.steps()), last_step(plan)
+            status.enter(unit.id, entry)
+            runner = self.runner(unit.piece, plan, steps)
+            x = self.decode(unit.payload, entry)
+            self.setup_torch_if_imported()
+            value = runner.run(plan, x, RunState(status, unit.id), spans)
+            del x
+            status.enter(unit.id, producer)
+            body = self.encode(value, producer)
+            ok = True
         except NodeError as err:
-            return error_outcome(err)
-        encoder = wire.Encoder(self.get_store)
-        producer = last_step(plan)
+            ok, body = False, protocol.error_body(err)
+        except BaseException as err:  # never lose a unit: the host is waiting for it
+            err = NodeError.failed(producer if producer != "?" else entry,
+                                   f"worker {self.id} could not run it: {type(err).__name__}: {err}",
+                                   remote_traceback=traceback_text(err))
+            ok, body = False, protocol.error_body(err)
+        finally:
+            status.leave()
+        return Outcome(unit.id, ok, body, spans, time.perf_counter() - start)
+
+    def decode(self, payload: bytes, entry: str):
+        decoder = codec.Decoder(self.get_store)
+        try:
+            return decoder.unpack(payload)
+        except Exception as err:
+            raise NodeError.failed(entry, f"its input could not be received in worker {self.id}: "
+                                          f"{type(err).__name__}: {err}") from None
+
+    def encode(self, value, producer: str) -> bytes:
+        encoder = codec.Encoder(self.get_store)
         try:
             data = encoder.pack(value)
-        except wire.GradCrossing as err:
-            return error_outcome(NodeError(producer, f"node `{producer}` failed: it returned {err}"))
+        except codec.GradCrossing as err:
+            raise NodeError.failed(producer, err.reason("it returned")) from None
+        except ShmFull as err:
+            raise SharedMemoryFull.reserving(producer, err.nbytes, "its output") from None
         except Exception as err:
-            return error_outcome(NodeError(
-                producer, f"node `{producer}` failed: its output cannot be sent back to the host: "
-                          f"{type(err).__name__}: {err} (return plain data, tensors, or picklable objects)"))
+            raise NodeError.failed(
+                producer, f"its output cannot be sent back to the host: {type(err).__name__}: {err} "
+                          f"(return plain data, tensors, or picklable objects)") from None
         if encoder.shared:
             store = self.get_store()
             for name in encoder.shared:
-                store.note_sent(name)
-        return [True, data]
+                store.note_sent(name)  # before the encoder (and the copies it keeps alive) goes
+        return data
 
-    def branch(self, spec: bytes) -> tuple:
-        """The (plan, id → node, id → device) of a branch spec, loading node code it needs."""
-        found = self.plans.get(spec)
-        if found is None:
-            tree = msgpack.unpackb(spec, raw=False, use_list=False)
-            nodes_by_key: dict = {}
-            plan = build_plan(tree, nodes_by_key)
-            found = (plan, nodes_by_key, {nid: dev for nid, (_, dev) in nodes_by_key.items() if dev})
-        plan, keyed, devices = found
-        nodes = {}
-        for nid, (key, _) in keyed.items():
+    # -- pieces and nodes ------------------------------------------------------------------------------
+    def plan(self, piece_id: int) -> tuple:
+        """`(plan, {node id: (key, device)})` of a piece the host has described."""
+        found = self.pieces.get(piece_id)
+        if found is not None:
+            return found[0], found[1]
+        spec = self.specs.get(piece_id)
+        if spec is None:
+            raise NodeError.failed("?", f"worker {self.id} was sent an input for piece {piece_id} it was never "
+                                        f"told about (a bug in soma: please report it)")
+        return protocol.parse_piece(spec)
+
+    def runner(self, piece_id: int, plan, steps: dict) -> Runner:
+        """The piece's Runner over this worker's copies of its nodes, loading their code the first time."""
+        found = self.pieces.get(piece_id)
+        if found is not None:
+            return found[2]
+        nodes = {node_id: self.node(node_id, key) for node_id, (key, _) in steps.items()}
+        devices = {node_id: device for node_id, (_, device) in steps.items() if device}
+        runner = Runner(nodes, devices, worker=self.id, allocate=self.allocate, remote=True,
+                        on_thread=self.on_thread)
+        self.pieces[piece_id] = (plan, steps, runner)
+        return runner
+
+    def node(self, node_id: str, key: int):
+        node = self.nodes.get(key)
+        if node is not None:
+            return node
+        with self.load_lock:  # once per node, however many lanes want it at the same moment
             node = self.nodes.get(key)
-            if node is None:
-                node = self.load(nid, key)
-            nodes[nid] = node
-        if len(self.plans) >= PLAN_CACHE:
-            self.plans.pop(next(iter(self.plans)))  # the oldest: graphs come and go
-        self.plans[spec] = found
-        return plan, nodes, devices
+            if node is not None:
+                return node
+            blob = self.blobs.get(key)
+            if blob is None:
+                raise NodeError.failed(node_id, f"worker {self.id} was not sent its code (a bug in soma: "
+                                                f"please report it)")
+            node = self.unpickle(node_id, blob)  # a failure keeps the code: the next input tries again
+            self.nodes[key] = node
+            del self.blobs[key]
+        self.setup_torch_if_imported()
+        return node
+
+    def unpickle(self, node_id: str, blob: bytes):
+        import pickle
+
+        try:
+            return pickle.loads(blob)  # cloudpickle's output; it imports cloudpickle itself if it needs it
+        except Exception as err:
+            raise NodeError.failed(
+                node_id,
+                f"its code could not be loaded in worker {self.id}: {type(err).__name__}: {err} (workers start "
+                f"with the host's sys.path and working directory; define the node in a module they can import)",
+                remote_traceback=traceback_text(err),
+            ) from err
 
     def forget(self, keys: list) -> None:
         """The host's copies of these nodes are gone: no graph can send them here again."""
@@ -300,46 +410,16 @@ class Worker:
             for key in keys:
                 self.nodes.pop(key, None)
                 self.blobs.pop(key, None)
-
-    def load(self, node_id: str, key: int):
-        with self.load_lock:  # once per node, however many tasks want it at the same moment
-            node = self.nodes.get(key)
-            if node is not None:
-                return node
-            blob = self.blobs.pop(key, None)
-            if blob is None:
-                raise _LoadError(node_id, f"node `{node_id}` failed: worker {self.id} has no code for it "
-                                          f"(its loading failed in another task of this run)")
-            return self._unpickle(node_id, key, blob)
-
-    def _unpickle(self, node_id: str, key: int, blob: bytes):
-        import pickle
-
-        try:
-            node = pickle.loads(blob)  # cloudpickle's output; it imports cloudpickle itself if it needs it
-        except Exception as err:
-            raise _LoadError(
-                node_id,
-                f"node `{node_id}` failed: its code could not be loaded in worker {self.id}: "
-                f"{type(err).__name__}: {err} (workers start with the host's sys.path and working directory; "
-                f"define the node in a module they can import)",
-                remote_traceback=traceback_text(err),
-            ) from err
-        self.nodes[key] = node
-        self.setup_torch_if_imported()
-        return node
-
-    # -- what runs now, published for the host ----------------------------------------------------
-    def enter(self, node_id: str) -> None:
-        self.count_running(node_id, +1)
-
-    def leave(self, node_id: str) -> None:
-        self.count_running(node_id, -1)
-
-    def count_running(self, node_id: str, delta: int) -> None:
-        with self.status_lock:
-            count_in(self.now_running, node_id, delta)
-            self.status.write(self.now_running)
+            gone = set(keys)
+            for piece_id, spec in list(self.specs.items()):
+                _, steps = protocol.parse_piece(spec)
+                if any(key in gone for key, _ in steps.values()):
+                    del self.specs[piece_id]
+                    self.pieces.pop(piece_id, None)
+        with self.cv:
+            for piece_id in [p for p, lane in self.lanes.items() if not lane.busy and not lane.units]:
+                if piece_id not in self.specs:
+                    del self.lanes[piece_id]
 
     # -- torch, devices, shared memory -----------------------------------------------------------
     def setup_torch(self) -> None:
@@ -355,7 +435,7 @@ class Worker:
 
     def setup_torch_if_imported(self) -> None:
         # While the background preload runs, torch is in sys.modules half-imported: waiting for it
-        # here would hold every task behind a second of imports; the preload configures it when done.
+        # here would hold every unit behind a second of imports; the preload configures it when done.
         if not self.torch_ready and not self.preload_torch and "torch" in sys.modules:
             self.setup_torch()
 
@@ -377,6 +457,11 @@ class Worker:
                     self.setup_torch_if_imported()
         return self.store
 
+    def free(self, frees: list) -> None:
+        store = self.get_store()
+        for name, n in frees:
+            store.free(name, n)
+
     def allocate(self, size: tuple, dtype):
         """`ctx.empty` in a worker: a tensor in a shared segment already mapped here."""
         import torch
@@ -385,38 +470,7 @@ class Worker:
         for s in size:
             numel *= s
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if nbytes < wire.INLINE_LIMIT:
+        if nbytes < codec.INLINE_LIMIT:
             return torch.empty(size, dtype=dtype)  # travels inline anyway
         storage = self.get_store().allocate(nbytes)
         return torch.empty(0, dtype=dtype).set_(storage, 0, size)
-
-
-def well_formed_task(message: list) -> bool:
-    return (len(message) == 7 and isinstance(message[1], int) and isinstance(message[2], dict)
-            and isinstance(message[3], list) and isinstance(message[4], bytes) and isinstance(message[5], list)
-            and isinstance(message[6], list))
-
-
-class _LoadError(NodeError):
-    """A node's code did not load here; the host must send it again next time."""
-
-
-def build_plan(tree, nodes_by_key: dict):
-    kind = tree[0]
-    if kind == "s":
-        _, node_id, key, device = tree
-        nodes_by_key[node_id] = (key, device)
-        return Step(node_id)
-    children = tuple(build_plan(child, nodes_by_key) for child in tree[1])
-    return Seq(children) if kind == "q" else Wave(children)
-
-
-def error_outcome(err: NodeError) -> list:
-    info = {"node": err.node, "message": err.args[0], "traceback": err.remote_traceback}
-    if isinstance(err, PostconditionError):
-        info.update(kind="postcondition", declared=err.declared, actual=err.actual)
-    elif isinstance(err, _LoadError):
-        info.update(kind="load", cause=wire.pickle_exception(err.__cause__) if err.__cause__ else None)
-    else:
-        info.update(kind="node", cause=wire.pickle_exception(err.__cause__) if err.__cause__ else None)
-    return [False, info]

@@ -1,0 +1,490 @@
+"""Which worker runs each piece of each input, and what becomes of each input.
+
+An input in flight is a `Flow`: it walks the program (`Seq`s and `Wave`s around
+`Piece`s, see program.py). Each piece it reaches becomes a `Job` (one input for
+one piece), queued here until a worker can take it:
+
+    start(program, x) ──▶ Flow ──walk──▶ Job(piece, encoded x) ──▶ queue
+                                                                    │ pump(): a worker for each job
+                                                                    ▼
+                        pool.send(slot, jobs)  (one Task per worker and pump)
+    listener ──▶ on_outcomes(slot, ...) ──▶ the job's continuation: the next piece (walk on), a
+                                            wave's join, or the flow's end: (index, ok, value) → sink
+
+Which worker: a worker pinned to the piece's CUDA device, if it has one; among
+those, the one with the fewest jobs outstanding, preferring the worker that
+already holds copies of most of the piece's nodes (their state lives there),
+then the one that holds the fewest copies; a worker without a copy qualifies
+only while the nodes' `copies` allow another.
+A worker runs one job per piece at a time, in the order they were sent.
+
+Everything here happens under one lock, from the callers' threads (start,
+expire, cancel) and from the pool's listener (outcomes, deaths, hellos).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections import deque
+
+from .. import codec
+from ..errors import NodeError, PostconditionError, RunTimeout, SharedMemoryFull, SomaError, WorkerDied
+from ..plan import Seq, Wave, last_step
+from ..postcondition import find_misplaced
+from ..shm import ShmFull
+from .pool import CANCELLED, START_FAILURES, Undecodable
+from .program import Piece, output_devices
+
+MAX_DEPTH = 64  # at most this many jobs per worker in flight when inputs are tiny (see parallelism)
+EMA = 0.2
+
+
+class Flow:
+    """One input on its way through a program."""
+
+    __slots__ = ("index", "sink", "trace", "finished", "jobs")
+
+    def __init__(self, index, sink, trace):
+        self.index = index
+        self.sink = sink  # receives (index, ok, value) once
+        self.trace = trace  # the runner's Trace when this input is traced, else None
+        self.finished = False
+        self.jobs: set = set()  # its jobs queued or outstanding
+
+
+class Job:
+    """One input for one piece: queued here, then outstanding at a worker."""
+
+    __slots__ = ("id", "flow", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "traced")
+
+    def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then):
+        self.id = job_id
+        self.flow = flow
+        self.piece = piece
+        # `keep` holds the encoder until the send is counted: the shared-memory copies it made must
+        # not look idle to their owner in between (it would reuse them under the worker).
+        self.payload, self.shared, self.keep = encoded
+        self.then = then  # called with (ok, value) when the job is over
+        self.slot = None
+        self.sent_at = 0.0
+        self.traced = flow.trace is not None
+
+
+class Scheduler:
+    def __init__(self, pool, worker_devices: list[str]):
+        self.pool = pool
+        self.worker_devices = worker_devices
+        self.lock = threading.RLock()
+        self.queue: deque = deque()  # jobs waiting for a worker
+        self.outstanding: dict[int, Job] = {}  # job id → job sent to a worker
+        self.load = [0] * len(worker_devices)  # jobs outstanding per worker (sent, or parked)
+        self.parked: list = [[] for _ in worker_devices]  # jobs for a worker that has not said hello yet
+        self.pumping = False
+        self.holders: dict[int, set] = {}  # node key → slots holding a copy
+        self.held = [0] * len(worker_devices)  # copies held per worker
+        self.flows: set = set()
+        self.job_ids = itertools.count(1)
+        self.closed_with = None  # the error every flow gets once the pool is closed
+        self.service_s = None  # EMA of a job's time in a worker
+        self.round_trip_s = None  # EMA of a job's time from send to outcome
+
+    # -- starting inputs ---------------------------------------------------------------------------------
+    def start(self, program, items: list, sink, trace) -> dict:
+        """Start `(index, x)` inputs on `program`; each one's `(index, ok, value)` goes to `sink` once.
+
+        Returns index → Flow. An input that cannot even be sent (unpicklable, a tensor
+        with an autograd graph, /dev/shm full) goes to the sink at once as its error.
+        """
+        flows = {}
+        jobs: list = []
+        for index, x in items:
+            flow = Flow(index, sink, trace)
+            flows[index] = flow
+            try:
+                self._walk(program, x, flow, self._ender(flow), jobs, {})
+            except NodeError as err:
+                with self.lock:
+                    for job in [j for j in jobs if j.flow is flow]:
+                        jobs.remove(job)
+                flow.finished = True
+                sink.put((index, False, err))
+        with self.lock:
+            if self.closed_with is not None:
+                for flow in flows.values():
+                    self._finish(flow, False, self.closed_with)
+                return flows
+            for flow in flows.values():
+                if not flow.finished:
+                    self.flows.add(flow)
+            self.queue.extend(jobs)
+            for job in jobs:
+                job.flow.jobs.add(job)
+            self._pump()
+        return flows
+
+    def _walk(self, part, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
+        """Start `part` of a program on `x`; `then(ok, value)` hears its end. New jobs go to `jobs`."""
+        if type(part) is Piece:
+            jobs.append(Job(next(self.job_ids), flow, part, self._encode(x, part, flow, encoded), then))
+        elif type(part) is Seq:
+            self._walk_seq(part.items, 0, x, flow, then, jobs, encoded)
+        else:
+            self._walk_wave(part, x, flow, then, jobs, encoded)
+
+    def _walk_seq(self, items, i: int, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
+        def after(ok, value):
+            if not ok or i + 1 == len(items):
+                then(ok, value)
+            else:
+                self._walk_later(lambda more: self._walk_seq(items, i + 1, value, flow, then, more, {}), flow, then)
+
+        self._walk(items[i], x, flow, after, jobs, encoded)
+
+    def _walk_wave(self, wave: Wave, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
+        """Every branch on the same input; the output is the tuple, or the first failure in branch order."""
+        results: list = [None] * len(wave.branches)
+        left = [len(wave.branches)]
+
+        def collect(i):
+            def got(ok, value):
+                results[i] = (ok, value)
+                left[0] -= 1
+                if left[0]:
+                    return
+                errors = [v for ok_, v in results if not ok_]
+                if not errors:
+                    then(True, tuple(v for _, v in results))
+                    return
+                for other in errors[1:]:
+                    errors[0].add_note(f"another branch of the same wave also failed: {other}")
+                then(False, errors[0])
+            return got
+
+        for i, branch in enumerate(wave.branches):
+            self._walk(branch, x, flow, collect(i), jobs, encoded)
+
+    def _walk_later(self, walk, flow: Flow, then) -> None:
+        """Walk on from an outcome (listener thread, lock held): queue what it makes, or end the flow."""
+        jobs: list = []
+        try:
+            walk(jobs)
+        except NodeError as err:
+            then(False, err)
+            return
+        self.queue.extend(jobs)
+        for job in jobs:
+            flow.jobs.add(job)
+
+    def _encode(self, x, piece: Piece, flow: Flow, encoded: dict):
+        """`(payload, shared segment names, what keeps copies alive)`; once per value for a wave's pieces."""
+        found = encoded.get(id(x))
+        if found is not None:
+            return found
+        encoder = codec.Encoder(self.pool.get_store)
+        entry = piece.entry
+        step = flow.trace.host_step("encode input", node=entry, input=flow.index) if flow.trace else None
+        try:
+            if step is not None:
+                with step as args:
+                    payload = encoder.pack(x)
+                    args.update(bytes=len(payload), shm_copies=encoder.copied)
+            else:
+                payload = encoder.pack(x)
+        except codec.GradCrossing as err:
+            raise NodeError.failed(entry, err.reason("its input is")) from None
+        except codec.Unsendable as err:
+            raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
+        except ShmFull as err:
+            raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
+        found = encoded[id(x)] = (payload, list(encoder.shared), encoder)
+        return found
+
+    # -- choosing workers ----------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Give queued jobs to workers that can take them, one Task per worker (lock held).
+
+        A worker still starting (a replacement) gets its share too: its jobs are parked
+        until it says hello, so a wave still spreads over the pool right after a death.
+        """
+        if not self.queue or self.pumping:
+            return
+        self.pumping = True  # retiring a dead worker below reports back here: no pump inside a pump
+        try:
+            self._pump_queue()
+        finally:
+            self.pumping = False
+
+    def _pump_queue(self) -> None:
+        usable = []
+        for slot in range(len(self.load)):
+            state = self.pool.state(slot)
+            if state in ("ready", "starting"):
+                usable.append(slot)
+            elif state == "dead" and self.load[slot] == 0:
+                self.pool.retire(slot)  # died while idle: replace it now, nothing to drain or fail
+                usable.append(slot)
+        depth = self._depth()
+        if not usable or all(self.load[s] >= depth for s in usable):
+            self._fail_unplaceable()
+            return
+        batches: dict[int, list] = {}
+        waiting: deque = deque()
+        while self.queue:
+            job = self.queue.popleft()
+            if job.flow.finished:
+                continue
+            slot = self._choose(job.piece, usable, depth)
+            if slot is None:
+                waiting.append(job)
+                continue
+            job.slot = slot
+            self.load[slot] += 1
+            self.outstanding[job.id] = job
+            batches.setdefault(slot, []).append(job)
+        self.queue = waiting
+        for slot, jobs in batches.items():
+            if self.pool.state(slot) == "starting":
+                self.parked[slot].extend(jobs)
+            else:
+                self._send(slot, jobs)
+        self._fail_unplaceable()
+
+    def _send(self, slot: int, jobs: list) -> None:
+        now = time.monotonic()
+        for job in jobs:
+            job.sent_at = now
+        # False: it died on the way; the listener reports it, and these jobs, as WorkerDied.
+        self.pool.send(slot, jobs)
+        for job in jobs:
+            job.keep = None  # counted as sent (or its worker is gone): the copies may go
+
+    def _choose(self, piece: Piece, usable: list, depth: int):
+        best, best_rank = None, None
+        for slot in usable:
+            if self.load[slot] >= depth:
+                continue
+            if piece.cuda is not None and self.worker_devices[slot] != piece.cuda:
+                continue
+            holds = sum(slot in self.holders.get(key, ()) for key in piece.keys.values())
+            if holds < len(piece.keys) and piece.copies is not None and not self._may_copy(piece, slot):
+                continue
+            rank = (self.load[slot], -holds, self.held[slot], slot)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = slot, rank
+        if best is not None:
+            for key in piece.keys.values():
+                slots = self.holders.setdefault(key, set())
+                if best not in slots:
+                    slots.add(best)
+                    self.held[best] += 1
+        return best
+
+    def _may_copy(self, piece: Piece, slot: int) -> bool:
+        """Whether another copy of the piece's limited nodes may be made on `slot`."""
+        return all(len(self.holders.get(key, ())) < piece.copies or slot in self.holders.get(key, ())
+                   for key in piece.keys.values())
+
+    def _fail_unplaceable(self) -> None:
+        """Jobs whose only workers cannot start any more would wait forever: fail them."""
+        broken = [self.pool.broken(s) for s in range(len(self.load))]
+        if not any(broken):
+            return
+        for job in list(self.queue):
+            slots = [s for s in range(len(self.load))
+                     if job.piece.cuda is None or self.worker_devices[s] == job.piece.cuda]
+            if all(broken[s] for s in slots):
+                self.queue.remove(job)
+                worker = self.pool.workers[slots[0]]
+                self._end_job(job, False, WorkerDied(
+                    f"no worker can run node `{job.piece.entry}`: worker {worker.id} died before it was ready "
+                    f"{START_FAILURES} times in a row; its stderr says why", worker=worker.id, pid=worker.pid,
+                    node=job.piece.entry))
+
+    def _depth(self) -> int:
+        """Jobs per worker worth having in flight: 1 for inputs that take longer than a round trip,
+        more for tiny ones (a worker then runs the next one while the last one's outcome travels)."""
+        if self.service_s is None or self.round_trip_s is None:
+            return MAX_DEPTH
+        return max(2, min(MAX_DEPTH, int(self.round_trip_s / max(self.service_s, 1e-6)) + 1))
+
+    def parallelism(self) -> int:
+        """How many inputs this pool works on at once: map's default window is twice this."""
+        with self.lock:
+            if self.service_s is None or self.round_trip_s is None:
+                return len(self.load)
+            per_worker = max(1, min(MAX_DEPTH, int(self.round_trip_s / max(self.service_s, 1e-6))))
+            return len(self.load) * per_worker
+
+    # -- what the listener reports ------------------------------------------------------------------------------
+    def on_ready(self, slot: int) -> None:
+        with self.lock:
+            parked, self.parked[slot] = self.parked[slot], []
+            parked = [job for job in parked if job.id in self.outstanding]
+            if parked:
+                self._send(slot, parked)
+            self._pump()
+
+    def on_outcomes(self, slot: int, worker, outcomes: list) -> None:
+        now = time.monotonic()
+        with self.lock:
+            for unit, ok, value, spans, seconds, decode in outcomes:
+                job = self.outstanding.pop(unit, None)
+                if job is None or job.slot != slot:
+                    continue
+                self.load[slot] -= 1
+                if value is CANCELLED or job.flow.finished:
+                    job.flow.jobs.discard(job)
+                    continue
+                self._measure(seconds, now - job.sent_at)
+                if spans is not None and job.flow.trace is not None:
+                    self._record(job, worker, spans, decode)
+                if ok:
+                    value, ok = self._arrived(job, value, worker)
+                self._end_job(job, ok, value)
+            self._pump()
+
+    def _measure(self, service_s: float, round_trip_s: float) -> None:
+        if self.service_s is None:
+            self.service_s, self.round_trip_s = service_s, round_trip_s
+        else:
+            self.service_s += EMA * (service_s - self.service_s)
+            self.round_trip_s += EMA * (round_trip_s - self.round_trip_s)
+
+    def _arrived(self, job: Job, value, worker):
+        """The host's look at what arrived: it decoded, and the postcondition holds after the crossing."""
+        piece = job.piece
+        if isinstance(value, Undecodable):
+            producer = last_step(piece.plan)
+            err = value.error
+            return NodeError.failed(producer, f"its output could not be received from worker {worker.id}: "
+                                              f"{type(err).__name__}: {err}"), False
+        for node_id, declared, item in output_devices(piece.plan, piece.devices, value):
+            actual = find_misplaced(item, declared)
+            if actual is not None:
+                return PostconditionError(node_id, declared, actual), False
+        return value, True
+
+    def _end_job(self, job: Job, ok: bool, value) -> None:
+        job.flow.jobs.discard(job)
+        job.then(ok, value)
+
+    def on_lost(self, slot: int, worker, ended: str, running: list) -> None:
+        """The worker of `slot` ended: every job it held fails with WorkerDied; its copies are gone."""
+        with self.lock:
+            for key, slots in self.holders.items():
+                if slot in slots:
+                    slots.discard(slot)
+            self.held[slot] = 0
+            running_by_job = dict(running)
+            lost = [job for job in self.outstanding.values() if job.slot == slot]
+            parked = set(map(id, self.parked[slot]))
+            self.parked[slot] = []
+            requeued = []
+            for job in lost:
+                del self.outstanding[job.id]
+                self.load[slot] -= 1
+                if job.flow.finished:
+                    job.flow.jobs.discard(job)
+                    continue
+                if id(job) in parked:  # never sent: it goes to another worker (or this one's replacement)
+                    job.slot = None
+                    requeued.append(job)
+                    continue
+                node = running_by_job.get(job.id)
+                if node is not None:
+                    what = f"while running node `{node}`"
+                else:
+                    node = job.piece.entry
+                    others = sorted(set(running_by_job.values()))
+                    what = f"before it ran node `{node}`" + (
+                        f" (it was running {', '.join(f'`{n}`' for n in others)} for other inputs)" if others else "")
+                self._end_job(job, False, WorkerDied(
+                    f"worker {worker.id} (pid {worker.pid}) {ended} {what}; the pool replaced it: run again",
+                    worker=worker.id, pid=worker.pid, node=node))
+            self.queue.extendleft(reversed(requeued))
+            self._pump()
+
+    # -- stopping inputs ---------------------------------------------------------------------------------------
+    def expire(self, flow: Flow, timeout: float) -> RunTimeout:
+        """The input's time is up: stop it, replace the workers running its nodes, and say which those were."""
+        with self.lock:
+            running: dict = {}  # node → the worker running it
+            waiting: dict = {}
+            if not flow.finished:
+                for job in list(flow.jobs):
+                    nodes = [] if job.slot is None else [
+                        node for unit, node in self.pool.running(job.slot) if unit == job.id]
+                    for node in nodes:
+                        running[node] = self.pool.workers[job.slot].id
+                    if not nodes:
+                        waiting[job.piece.entry] = None
+                self._finish(flow, None, None)
+            retire = sorted({slot for slot in range(len(self.load))
+                             if self.pool.workers[slot] is not None and self.pool.workers[slot].id in running.values()})
+            for slot in retire:
+                self.pool.retire(slot, "was stopped because a run timed out on it")
+            self._cancel_at_workers([flow])
+        text = f"run timed out after {timeout} s; still running: " + (
+            ", ".join(f"`{node}` (on worker {worker})" for node, worker in running.items()) or "none")
+        if waiting:
+            text += f"; waiting to run: {', '.join(f'`{n}`' for n in waiting)}"
+        if retire:
+            text += " (the workers running them were replaced)"
+        return RunTimeout(text, nodes=tuple(running), waiting=tuple(waiting))
+
+    def cancel(self, flows) -> None:
+        """These inputs are no longer wanted: drop their queued jobs, ask workers to drop what has not started."""
+        with self.lock:
+            flows = [f for f in flows if not f.finished]
+            for flow in flows:
+                self._finish(flow, None, None)
+            self._cancel_at_workers(flows)
+
+    def _cancel_at_workers(self, flows) -> None:
+        by_slot: dict[int, list] = {}
+        for job in self.outstanding.values():
+            if job.flow in flows:
+                by_slot.setdefault(job.slot, []).append(job.id)
+        for slot, ids in by_slot.items():
+            self.pool.cancel(slot, ids)
+
+    def close(self, error: SomaError) -> None:
+        """The pool is closing: every input in flight gets `error`."""
+        with self.lock:
+            self.closed_with = error
+            for flow in list(self.flows):
+                self._finish(flow, False, error)
+            self.queue.clear()
+
+    def _finish(self, flow: Flow, ok, value) -> None:
+        """End a flow: its outcome goes to its sink (unless `ok` is None: nobody waits for it any more)."""
+        if flow.finished:
+            return
+        flow.finished = True  # its queued jobs are dropped by the next pump
+        self.flows.discard(flow)
+        if ok is not None:
+            flow.sink.put((flow.index, ok, value))
+
+    def _ender(self, flow: Flow):
+        """The continuation at the end of a program: the flow's outcome goes to its sink."""
+        return lambda ok, value: self._finish(flow, ok, value)
+
+    def forget(self, keys: list) -> None:
+        with self.lock:
+            for key in keys:
+                for slot in self.holders.pop(key, ()):
+                    self.held[slot] -= 1
+
+    # -- tracing ----------------------------------------------------------------------------------------
+    def _record(self, job: Job, worker, spans: list, decode) -> None:
+        trace = job.flow.trace
+        trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
+        trace.node_spans(spans, worker.pid, worker.id, job.piece.devices, job.flow.index)
+        if decode is not None:
+            start, end, nbytes = decode
+            trace.span("decode output", "host", start, end, os.getpid(), self.pool.listener_tid,
+                       {"node": last_step(job.piece.plan), "input": job.flow.index, "bytes": nbytes})
+

@@ -1,0 +1,95 @@
+"""A worker's status page: which input and which node each of its threads is running now.
+
+The host reads it when a worker dies or a run times out, so `WorkerDied` and
+`RunTimeout` name the node (and the input) even though the worker can no longer
+answer. It is a small file the worker maps shared (nothing is sent for it).
+
+Layout: `SLOTS` slots of `SLOT` bytes, one per thread that runs nodes (a thread
+runs one node at a time). A slot is `seq (4 bytes) + length (2) + "unit node"`;
+its thread bumps `seq` before and after writing (odd: being written), so a reader
+never takes half a line, and threads never wait for each other.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+SLOT = 128
+SLOTS = 64
+
+
+class StatusPage:
+    SIZE = SLOT * SLOTS
+
+    def __init__(self, path: str, create: bool):
+        import mmap
+
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.SIZE)
+            self._map = mmap.mmap(fd, self.SIZE)
+        finally:
+            os.close(fd)
+        self._seqs = [0] * SLOTS
+        self._free = list(range(SLOTS - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    # -- writer side (the worker) ------------------------------------------------------------------
+    def enter(self, unit: int, node: str) -> None:
+        """This thread now runs `node` for `unit`."""
+        held = getattr(self._local, "held", None)
+        if held is None:
+            with self._lock:
+                if not self._free:
+                    return  # more threads than slots: this one goes unnamed
+                held = self._local.held = _Held(self._free.pop())
+            # The thread's locals die with it (a wave's branch threads come and go): its slot comes back.
+            weakref.finalize(held, self._free.append, held.slot)
+        self._put(held.slot, f"{unit} {node}".encode()[: SLOT - 6])
+
+    def leave(self, unit: int | None = None, node: str | None = None) -> None:
+        """This thread runs nothing now."""
+        held = getattr(self._local, "held", None)
+        if held is not None:
+            self._put(held.slot, b"")
+
+    def _put(self, slot: int, data: bytes) -> None:
+        base = slot * SLOT
+        seq = self._seqs[slot] + 1
+        self._map[base:base + 4] = seq.to_bytes(4, "little")
+        self._map[base + 4:base + 6] = len(data).to_bytes(2, "little")
+        self._map[base + 6:base + 6 + len(data)] = data
+        self._seqs[slot] = seq + 1
+        self._map[base:base + 4] = (seq + 1).to_bytes(4, "little")
+
+    # -- reader side (the host) ---------------------------------------------------------------------
+    def read(self) -> list[tuple[int, str]]:
+        """What runs now, as `(unit id, node id)` pairs."""
+        pairs = []
+        for slot in range(SLOTS):
+            base = slot * SLOT
+            for _ in range(100):
+                before = int.from_bytes(self._map[base:base + 4], "little")
+                size = int.from_bytes(self._map[base + 4:base + 6], "little")
+                data = self._map[base + 6:base + 6 + min(size, SLOT - 6)]
+                if before % 2 == 0 and int.from_bytes(self._map[base:base + 4], "little") == before:
+                    unit, _, node = data.decode(errors="replace").partition(" ")
+                    if node and unit.lstrip("-").isdigit():
+                        pairs.append((int(unit), node))
+                    break
+        return pairs
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class _Held:
+    __slots__ = ("slot", "__weakref__")
+
+    def __init__(self, slot: int):
+        self.slot = slot

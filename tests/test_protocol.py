@@ -1,0 +1,97 @@
+"""The protocol on its own: every message both ways, sealing, piece specs and error bodies."""
+
+import logging
+import pickle
+
+import pytest
+
+from soma import NodeError, PostconditionError, SharedMemoryFull, protocol
+from soma.plan import Seq, Step, Wave
+from soma.protocol import Cancel, Free, Hello, Outcome, Result, Stop, Task, Unit
+
+SECRET = b"s" * 32
+
+
+@pytest.mark.parametrize("message", [
+    Hello("w0", 1234, "cuda:1"),
+    Task({7: b"code"}, {3: b"spec"}, [Unit(1, 3, b"\x01", False), Unit(2, 3, b"\x02", True)], [["seg", 2]], [5]),
+    Result("w1", 99, [Outcome(1, True, b"\x01", None, 0.5),
+                      Outcome(2, False, {"node": "a", "message": "m", "kind": "node"}, [["a", 1, 2, 3, "ok"]], 0.1)],
+           [["seg", 1]]),
+    Free([["seg", 3]]),
+    Cancel([1, 2, 3]),
+    Stop(),
+], ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_as_the_same_record(message):
+    back = protocol.parse(SECRET, protocol.pack(SECRET, message), "test")
+    assert type(back) is type(message) and back == message
+
+
+def test_a_worker_reads_the_task_the_host_packs_field_by_field():
+    task = Task({}, {}, [Unit(11, 4, b"payload", False)], [], [])
+    back = protocol.parse(SECRET, protocol.pack(SECRET, task), "test")
+    unit = back.units[0]
+    assert (unit.id, unit.piece, unit.payload, unit.traced) == (11, 4, b"payload", False)
+
+
+@pytest.mark.parametrize("frame, why", [
+    (protocol.pack(b"other" * 8, Stop()), "failed authentication"),
+    (b"short", "shorter than its 16-byte seal"),
+    (protocol.pack(SECRET, Stop())[:-1] + b"\x00", "failed authentication"),
+], ids=["wrong-secret", "too-short", "tampered"])
+def test_frames_that_do_not_authenticate_are_dropped_and_logged(frame, why, caplog):
+    protocol._dropped.last = float("-inf")
+    with caplog.at_level(logging.WARNING, logger="soma.protocol"):
+        assert protocol.parse(SECRET, frame, "test") is None
+    assert why in caplog.text
+
+
+def test_authentic_but_undecodable_or_unknown_messages_are_dropped(caplog):
+    def sealed(body):
+        return protocol.mac(SECRET, body) + body
+
+    with caplog.at_level(logging.WARNING, logger="soma.protocol"):
+        for frame, why in [(sealed(b"\xc1"), "did not decode"),
+                           (sealed(b"\x91\x63"), "unknown shape"),  # [99]
+                           (sealed(b"\x92\x03\xa2w0"), "did not decode")]:  # a Result without its fields
+            protocol._dropped.last = float("-inf")
+            assert protocol.parse(SECRET, frame, "test") is None
+            assert why in caplog.text
+
+
+def test_a_flood_of_bad_frames_is_logged_once_with_a_count(caplog):
+    protocol._dropped.last = float("-inf")
+    protocol._dropped.since = 0
+    with caplog.at_level(logging.WARNING, logger="soma.protocol"):
+        for _ in range(1000):
+            protocol.parse(SECRET, b"x" * 40, "a flood")
+    assert caplog.text.count("dropped") == 1
+    protocol._dropped.last -= protocol._DropLog.INTERVAL_S  # the interval has passed: the next says how many
+    with caplog.at_level(logging.WARNING, logger="soma.protocol"):
+        protocol.parse(SECRET, b"x" * 40, "a flood")
+    assert "(and 999 more dropped since the last report)" in caplog.text
+
+
+def test_piece_specs_carry_the_plan_keys_and_devices():
+    plan = Seq((Step("a"), Wave((Step("b"), Seq((Step("c"), Step("d")))))))
+    keys = {"a": 1, "b": 2, "c": 3, "d": 4}
+    spec = protocol.pack_piece(plan, keys, {"b": "meta"})
+    back, steps = protocol.parse_piece(spec)
+    assert back == plan
+    assert steps == {"a": (1, None), "b": (2, "meta"), "c": (3, None), "d": (4, None)}
+
+
+def test_error_bodies_rebuild_the_same_error():
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        err = NodeError.failed("enc", "ValueError: boom", remote_traceback="Traceback ...")
+        err.__cause__ = exc
+    back = protocol.error_from(protocol.error_body(err))
+    assert type(back) is NodeError and str(back) == "node `enc` failed: ValueError: boom" and back.node == "enc"
+    assert isinstance(back.__cause__, ValueError) and back.remote_traceback == "Traceback ..."
+    post = protocol.error_from(protocol.error_body(PostconditionError("enc", "meta", "cpu")))
+    assert type(post) is PostconditionError and (post.declared, post.actual) == ("meta", "cpu")
+    full = protocol.error_from(protocol.error_body(SharedMemoryFull.reserving("enc", 1 << 20, "its output")))
+    assert type(full) is SharedMemoryFull and "1.0 MiB in /dev/shm for its output" in str(full)
+    assert pickle.loads(pickle.dumps(back)).node == "enc"
