@@ -116,6 +116,8 @@ def _outputs(inflight: Inflight, source, window, ordered, report, timeout):
                 if source_error is not None:
                     raise source_error
                 return
+            if not pending or (not exhausted and failure is None and taken - yielded <= limit - max(1, limit // 4)):
+                continue  # room for more inputs: take them before waiting
 
             # 3. Wait for what the runner finishes, or for the oldest input's deadline.
             wait_s = None

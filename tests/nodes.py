@@ -387,3 +387,105 @@ class Tracked(Node):
 
         gc.collect()
         return Done(len(Tracked.live))
+
+
+class Fill(Node):
+    """A tensor of `numel` float32 elements all equal to its input, born on the heap or through ctx.empty."""
+
+    def __init__(self, numel, through_ctx=False):
+        self.numel, self.through_ctx = numel, through_ctx
+
+    def forward(self, x, ctx):
+        import torch
+
+        t = ctx.empty(self.numel, dtype=torch.float32) if self.through_ctx else torch.empty(self.numel)
+        t.fill_(float(x))
+        return Done(t)
+
+
+class PlusOne(Node):
+    """A new tensor: its input plus one (a tuple of tensors is summed first, as a join would)."""
+
+    def forward(self, x, ctx):
+        if isinstance(x, tuple):
+            x = sum(x)
+        return Done(x + 1)
+
+
+class Raises(Node):
+    """Raises the exception it was made with (SystemExit, KeyboardInterrupt, ...)."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def forward(self, x, ctx):
+        raise self.exc
+
+
+class FullShm(Node):
+    """Makes this process's /dev/shm look full, then makes a big tensor through ctx.empty or on the heap.
+
+    Through ctx.empty the patch is undone at once; a heap tensor is copied into shared memory after
+    forward returns, so the patch stays for the rest of the worker's life (use a pool of its own).
+    """
+
+    def __init__(self, through_ctx):
+        self.through_ctx = through_ctx
+
+    def forward(self, x, ctx):
+        import errno
+
+        import torch
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        real, os.posix_fallocate = os.posix_fallocate, full
+        try:
+            if self.through_ctx:
+                return Done(ctx.empty(1 << 22, dtype=torch.float32))
+            t = torch.ones(1 << 22)
+        finally:
+            if self.through_ctx:
+                os.posix_fallocate = real
+        return Done(t)  # encoded after forward returns, while fallocate still fails
+
+
+class SetupCounter(Node):
+    """Counts setup() and forward() calls in the copy it runs in; returns (pid, setups, calls)."""
+
+    def __init__(self):
+        self.setups = 0
+        self.calls = 0
+
+    def setup(self, ctx):
+        self.setups += 1
+        self.setup_ctx = (ctx.node, ctx.device, ctx.worker)
+
+    def forward(self, x, ctx):
+        self.calls += 1
+        return Done((os.getpid(), self.setups, self.calls))
+
+
+class OneCopyCounter(Counter):
+    """A counter whose state must live in exactly one place."""
+
+    copies = 1
+
+
+class NotReentrant(Node):
+    """Fails if two threads are ever inside its forward at once (the copy rule)."""
+
+    def __init__(self, seconds=0.01):
+        self.seconds = seconds
+        self.inside = 0
+
+    def forward(self, x, ctx):
+        self.inside += 1
+        try:
+            if self.inside > 1:
+                raise AssertionError("two threads inside one node's forward at once")
+            time.sleep(self.seconds)
+            return Done(x)
+        finally:
+            self.inside -= 1

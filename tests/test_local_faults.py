@@ -12,9 +12,12 @@ import psutil
 import pytest
 import zmq
 
-from soma import Graph, RunTimeout, WorkerDied, protocol
+import soma
+from soma import Graph, NodeError, RunTimeout, SharedMemoryFull, WorkerDied, protocol
 from tests.conftest import shm_names
-from tests.nodes import AddOne, Die, Identity, MarkThenSleep, NodeExitsAtLoad, ReturnsExitAtPickle, Sleep
+from tests.nodes import (
+    AddOne, Die, FullShm, Identity, MarkThenSleep, NodeExitsAtLoad, Pid, Raises, ReturnsExitAtPickle, Sleep,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,17 +181,18 @@ def test_host_killed_its_workers_exit_and_clean_up(tmp_path):
         from tests.nodes import Identity
         pool = soma.Local(workers=2).start()
         out = pool.run(Graph.somatize(Identity() | Identity()), torch.ones(1 << 16))
-        print(" ".join(map(str, pool.pids())), pool._pool.prefix, flush=True)
+        print(" ".join(map(str, pool.pids())), pool._pool.prefix, pool._pool.run_dir, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
     pytest.importorskip("torch")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, str(script), root], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    *pids, prefix = proc.stdout.split()
+    *pids, prefix, run_dir = proc.stdout.split()
     pids = [int(p) for p in pids]
     wait_for(lambda: all(gone(p) for p in pids), seconds=5, what="orphaned workers to exit")
     wait_for(lambda: not shm_names(prefix), seconds=5, what="the dead host's segments to be unlinked")
+    wait_for(lambda: not os.path.exists(run_dir), seconds=5, what="the dead host's socket directory to go")
 
 
 def test_segments_of_a_killed_worker_are_unlinked(local):
@@ -228,3 +232,77 @@ def test_a_pool_whose_workers_cannot_start_says_why_and_leaves_nothing(tmp_path,
         assert pool.run(Graph.somatize(AddOne()), 1) == 2
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("exc", [SystemExit(5), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])
+def test_a_node_raising_system_exit_or_keyboard_interrupt_is_a_node_error(local, exc):
+    name = type(exc).__name__
+    for _ in range(3):  # after a long task the worker's receiving thread is a follower: every time the same
+        local.run(Graph.somatize(Sleep(0.02) | Sleep(0.02)), 0)
+        pids = local.pids()
+        with pytest.raises(NodeError, match=rf"^node `raises` failed: {name}") as info:
+            local.run(Graph.somatize(Raises(exc)), 0, timeout=30)
+        assert info.value.node == "raises" and type(info.value.__cause__) is type(exc)
+        assert local.pids() == pids  # the worker survived
+    heals(local)
+
+
+def test_in_process_system_exit_and_keyboard_interrupt_are_the_users_own():
+    with pytest.raises(KeyboardInterrupt):
+        soma.Executor().run(Graph.somatize(Raises(KeyboardInterrupt())), 0)
+
+
+def test_the_next_run_after_a_kill_between_runs_succeeds(local):
+    g = Graph.somatize(AddOne())
+    assert local.run(g, 1) == 2
+    for victim in local.pids():
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: exited(local, victim), what="the worker to die")
+    assert local.run(g, 1) == 2  # on a replacement: its code is sent again
+    pytest.importorskip("torch")
+    import torch
+
+    big = torch.ones(16 << 20)
+    victim = local.pids()[0]
+    os.kill(victim, signal.SIGKILL)  # and while the host copies a big input into shared memory
+    try:
+        out = local.run(Graph.somatize(Identity()), big)
+        assert float(out[-1]) == 1.0
+    except WorkerDied as err:  # its death found in the middle of dispatching: named, never a code error
+        assert err.pid == victim
+    heals(local)
+
+
+def test_timeout_says_which_nodes_ran_and_which_waited():
+    with soma.Local(workers=1) as one:
+        g = Graph.somatize(Sleep(1.5).named("slow"))
+        one.run(g, 0)
+        pids = one.pids()
+        import threading
+
+        first = threading.Thread(target=one.run, args=(g, 0))
+        first.start()
+        wait_for(lambda: one._pool.running(0), what="the first run to start")
+        with pytest.raises(RunTimeout) as info:
+            one.run(g, 1, timeout=0.3)  # queued behind the first: the same copy runs one input at a time
+        first.join()
+        assert str(info.value) == "run timed out after 0.3 s; still running: none; waiting to run: `slow`"
+        assert info.value.nodes == () and info.value.waiting == ("slow",)
+        assert one.pids() == pids  # nothing of this run ran: its worker was not replaced
+        with pytest.raises(RunTimeout) as info:
+            one.run(g, 2, timeout=0.3)
+        assert str(info.value).startswith("run timed out after 0.3 s; still running: `slow` (on worker w0)")
+        assert info.value.nodes == ("slow",) and one.pids() != pids
+
+
+def test_a_full_dev_shm_in_a_worker_is_one_error_naming_the_node():
+    pytest.importorskip("torch")
+    with soma.Local(workers=1) as one:
+        with pytest.raises(SharedMemoryFull, match=r"^node `full_shm` failed: shared memory is full: could not "
+                                                   r"reserve 16.0 MiB in /dev/shm for a tensor it made with ctx\.empty\. "
+                                                   r"Free space in /dev/shm"):
+            one.run(Graph.somatize(FullShm(through_ctx=True)), 0)
+        assert one.run(Graph.somatize(Pid()), 0) in one.pids()
+        with pytest.raises(SharedMemoryFull, match=r"^node `full_shm` failed: shared memory is full: could not "
+                                                   r"reserve 16.0 MiB in /dev/shm for its output\. Free space"):
+            one.run(Graph.somatize(FullShm(through_ctx=False)), 0)

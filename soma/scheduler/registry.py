@@ -42,13 +42,14 @@ class NodeRegistry:
             return key
 
     def code(self, node_id: str, key: int) -> bytes:
-        """The node's code, cloudpickled once (so classes from `__main__` and notebooks travel too)."""
+        """The node's code, pickled once (`soma.nodecode`: classes from `__main__` and notebooks travel too,
+        with their file names and lines)."""
         entry = self._entries[key]
         if entry[1] is None:
-            import cloudpickle
+            from .. import nodecode
 
             try:
-                entry[1] = cloudpickle.dumps(entry[0]())
+                entry[1] = nodecode.dumps(entry[0]())
             except Exception as err:
                 raise NodeError.failed(node_id, f"it cannot be sent to a worker: {type(err).__name__}: {err} (keep "
                                                 f"unpicklable things such as locks, sockets and open files out of "

@@ -392,10 +392,10 @@ class Worker:
         return node
 
     def unpickle(self, node_id: str, blob: bytes):
-        import pickle
+        from .. import nodecode
 
         try:
-            return pickle.loads(blob)  # cloudpickle's output; it imports cloudpickle itself if it needs it
+            return nodecode.loads(blob)
         except Exception as err:
             raise NodeError.failed(
                 node_id,

@@ -1,0 +1,122 @@
+"""What a run returned belongs to the caller: held results stay intact whatever runs next.
+
+Every test holds many results at once and checks every value at the end: a segment
+reused while somebody still sees it shows up as a wrong value, never as an error.
+"""
+
+import os
+import signal
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from soma import Graph, WorkerDied  # noqa: E402
+from soma.codec import INLINE_LIMIT  # noqa: E402
+from tests.nodes import Die, Fill, Identity, PlusOne  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = {  # bytes of float32: every class the transport treats differently
+    "inline": 4 * 1024,
+    "small-segment": 64 * 1024,
+    "256KiB": 256 * 1024,
+    "4MiB": 4 << 20,
+}
+HELD = 12
+
+
+def numel(size: str) -> int:
+    return SIZES[size] // 4
+
+
+def all_equal(t, value) -> bool:
+    return bool((t == value).all())
+
+
+@pytest.mark.parametrize("through_ctx", [False, True], ids=["heap", "ctx.empty"])
+@pytest.mark.parametrize("size", list(SIZES))
+def test_results_of_one_node_stay_intact(local, size, through_ctx):
+    g = Graph.somatize(Fill(numel(size), through_ctx))
+    held = [local.run(g, i) for i in range(HELD)]
+    assert SIZES[size] < INLINE_LIMIT or held[0].is_shared()
+    assert [float(t[0]) for t in held] == [float(i) for i in range(HELD)]
+    assert all(all_equal(t, i) for i, t in enumerate(held))
+    assert len({t.data_ptr() for t in held}) == HELD
+
+
+@pytest.mark.parametrize("through_ctx", [False, True], ids=["heap", "ctx.empty"])
+@pytest.mark.parametrize("size", ["inline", "256KiB", "4MiB"])
+def test_results_of_a_wave_and_a_join_stay_intact(local, size, through_ctx):
+    n = numel(size)
+    wave = Graph.somatize(Fill(n, through_ctx) | Fill(n, through_ctx))
+    join = Graph.somatize((Fill(n, through_ctx) | Fill(n, through_ctx)) >> Identity())
+    summed = Graph.somatize((Fill(n, through_ctx) | Fill(n, through_ctx)) >> PlusOne())
+    held = [(local.run(wave, i), local.run(join, i), local.run(summed, i)) for i in range(HELD)]
+    for i, ((a, b), (c, d), e) in enumerate(held):
+        assert all(all_equal(t, i) for t in (a, b, c, d)), i
+        assert all_equal(e, 2 * i + 1), i
+
+
+def test_results_held_by_several_threads_at_once(local):
+    graphs = [Graph.somatize(Fill(numel("256KiB"), through_ctx)) for through_ctx in (False, True)]
+    graphs.append(Graph.somatize(Fill(numel("4MiB")) | Fill(numel("64KiB".replace("64KiB", "small-segment")))))
+    held: dict = {}
+    errors = []
+
+    def go(k):
+        try:
+            mine = []
+            for i in range(20):
+                value = k * 1000 + i
+                mine.append((value, local.run(graphs[i % len(graphs)], value)))
+            held[k] = mine
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for mine in held.values():
+        for value, out in mine:
+            for t in out if isinstance(out, tuple) else (out,):
+                assert all_equal(t, value), value
+
+
+def test_results_survive_the_death_of_the_worker_that_made_them(local):
+    g = Graph.somatize(Fill(numel("4MiB")) | Fill(numel("256KiB"), through_ctx=True))
+    held = [local.run(g, i) for i in range(4)]
+    victim = local.pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerDied):  # a run that lands on the dying worker, or none: both are fine
+        for _ in range(3):
+            local.run(Graph.somatize(Die(code=3)), 0)
+    held += [local.run(g, i) for i in range(4, 8)]
+    for i, (a, b) in enumerate(held):
+        assert all_equal(a, i) and all_equal(b, i), i
+
+
+def test_an_input_the_caller_changes_after_sending_does_not_change_held_results(local):
+    g = Graph.somatize(PlusOne())
+    x = torch.zeros(numel("4MiB"))
+    held = []
+    for i in range(6):
+        held.append(local.run(g, x))  # a heap input is copied into shared memory: the result is new memory
+        x.fill_(i + 1)  # the caller reuses its buffer
+    assert [float(t[0]) for t in held] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    first = local.run(Graph.somatize(Fill(numel("4MiB"))), 7)
+    echoed = local.run(Graph.somatize(Identity()), first)  # a result sent back travels by name: the same memory
+    assert echoed.data_ptr() != 0 and all_equal(echoed, 7)
+    again = local.run(Graph.somatize(PlusOne()), first)
+    first.fill_(-1)  # the caller writes into what it holds: only its own view of that memory changes
+    assert all_equal(again, 8) and all_equal(echoed, -1)
+
+
+def test_results_held_across_a_map_stay_intact(local):
+    g = Graph.somatize(Fill(numel("256KiB")) >> PlusOne())
+    held = list(local.map(g, range(40)))
+    assert all(all_equal(t, i + 1) for i, t in enumerate(held))
