@@ -467,10 +467,57 @@ class SetupCounter(Node):
         return Done((os.getpid(), self.setups, self.calls))
 
 
-class OneCopyCounter(Counter):
-    """A counter whose state must live in exactly one place."""
+class OneCopyCounter(Node):
+    """A counter whose state must live in exactly one place: returns (its count, its pid)."""
 
     copies = 1
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, x, ctx):
+        self.calls += 1
+        return Done((self.calls, os.getpid()))
+
+
+class OneCopySleep(Sleep):
+    copies = 1
+
+
+class PidAfter(Node):
+    """Sleeps `seconds`, then returns its pid (a stateless node that takes a while)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def forward(self, x, ctx):
+        time.sleep(self.seconds)
+        return Done(os.getpid())
+
+
+class FailOn(Node):
+    """Returns its input, except for `bad`, where it raises ValueError."""
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def forward(self, x, ctx):
+        if x == self.bad:
+            raise ValueError(f"bad input {x!r}")
+        return Done(x)
+
+
+class AppendLine(Node):
+    """Appends its input to a file (one line per execution: a count of what really ran), returns it."""
+
+    def __init__(self, path, seconds=0.0):
+        self.path, self.seconds = path, seconds
+
+    def forward(self, x, ctx):
+        with open(self.path, "a") as f:
+            f.write(f"{x}\n")
+        time.sleep(self.seconds)
+        return Done(x)
 
 
 class NotReentrant(Node):
