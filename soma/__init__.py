@@ -27,6 +27,7 @@ _NAMES = {
     "Node": "soma.node",
     "fn": "soma.node",
     "Local": "soma.scheduler",
+    "Ray": "soma.ray_runner",
     "Trainer": "soma.trainer",
     "SomaError": "soma.errors",
     "DeviceError": "soma.errors",

@@ -42,8 +42,9 @@ def count_in(counts: dict, key, delta: int) -> None:
 class RunState:
     """What one run (one input) shares across its threads: the nodes running now, and a cancel flag.
 
-    `observer.enter(unit, node)` / `.leave(unit, node)`, when given, hear of every node
-    (a worker publishes what runs on its status page, for the host to read when it dies).
+    In-process it keeps the multiset of running nodes itself (a timeout names them).
+    With an `observer` (a worker's status page) it tells it instead:
+    `observer.enter(unit, node)` / `observer.leave(unit, node)`.
     """
 
     __slots__ = ("running", "cancelled", "unit", "_lock", "_observer")
@@ -52,22 +53,24 @@ class RunState:
         self.running: dict[str, int] = {}
         self.cancelled = False
         self.unit = unit
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if observer is None else None
         self._observer = observer
 
     def enter(self, node_id: str) -> None:
         if self.cancelled:
             raise Cancelled(node_id)
-        with self._lock:
-            count_in(self.running, node_id, +1)
         if self._observer is not None:
             self._observer.enter(self.unit, node_id)
+            return
+        with self._lock:
+            count_in(self.running, node_id, +1)
 
     def leave(self, node_id: str) -> None:
-        with self._lock:
-            count_in(self.running, node_id, -1)
         if self._observer is not None:
             self._observer.leave(self.unit, node_id)
+            return
+        with self._lock:
+            count_in(self.running, node_id, -1)
 
     def running_now(self) -> tuple[str, ...]:
         with self._lock:

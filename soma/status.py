@@ -50,12 +50,15 @@ class StatusPage:
                 held = self._local.held = _Held(self._free.pop())
             # The thread's locals die with it (a wave's branch threads come and go): its slot comes back.
             weakref.finalize(held, self._free.append, held.slot)
-        self._put(held.slot, f"{unit} {node}".encode()[: SLOT - 6])
+        if held.showing != (unit, node):
+            held.showing = (unit, node)
+            self._put(held.slot, f"{unit} {node}".encode()[: SLOT - 6])
 
-    def leave(self, unit: int | None = None, node: str | None = None) -> None:
+    def leave(self) -> None:
         """This thread runs nothing now."""
         held = getattr(self._local, "held", None)
-        if held is not None:
+        if held is not None and held.showing is not None:
+            held.showing = None
             self._put(held.slot, b"")
 
     def _put(self, slot: int, data: bytes) -> None:
@@ -89,7 +92,8 @@ class StatusPage:
 
 
 class _Held:
-    __slots__ = ("slot", "__weakref__")
+    __slots__ = ("slot", "showing", "__weakref__")
 
     def __init__(self, slot: int):
         self.slot = slot
+        self.showing = None  # what the slot says now

@@ -18,10 +18,14 @@ from ..device import Device
 from ..errors import DeviceError, SomaError
 from ..mapping import Inflight, map_outputs
 from ..trace import Trace, Traced
-from .pool import WorkerPool
+from .pool import PUMP_S, WorkerPool
 from .program import compile_program
 from .registry import NodeRegistry
 from .scheduler import Scheduler
+
+
+# A caller receives its own outcome for this long before leaving it to the pool's listener.
+LEAD_S = PUMP_S / 2
 
 
 class Local(Traced):
@@ -60,7 +64,7 @@ class Local(Traced):
         self._pool: WorkerPool | None = None
         self._scheduler: Scheduler | None = None
         self._closed = False
-        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → {placement: program}
+        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (placement version, program)
         self._programs_lock = threading.Lock()
         self._registry = NodeRegistry()
 
@@ -122,6 +126,7 @@ class Local(Traced):
         flow = scheduler.start(program, [(None, x)], sink, trace)[None]
         try:
             try:
+                self._pool.receive_until(lambda: not sink.empty(), LEAD_S if timeout is None else min(LEAD_S, timeout))
                 _, ok, value = sink.get(timeout=timeout)
             except queue.Empty:
                 err = scheduler.expire(flow, timeout)
@@ -150,7 +155,7 @@ class Local(Traced):
         if self._closed:
             raise SomaError("this soma.Local is closed; make a new one")
         program = self._program(g)
-        dead = self._registry.take_dead()
+        dead = self._registry.take_dead() if self._registry.has_dead else None
         if dead:
             self._scheduler.forget(dead)
             self._pool.forget(dead)
@@ -158,17 +163,15 @@ class Local(Traced):
 
     def _program(self, g):
         """Compiled once per graph and placement (placing after a run compiles again)."""
-        key = tuple(g.devices().items())
+        version = g._placement.version
+        found = self._programs.get(g)
+        if found is not None and found[0] == version:
+            return found[1]
         with self._programs_lock:
-            per_graph = self._programs.get(g)
-            if per_graph is None:
-                per_graph = self._programs[g] = {}
-            program = per_graph.get(key)
-            if program is None:
-                program = compile_program(g, self._registry.key_of, self.worker_devices)
-                for node_id in g.nodes():  # pickled now: a copy is made from the node as it was when first sent
-                    self._registry.code(node_id, self._registry.key_of(g.node(node_id)))
-                per_graph[key] = program
+            program = compile_program(g, self._registry.key_of, self.worker_devices)
+            for node_id in g.nodes():  # pickled now: a copy is made from the node as it was when first sent
+                self._registry.code(node_id, self._registry.key_of(g.node(node_id)))
+            self._programs[g] = (version, program)
         return program
 
     def _trace_started(self, trace: Trace) -> None:
@@ -194,6 +197,8 @@ class _Flows(Inflight):
         self.flows.update(self.scheduler.start(self.program, items, self.sink, self.local._trace))
 
     def wait(self, timeout):
+        sink = self.sink
+        self.local._pool.receive_until(lambda: not sink.empty(), LEAD_S if timeout is None else min(LEAD_S, timeout))
         try:
             got = [self.sink.get(timeout=timeout)]
         except queue.Empty:

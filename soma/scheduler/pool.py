@@ -8,10 +8,11 @@
                                                  PUMP_S looks at the processes: a dead one is reported
                                                  and replaced
 
-Sockets belong to the threads that use them: the PULL socket to the listener
-alone, the ROUTER to whoever holds `_send_lock`. `close()` is a message to them
-(a flag the listener reads within PUMP_S, taken under the send lock), never a
-context terminated under their feet.
+Sockets belong to the threads that use them: the PULL socket to whoever holds
+`_recv_lock` (the listener, or a caller receiving its own outcome for a moment),
+the ROUTER to whoever holds `_send_lock`. `close()` is a message to them (a flag
+read within PUMP_S, set under the send lock; the listener closes its socket
+itself), never a context terminated under their feet.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections import Counter, deque
 from .. import codec, protocol, transport
 from .._log import warn
 from ..errors import WorkerDied
-from ..protocol import Hello, Result, Stop, Task, Unit
+from ..protocol import Hello, Result, Stop, Task
 from ..shm import pool_prefix, unlink_all
 from .leases import LeaseBook
 from .procs import spawn
@@ -74,6 +75,9 @@ class WorkerPool:
         self._store = None
         self._host_released: deque = deque()
         self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()  # whoever holds it may use the results socket
+        self._leading = False  # a caller holds it to receive its own outcome
+        self._quiet = threading.Condition()  # the listener sleeps on it meanwhile
         self._listener = None
         self.listener_tid = 0
         self._zctx = None
@@ -188,8 +192,9 @@ class WorkerPool:
             code, pieces = {}, {}
             for unit in units:
                 piece = unit.piece
-                if piece.id not in worker.pieces:
-                    pieces[piece.id] = piece.spec
+                if piece.id in worker.pieces or piece.id in pieces:
+                    continue  # its spec went there, and its nodes' code with it
+                pieces[piece.id] = piece.spec
                 for node_id, key in piece.keys.items():
                     if key not in worker.loaded and key not in code:
                         code[key] = self.registry.code(node_id, key)
@@ -199,7 +204,7 @@ class WorkerPool:
                     self._book.lent(name, worker.pid)
                     if self._store is not None:
                         self._store.note_sent(name)
-            task = Task(code, pieces, [Unit(u.id, u.piece.id, u.payload, u.traced) for u in units],
+            task = Task(code, pieces, [(u.id, u.piece.id, u.payload, u.traced) for u in units],  # Units, packed
                         self._book.take_frees(worker.pid), forget)
             if not self._send(worker, protocol.pack(self.secret, task)):
                 return False
@@ -251,27 +256,85 @@ class WorkerPool:
         if worker is not None:
             self._retire(worker, reason)
 
-    # -- the listener thread ----------------------------------------------------------------------------
+    # -- receiving: the listener thread, or a caller waiting for its own outcome ------------------------
     def _listen(self) -> None:
+        """The pool's receiver whenever no caller is: wake on the socket's descriptor, drain, watch workers.
+
+        While a caller receives for itself (receive_until), the listener keeps off the socket
+        and sleeps: two threads woken by every message would cost a context switch each on
+        a machine whose cores the workers need.
+        """
+        import select
+
         self.listener_tid = threading.get_native_id()
+        poller = select.poll()
+        poller.register(self._results.get(self._zmq.FD), select.POLLIN)
         last_check = 0.0
         try:
             while not self.closing:
-                frame = self._receiver.wait(int(PUMP_S * 1000))
-                while frame is not None:
-                    self._handle(frame)
-                    frame = self._receiver.wait(0) if self._receiver.ready() else None
-                now = time.monotonic()
-                if now - last_check >= PUMP_S:
-                    last_check = now
-                    self._check_workers()
+                if self._leading:
+                    with self._quiet:
+                        if self._leading:
+                            self._quiet.wait(PUMP_S)
+                else:
+                    poller.poll(int(PUMP_S * 1000))  # the descriptor says "look again", not "a message is there"
+                if self._recv_lock.acquire(blocking=False):
+                    try:
+                        if not self.closing:
+                            self._drain()
+                            now = time.monotonic()
+                            if now - last_check >= PUMP_S:
+                                last_check = now
+                                self._check_workers()
+                    finally:
+                        self._recv_lock.release()
                 self.settle()
                 self.flush_frees()
         except Exception as err:  # the pool cannot work without its listener: say so loudly
             warn("soma.local", "soma: the pool's listener stopped: %s: %s", type(err).__name__, err)
             raise
         finally:
-            self._results.close(0)
+            with self._recv_lock:
+                self._results.close(0)
+
+    def receive_until(self, done, seconds: float) -> None:
+        """Receive on this (caller's) thread until `done()` or `seconds` pass, if nobody else is receiving.
+
+        A caller that receives its own outcome wakes straight from the socket: no hand-off
+        from the listener. It leads for at most `seconds` (< PUMP_S), drains what is queued
+        (the socket's descriptor signals new arrivals only), and wakes the listener when
+        work is still out there.
+        """
+        if not self._recv_lock.acquire(blocking=False):
+            return
+        self._leading = True
+        try:
+            if self.closing:
+                return
+            deadline = time.monotonic() + seconds
+            while not done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                frame = self._receiver.wait(max(1, int(remaining * 1000)))
+                if frame is not None:
+                    self._handle(frame)
+            self._drain()
+        finally:
+            self._leading = False
+            self._recv_lock.release()
+        if self.events.busy():
+            with self._quiet:
+                self._quiet.notify()
+
+    def _drain(self) -> None:
+        """Handle every frame queued now (receive lock held)."""
+        receiver = self._receiver
+        while receiver.ready():
+            frame = receiver.wait(0)
+            if frame is None:
+                break
+            self._handle(frame)
 
     def _handle(self, frame: bytes) -> None:
         message = protocol.parse(self.secret, frame, "a worker")
@@ -372,10 +435,7 @@ class WorkerPool:
     def _check_workers(self) -> None:
         for worker in list(self.workers):
             if worker is not None and not worker.retired and not worker.alive():
-                while self._receiver.ready():  # a result it sent before dying is still a result
-                    frame = self._receiver.wait(0)
-                    if frame is not None:
-                        self._handle(frame)
+                self._drain()  # a result it sent before dying is still a result
                 self._retire(worker, reason=None)
 
     def _retire(self, worker, reason: str | None) -> None:

@@ -56,6 +56,10 @@ class NodeRegistry:
                                                 f"the node, or create them in setup)") from err
         return entry[1]
 
+    @property
+    def has_dead(self) -> bool:
+        return bool(self._dead)
+
     def take_dead(self) -> list[int]:
         """Keys of nodes the host has let go since the last call; their code is dropped here."""
         dead = []

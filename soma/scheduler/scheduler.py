@@ -90,6 +90,7 @@ class Scheduler:
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.service_s = None  # EMA of a job's time in a worker
         self.round_trip_s = None  # EMA of a job's time from send to outcome
+        self.depth = MAX_DEPTH  # jobs per worker in flight at most (see _measure)
 
     # -- starting inputs ---------------------------------------------------------------------------------
     def start(self, program, items: list, sink, trace) -> dict:
@@ -218,15 +219,18 @@ class Scheduler:
             self.pumping = False
 
     def _pump_queue(self) -> None:
-        usable = []
+        usable, starting = [], set()
         for slot in range(len(self.load)):
             state = self.pool.state(slot)
-            if state in ("ready", "starting"):
-                usable.append(slot)
-            elif state == "dead" and self.load[slot] == 0:
+            if state == "dead" and self.load[slot] == 0:
                 self.pool.retire(slot)  # died while idle: replace it now, nothing to drain or fail
+                state = "starting"
+            if state == "ready":
                 usable.append(slot)
-        depth = self._depth()
+            elif state == "starting":
+                usable.append(slot)
+                starting.add(slot)
+        depth = self.depth
         if not usable or all(self.load[s] >= depth for s in usable):
             self._fail_unplaceable()
             return
@@ -246,11 +250,12 @@ class Scheduler:
             batches.setdefault(slot, []).append(job)
         self.queue = waiting
         for slot, jobs in batches.items():
-            if self.pool.state(slot) == "starting":
+            if slot in starting:
                 self.parked[slot].extend(jobs)
             else:
                 self._send(slot, jobs)
-        self._fail_unplaceable()
+        if waiting:
+            self._fail_unplaceable()
 
     def _send(self, slot: int, jobs: list) -> None:
         now = time.monotonic()
@@ -263,20 +268,24 @@ class Scheduler:
 
     def _choose(self, piece: Piece, usable: list, depth: int):
         best, best_rank = None, None
+        keys = piece.keys.values()
+        holders = self.holders
         for slot in usable:
-            if self.load[slot] >= depth:
+            load = self.load[slot]
+            if load >= depth or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda):
                 continue
-            if piece.cuda is not None and self.worker_devices[slot] != piece.cuda:
+            holds = 0
+            for key in keys:
+                if slot in holders.get(key, ()):
+                    holds += 1
+            if holds < len(keys) and piece.copies is not None and not self._may_copy(piece, slot):
                 continue
-            holds = sum(slot in self.holders.get(key, ()) for key in piece.keys.values())
-            if holds < len(piece.keys) and piece.copies is not None and not self._may_copy(piece, slot):
-                continue
-            rank = (self.load[slot], -holds, self.held[slot], slot)
+            rank = (load, -holds, self.held[slot], slot)
             if best_rank is None or rank < best_rank:
                 best, best_rank = slot, rank
         if best is not None:
-            for key in piece.keys.values():
-                slots = self.holders.setdefault(key, set())
+            for key in keys:
+                slots = holders.setdefault(key, set())
                 if best not in slots:
                     slots.add(best)
                     self.held[best] += 1
@@ -303,12 +312,6 @@ class Scheduler:
                     f"{START_FAILURES} times in a row; its stderr says why", worker=worker.id, pid=worker.pid,
                     node=job.piece.entry))
 
-    def _depth(self) -> int:
-        """Jobs per worker worth having in flight: 1 for inputs that take longer than a round trip,
-        more for tiny ones (a worker then runs the next one while the last one's outcome travels)."""
-        if self.service_s is None or self.round_trip_s is None:
-            return MAX_DEPTH
-        return max(2, min(MAX_DEPTH, int(self.round_trip_s / max(self.service_s, 1e-6)) + 1))
 
     def parallelism(self) -> int:
         """How many inputs this pool works on at once: map's default window is twice this."""
@@ -319,6 +322,10 @@ class Scheduler:
             return len(self.load) * per_worker
 
     # -- what the listener reports ------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """Whether any job is queued or out at a worker (read without the lock: a hint)."""
+        return bool(self.outstanding or self.queue)
+
     def on_ready(self, slot: int) -> None:
         with self.lock:
             parked, self.parked[slot] = self.parked[slot], []
@@ -347,24 +354,32 @@ class Scheduler:
             self._pump()
 
     def _measure(self, service_s: float, round_trip_s: float) -> None:
+        """Learn how long a job takes in a worker and from send to outcome, to size the depth.
+
+        Jobs per worker worth having in flight: 2 for inputs that take longer than a round
+        trip (the next one waits at the worker while the last one's outcome travels), more
+        for tiny ones, up to MAX_DEPTH.
+        """
         if self.service_s is None:
             self.service_s, self.round_trip_s = service_s, round_trip_s
         else:
             self.service_s += EMA * (service_s - self.service_s)
             self.round_trip_s += EMA * (round_trip_s - self.round_trip_s)
+        self.depth = max(2, min(MAX_DEPTH, int(self.round_trip_s / max(self.service_s, 1e-6)) + 1))
 
     def _arrived(self, job: Job, value, worker):
         """The host's look at what arrived: it decoded, and the postcondition holds after the crossing."""
         piece = job.piece
-        if isinstance(value, Undecodable):
+        if type(value) is Undecodable:
             producer = last_step(piece.plan)
             err = value.error
             return NodeError.failed(producer, f"its output could not be received from worker {worker.id}: "
                                               f"{type(err).__name__}: {err}"), False
-        for node_id, declared, item in output_devices(piece.plan, piece.devices, value):
-            actual = find_misplaced(item, declared)
-            if actual is not None:
-                return PostconditionError(node_id, declared, actual), False
+        if piece.devices:
+            for node_id, declared, item in output_devices(piece.plan, piece.devices, value):
+                actual = find_misplaced(item, declared)
+                if actual is not None:
+                    return PostconditionError(node_id, declared, actual), False
         return value, True
 
     def _end_job(self, job: Job, ok: bool, value) -> None:

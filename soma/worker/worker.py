@@ -307,7 +307,7 @@ class Worker:
             runner = self.runner(unit.piece, plan, steps)
             x = self.decode(unit.payload, entry)
             self.setup_torch_if_imported()
-            value = runner.run(plan, x, RunState(status, unit.id), spans)
+            value = runner.run(plan, x, RunState(self, unit.id), spans)
             del x
             status.enter(unit.id, producer)
             body = self.encode(value, producer)
@@ -420,6 +420,13 @@ class Worker:
             for piece_id in [p for p, lane in self.lanes.items() if not lane.busy and not lane.units]:
                 if piece_id not in self.specs:
                     del self.lanes[piece_id]
+
+    # -- what runs now, for the status page (RunState's observer) ----------------------------------
+    def enter(self, unit: int, node_id: str) -> None:
+        self.status.enter(unit, node_id)
+
+    def leave(self, unit: int, node_id: str) -> None:
+        pass  # the next node's name, or the unit's end (run_unit), overwrites it
 
     # -- torch, devices, shared memory -----------------------------------------------------------
     def setup_torch(self) -> None:
