@@ -233,7 +233,9 @@ class Runner:
                 raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
             check_postcondition(node_id, device, out.value)
         except BaseException as exc:
-            outcome = type(exc).__name__
+            # What the node itself raised (under the NodeError that names it), or soma's own verdict.
+            cause = exc.__cause__ if type(exc) is NodeError and exc.__cause__ is not None else exc
+            outcome = type(cause).__name__
             raise
         finally:
             state.leave(node_id)

@@ -60,10 +60,21 @@ class Trace:
         with self._lock:
             self._events.append(event)
 
+    def interval(self, name: str, cat: str, start_ns: int, end_ns: int, pid: int, span_id, args: dict) -> None:
+        """An interval that may overlap others of its process (an input in flight, a job at a worker):
+        a pair of async events, which Perfetto draws on tracks of their own."""
+        if not self.open:
+            return
+        common = {"name": name, "cat": cat, "pid": pid, "tid": pid, "id": span_id}
+        begin = dict(common, ph="b", ts=(start_ns - self.start_ns) / 1000, args=args)
+        end = dict(common, ph="e", ts=(max(start_ns, end_ns) - self.start_ns) / 1000)
+        with self._lock:
+            self._events.extend((begin, end))
+
     def node_spans(self, spans, pid: int, worker, devices: dict, index, offset_ns: int = 0) -> None:
         """The spans a runner's interpreter recorded (`[node, start, end, tid, outcome]`), as node events."""
         for node, start, end, tid, outcome in spans:
-            self.thread(pid, tid, f"thread {tid}")
+            self.thread(pid, tid, f"{worker} thread {tid}" if worker is not None else f"thread {tid}")
             self.span(node, "node", start + offset_ns, end + offset_ns, pid, tid,
                       {"node": node, "device": devices.get(node), "worker": worker, "input": index,
                        "outcome": outcome})

@@ -381,7 +381,9 @@ class WorkerPool:
                     value = CANCELLED
                 else:
                     value = protocol.error_from(body)
-                decode = (start, time.monotonic_ns(), len(body) if ok else 0) if spans is not None else None
+                decode = None
+                if spans is not None:
+                    decode = (start, time.monotonic_ns(), len(body) if ok else 0, threading.get_native_id())
                 decoded.append((unit, ok, value, spans, seconds, decode))
         finally:
             for name in decoder.received:

@@ -45,7 +45,7 @@ EMA = 0.2
 class Flow:
     """One input on its way through a program."""
 
-    __slots__ = ("index", "sink", "trace", "finished", "jobs")
+    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns")
 
     def __init__(self, index, sink, trace):
         self.index = index
@@ -53,12 +53,13 @@ class Flow:
         self.trace = trace  # the runner's Trace when this input is traced, else None
         self.finished = False
         self.jobs: set = set()  # its jobs queued or outstanding
+        self.started_ns = time.monotonic_ns() if trace is not None else 0
 
 
 class Job:
     """One input for one piece: queued here, then outstanding at a worker."""
 
-    __slots__ = ("id", "flow", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "traced")
+    __slots__ = ("id", "flow", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns", "traced")
 
     def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then):
         self.id = job_id
@@ -70,6 +71,7 @@ class Job:
         self.then = then  # called with (ok, value) when the job is over
         self.slot = None
         self.sent_at = 0.0
+        self.sent_ns = 0  # when traced
         self.traced = flow.trace is not None
 
 
@@ -261,6 +263,8 @@ class Scheduler:
         now = time.monotonic()
         for job in jobs:
             job.sent_at = now
+            if job.traced:
+                job.sent_ns = time.monotonic_ns()
         # False: it died on the way; the listener reports it, and these jobs, as WorkerDied.
         self.pool.send(slot, jobs)
         for job in jobs:
@@ -376,10 +380,17 @@ class Scheduler:
             return NodeError.failed(producer, f"its output could not be received from worker {worker.id}: "
                                               f"{type(err).__name__}: {err}"), False
         if piece.devices:
-            for node_id, declared, item in output_devices(piece.plan, piece.devices, value):
-                actual = find_misplaced(item, declared)
-                if actual is not None:
-                    return PostconditionError(node_id, declared, actual), False
+            start = time.monotonic_ns() if job.traced else 0
+            try:
+                for node_id, declared, item in output_devices(piece.plan, piece.devices, value):
+                    actual = find_misplaced(item, declared)
+                    if actual is not None:
+                        return PostconditionError(node_id, declared, actual), False
+            finally:
+                if job.traced and job.flow.trace is not None:
+                    tid = threading.get_native_id()
+                    job.flow.trace.span("postcondition", "host", start, time.monotonic_ns(), os.getpid(), tid,
+                                        {"node": last_step(piece.plan), "input": job.flow.index})
         return value, True
 
     def _end_job(self, job: Job, ok: bool, value) -> None:
@@ -480,6 +491,11 @@ class Scheduler:
             return
         flow.finished = True  # its queued jobs are dropped by the next pump
         self.flows.discard(flow)
+        if flow.trace is not None and flow.index is not None:  # (a run's span is its caller's, see Local.run)
+            outcome = "ok" if ok else ("cancelled" if ok is None else type(value).__name__)
+            flow.trace.interval(f"input {flow.index}", "host", flow.started_ns,
+                                time.monotonic_ns(), os.getpid(), f"input-{id(flow)}",
+                                {"input": flow.index, "outcome": outcome})
         if ok is not None:
             flow.sink.put((flow.index, ok, value))
 
@@ -496,10 +512,15 @@ class Scheduler:
     # -- tracing ----------------------------------------------------------------------------------------
     def _record(self, job: Job, worker, spans: list, decode) -> None:
         trace = job.flow.trace
+        index = job.flow.index
         trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
-        trace.node_spans(spans, worker.pid, worker.id, job.piece.devices, job.flow.index)
+        trace.node_spans(spans, worker.pid, worker.id, job.piece.devices, index)
+        pid = os.getpid()
         if decode is not None:
-            start, end, nbytes = decode
-            trace.span("decode output", "host", start, end, os.getpid(), self.pool.listener_tid,
-                       {"node": last_step(job.piece.plan), "input": job.flow.index, "bytes": nbytes})
+            start, end, nbytes, tid = decode
+            trace.thread(pid, tid, "listener" if tid == self.pool.listener_tid else f"thread {tid}")
+            trace.span("decode output", "host", start, end, pid, tid,
+                       {"node": last_step(job.piece.plan), "input": index, "bytes": nbytes})
+            trace.interval(f"job {job.piece}", "host", job.sent_ns, start, pid, f"job-{job.id}",
+                           {"input": index, "worker": worker.id})
 

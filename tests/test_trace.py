@@ -1,0 +1,118 @@
+"""`runner.trace(path)`: Chrome trace-event JSON a person opens in Perfetto, on every runner."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+import soma
+from soma import Graph, NodeError, SomaError
+from tests.nodes import AddOne, Boom, Double, Identity, Join, Sleep, Spin
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["executor", "local"], scope="module")
+def runner(request, local):
+    return soma.Executor() if request.param == "executor" else local
+
+
+def load(path):
+    with open(path) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"]
+    nodes = [e for e in events if e.get("cat") == "node"]
+    meta = [e for e in events if e["ph"] == "M"]
+    return doc, events, nodes, meta
+
+
+def worker_pids(runner):
+    return set(runner.pids()) if isinstance(runner, soma.Local) else {os.getpid()}
+
+
+def test_every_node_execution_of_run_and_map_is_one_complete_event(runner, tmp_path):
+    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
+    path = tmp_path / "run.json"
+    before = time.monotonic_ns()
+    with runner.trace(path):
+        runner.run(g, 1)
+        assert list(runner.map(g, range(5))) == [((i + 1) * 2, i + 1) for i in range(5)]
+    took_us = (time.monotonic_ns() - before) / 1000
+    doc, events, nodes, meta = load(path)
+    for node in ("add_one", "double", "identity", "join"):
+        per_input = sorted((e["args"]["input"] is None, e["args"]["input"] or 0) for e in nodes if e["name"] == node)
+        assert per_input == [(False, i) for i in range(5)] + [(True, 0)], node  # once per input, and the run
+    for e in nodes:
+        assert e["ph"] == "X" and e["dur"] > 0 and e["pid"] in worker_pids(runner)
+        assert 0 <= e["ts"] and e["ts"] + e["dur"] <= took_us
+        assert set(e["args"]) == {"node", "device", "worker", "input", "outcome"}
+        assert e["args"]["outcome"] == "ok" and e["args"]["node"] == e["name"]
+    names = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+    assert names[os.getpid()].startswith("host")
+    if isinstance(runner, soma.Local):
+        for pid in {e["pid"] for e in nodes}:
+            assert names[pid] == f"worker {next(e['args']['worker'] for e in nodes if e['pid'] == pid)} (pid {pid})"
+        assert {e["name"] for e in events if e.get("cat") == "host"} >= {"run", "encode input", "decode output"}
+    assert {(e["pid"], e["tid"]) for e in nodes} <= {(e["pid"], e["tid"]) for e in meta if e["name"] == "thread_name"}
+    assert doc["otherData"]["clock"] == "CLOCK_MONOTONIC"
+
+
+def test_a_wave_on_two_workers_shows_two_overlapping_tracks(local, tmp_path):
+    g = Graph.somatize(Spin(0.05) | Spin(0.05))
+    local.run(g, 0)
+    path = tmp_path / "wave.json"
+    with local.trace(path):
+        local.run(g, 0)
+    _, _, nodes, _ = load(path)
+    a, b = sorted(nodes, key=lambda e: e["ts"])
+    assert a["pid"] != b["pid"] and a["args"]["worker"] != b["args"]["worker"]
+    assert b["ts"] < a["ts"] + a["dur"]  # they ran at the same time, in two processes
+
+
+def test_a_failing_run_is_recorded_with_its_error(runner, tmp_path):
+    path = tmp_path / "fail.json"
+    with runner.trace(path):
+        with pytest.raises(NodeError):
+            runner.run(Graph.somatize(Identity() >> Boom()), 1)
+    _, _, nodes, _ = load(path)
+    assert [(e["name"], e["args"]["outcome"]) for e in sorted(nodes, key=lambda e: e["ts"])] == [
+        ("identity", "ok"), ("boom", "ValueError")]
+
+
+def test_nothing_is_recorded_outside_a_block(runner, tmp_path):
+    g = Graph.somatize(AddOne())
+    runner.run(g, 1)
+    list(runner.map(g, range(3)))
+    path = tmp_path / "one.json"
+    with runner.trace(path):
+        runner.run(g, 2)
+    runner.run(g, 3)
+    _, _, nodes, _ = load(path)
+    assert len(nodes) == 1 and runner._trace is None
+    with open(path) as f:
+        assert json.load(f) == load(path)[0]  # the file was not touched after the block
+
+
+def test_a_block_that_ends_while_other_threads_run_still_writes_valid_json(runner, tmp_path):
+    g = Graph.somatize(Sleep(0.3))
+    path = tmp_path / "busy.json"
+    threads = [threading.Thread(target=lambda: list(runner.map(g, range(3)))) for _ in range(2)]
+    with runner.trace(path):
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(30)
+    doc, _, nodes, _ = load(path)
+    assert isinstance(doc["traceEvents"], list)
+    assert all(e["dur"] >= 0 for e in nodes)
+
+
+def test_one_trace_at_a_time(runner, tmp_path):
+    with runner.trace(tmp_path / "a.json"):
+        with pytest.raises(SomaError, match="already tracing into"):
+            with runner.trace(tmp_path / "b.json"):
+                pass
+    assert (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
