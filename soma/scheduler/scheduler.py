@@ -1,8 +1,8 @@
 """Which worker runs each piece of each input, and what becomes of each input.
 
 An input in flight is a `Flow`: it walks the program (`Seq`s and `Wave`s around
-`Piece`s, see program.py). Each piece it reaches becomes a `Job` (one input for
-one piece), queued here until a worker can take it:
+`Piece`s, see program.py and flows.py). Each piece it reaches becomes a `Job`
+(one input for one piece), queued here until a worker can take it:
 
     start(program, x) ──▶ Flow ──walk──▶ Job(piece, encoded x) ──▶ queue
                                                                     │ pump(): a worker for each job
@@ -24,55 +24,20 @@ expire, cancel) and from the pool's listener (outcomes, deaths, hellos).
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
 from collections import deque
 
-from .. import codec
-from ..errors import NodeError, PostconditionError, RunTimeout, SharedMemoryFull, SomaError, WorkerDied
-from ..plan import Seq, Wave, last_step
+from ..errors import NodeError, PostconditionError, RunTimeout, SomaError, WorkerDied
+from ..plan import last_step
 from ..postcondition import find_misplaced
-from ..shm import ShmFull
+from .flows import Flow, Job, Walker
 from .pool import CANCELLED, START_FAILURES, Undecodable
 from .program import Piece, output_devices
 
 MAX_DEPTH = 64  # at most this many jobs per worker in flight when inputs are tiny (see parallelism)
 EMA = 0.2
-
-
-class Flow:
-    """One input on its way through a program."""
-
-    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns")
-
-    def __init__(self, index, sink, trace):
-        self.index = index
-        self.sink = sink  # receives (index, ok, value) once
-        self.trace = trace  # the runner's Trace when this input is traced, else None
-        self.finished = False
-        self.jobs: set = set()  # its jobs queued or outstanding
-        self.started_ns = time.monotonic_ns() if trace is not None else 0
-
-
-class Job:
-    """One input for one piece: queued here, then outstanding at a worker."""
-
-    __slots__ = ("id", "flow", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns", "traced")
-
-    def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then):
-        self.id = job_id
-        self.flow = flow
-        self.piece = piece
-        # `keep` holds the encoder until the send is counted: the shared-memory copies it made must
-        # not look idle to their owner in between (it would reuse them under the worker).
-        self.payload, self.shared, self.keep = encoded
-        self.then = then  # called with (ok, value) when the job is over
-        self.slot = None
-        self.sent_at = 0.0
-        self.sent_ns = 0  # when traced
-        self.traced = flow.trace is not None
 
 
 class Scheduler:
@@ -88,11 +53,11 @@ class Scheduler:
         self.holders: dict[int, set] = {}  # node key → slots holding a copy
         self.held = [0] * len(worker_devices)  # copies held per worker
         self.flows: set = set()
-        self.job_ids = itertools.count(1)
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.service_s = None  # EMA of a job's time in a worker
         self.round_trip_s = None  # EMA of a job's time from send to outcome
         self.depth = MAX_DEPTH  # jobs per worker in flight at most (see _measure)
+        self.walker = Walker(pool.get_store, self._enqueue)
 
     # -- starting inputs ---------------------------------------------------------------------------------
     def start(self, program, items: list, sink, trace) -> dict:
@@ -107,7 +72,7 @@ class Scheduler:
             flow = Flow(index, sink, trace)
             flows[index] = flow
             try:
-                self._walk(program, x, flow, self._ender(flow), jobs, {})
+                self.walker.walk(program, x, flow, self._ender(flow), jobs, {})
             except NodeError as err:
                 with self.lock:
                     for job in [j for j in jobs if j.flow is flow]:
@@ -122,88 +87,15 @@ class Scheduler:
             for flow in flows.values():
                 if not flow.finished:
                     self.flows.add(flow)
-            self.queue.extend(jobs)
-            for job in jobs:
-                job.flow.jobs.add(job)
+            self._enqueue(jobs)
             self._pump()
         return flows
 
-    def _walk(self, part, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
-        """Start `part` of a program on `x`; `then(ok, value)` hears its end. New jobs go to `jobs`."""
-        if type(part) is Piece:
-            jobs.append(Job(next(self.job_ids), flow, part, self._encode(x, part, flow, encoded), then))
-        elif type(part) is Seq:
-            self._walk_seq(part.items, 0, x, flow, then, jobs, encoded)
-        else:
-            self._walk_wave(part, x, flow, then, jobs, encoded)
-
-    def _walk_seq(self, items, i: int, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
-        def after(ok, value):
-            if not ok or i + 1 == len(items):
-                then(ok, value)
-            else:
-                self._walk_later(lambda more: self._walk_seq(items, i + 1, value, flow, then, more, {}), flow, then)
-
-        self._walk(items[i], x, flow, after, jobs, encoded)
-
-    def _walk_wave(self, wave: Wave, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
-        """Every branch on the same input; the output is the tuple, or the first failure in branch order."""
-        results: list = [None] * len(wave.branches)
-        left = [len(wave.branches)]
-
-        def collect(i):
-            def got(ok, value):
-                results[i] = (ok, value)
-                left[0] -= 1
-                if left[0]:
-                    return
-                errors = [v for ok_, v in results if not ok_]
-                if not errors:
-                    then(True, tuple(v for _, v in results))
-                    return
-                for other in errors[1:]:
-                    errors[0].add_note(f"another branch of the same wave also failed: {other}")
-                then(False, errors[0])
-            return got
-
-        for i, branch in enumerate(wave.branches):
-            self._walk(branch, x, flow, collect(i), jobs, encoded)
-
-    def _walk_later(self, walk, flow: Flow, then) -> None:
-        """Walk on from an outcome (listener thread, lock held): queue what it makes, or end the flow."""
-        jobs: list = []
-        try:
-            walk(jobs)
-        except NodeError as err:
-            then(False, err)
-            return
+    def _enqueue(self, jobs: list) -> None:
+        """Queue new jobs (lock held); the next pump gives them to workers."""
         self.queue.extend(jobs)
         for job in jobs:
-            flow.jobs.add(job)
-
-    def _encode(self, x, piece: Piece, flow: Flow, encoded: dict):
-        """`(payload, shared segment names, what keeps copies alive)`; once per value for a wave's pieces."""
-        found = encoded.get(id(x))
-        if found is not None:
-            return found
-        encoder = codec.Encoder(self.pool.get_store)
-        entry = piece.entry
-        step = flow.trace.host_step("encode input", node=entry, input=flow.index) if flow.trace else None
-        try:
-            if step is not None:
-                with step as args:
-                    payload = encoder.pack(x)
-                    args.update(bytes=len(payload), shm_copies=encoder.copied)
-            else:
-                payload = encoder.pack(x)
-        except codec.GradCrossing as err:
-            raise NodeError.failed(entry, err.reason("its input is")) from None
-        except codec.Unsendable as err:
-            raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
-        except ShmFull as err:
-            raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
-        found = encoded[id(x)] = (payload, list(encoder.shared), encoder)
-        return found
+            job.flow.jobs.add(job)
 
     # -- choosing workers ----------------------------------------------------------------------------------
     def _pump(self) -> None:
