@@ -2,9 +2,8 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT  # noqa: E402
 
 # Runs `soma ARGS` in a Python where `import torch` fails exactly as it does where torch is not installed.
 WITHOUT_TORCH = """
@@ -24,17 +23,20 @@ def soma_command(*args, without_torch: bool = False) -> subprocess.CompletedProc
     return subprocess.run([sys.executable, *prefix, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 
+BENCHMARKS = ", ".join(sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")))
+
+
 def test_soma_bench_with_a_flag_and_no_name_says_what_it_expects():
     done = soma_command("bench", "--quick")
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == (
         "soma: `soma bench --quick` names no benchmark: write `soma bench NAME --quick` or `soma bench all --quick` "
-        "(each in turn, minutes); benchmarks: gil_wave, memory, overhead, startup, tensor\n")
+        f"(each in turn, minutes); benchmarks: {BENCHMARKS}\n")
     done = soma_command("bench", "--smoke", "--json", "out.json")
     assert done.returncode == 2 and "`soma bench all --smoke --json out.json`" in done.stderr
     assert not (ROOT / "out.json").exists()
     done = soma_command("bench")  # no flag either: that still lists them
-    assert done.returncode == 0 and done.stdout.startswith("benchmarks: gil_wave, memory, overhead, startup, tensor")
+    assert done.returncode == 0 and done.stdout.startswith(f"benchmarks: {BENCHMARKS}")
 
 
 def test_soma_example_without_torch_says_it_needs_torch():

@@ -5,20 +5,18 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 import soma
 from soma import Executor, Graph, NodeError, PlacementError, PostconditionError
-from tests.conftest import shm_names
+from tests.conftest import ROOT, shm_names
 from tests.nodes import (
     AddOne, Boom, Burn, Count, Counter, Double, HoldsLock, Identity, Join, Obeys, Pid, ReturnsList,
     ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, SeeCtx, Tokenize, TouchFile, Tracked, Upper, WhereAmI, burn,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -340,14 +338,6 @@ def test_worker_refuses_to_start_without_a_secret():
     assert out.returncode == 2 and "SOMA_SECRET" in out.stderr
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 class CudaReport(soma.Node):
     """Where this worker's CUDA work goes: its current device, and a tensor born on ctx.device."""
 
@@ -358,8 +348,7 @@ class CudaReport(soma.Node):
         return soma.Done((torch.cuda.current_device(), str(t.device), t))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU: workers pinned to cuda:N, CUDA IPC both ways")
+@pytest.mark.gpu("workers pinned to cuda:N, CUDA IPC both ways")
 def test_needs_gpu_pinned_workers_and_cuda_ipc():
     import torch
 

@@ -1,16 +1,16 @@
 """close() from another thread while runs and maps are in flight: raced many times, in a subprocess,
 so that an abort or a hang is a failed test and not a dead test run."""
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from tests.conftest import ROOT
+
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RACE = textwrap.dedent("""
     import os, sys, threading, time
@@ -74,6 +74,6 @@ def test_close_while_runs_and_maps_are_in_flight(tmp_path):
     pytest.importorskip("torch")
     script = tmp_path / "race.py"
     script.write_text(RACE)
-    proc = subprocess.run([sys.executable, str(script), ROOT, "9"], capture_output=True, text=True, timeout=200)
+    proc = subprocess.run([sys.executable, str(script), str(ROOT), "9"], capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert "ok 9" in proc.stdout

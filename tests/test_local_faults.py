@@ -14,21 +14,12 @@ import zmq
 
 import soma
 from soma import Graph, NodeError, RunTimeout, SharedMemoryFull, WorkerDied, protocol
-from tests.conftest import shm_names
+from tests.conftest import ROOT, shm_names, wait_for
 from tests.nodes import (
     AddOne, Die, FullShm, Identity, MarkThenSleep, NodeExitsAtLoad, Pid, Raises, ReturnsExitAtPickle, Sleep,
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def wait_for(condition, seconds=10.0, what="condition"):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def gone(pid):
@@ -185,8 +176,7 @@ def test_host_killed_its_workers_exit_and_clean_up(tmp_path):
         os.kill(os.getpid(), signal.SIGKILL)
     """))
     pytest.importorskip("torch")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, str(script), root], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, str(script), str(ROOT)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     *pids, prefix, run_dir = proc.stdout.split()
     pids = [int(p) for p in pids]

@@ -244,5 +244,5 @@ def test_a_worker_killed_in_the_middle_of_a_map(local, tmp_path):
                 os.kill(pid, signal.SIGKILL)
     err = info.value
     assert err.node == "slow" and err.index is not None and err.index >= 5
-    assert f"while running node `slow`" in str(err) or "before it ran node `slow`" in str(err)
+    assert "while running node `slow`" in str(err) or "before it ran node `slow`" in str(err)
     assert list(local.map(Graph.somatize(AddOne()), range(5))) == [1, 2, 3, 4, 5]  # the runner goes on

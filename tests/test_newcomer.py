@@ -4,7 +4,6 @@ import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -119,7 +118,7 @@ def test_every_forward_that_takes_x_and_ctx_is_accepted_and_runs():
 
 # -- the README, pasted as it is ---------------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT  # noqa: E402
 
 
 def readme_blocks(language: str) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from soma import nodecode
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT  # noqa: E402
 
 SCRIPT = '''\
 import sys

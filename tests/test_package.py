@@ -3,11 +3,10 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT  # noqa: E402
 
 
 def run_python(code: str) -> str:

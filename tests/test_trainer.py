@@ -266,7 +266,7 @@ def test_trainer_is_reachable_from_soma():
     assert soma.Trainer is Trainer
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: cuda:0 → cpu in one graph")
+@pytest.mark.gpu("cuda:0 → cpu in one graph")
 def test_needs_gpu_cuda0_to_cpu_graph_trains_end_to_end():
     torch.manual_seed(0)
     first, last = nn.Linear(4, 16), nn.Linear(16, 1)
