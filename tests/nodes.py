@@ -536,3 +536,12 @@ class NotReentrant(Node):
             return Done(x)
         finally:
             self.inside -= 1
+
+
+class Threads(Node):
+    """Returns (OMP_NUM_THREADS as this process sees it, torch's intra-op threads)."""
+
+    def forward(self, x, ctx):
+        import torch
+
+        return Done((os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()))

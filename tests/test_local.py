@@ -323,6 +323,21 @@ def test_pinning_spreads_devices_over_workers():
     assert pool.worker_devices == ["cpu", "cuda:0", "cpu"]
 
 
+def test_threads_per_worker_are_set_and_checked():
+    pytest.importorskip("torch")
+    from tests.nodes import Threads
+
+    with soma.Local(workers=1, threads=3) as pool:
+        assert pool.run(Graph.somatize(Threads()), 0) == ("3", 3)
+    default = max(1, (os.cpu_count() or 1) // 2)
+    with soma.Local(workers=2) as pool:
+        assert pool.run(Graph.somatize(Threads()), 0) == (str(default), default)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"^soma.Local's threads= is the torch threads per worker, a positive "
+                                             rf"int; got {bad!r}$"):
+            soma.Local(workers=1, threads=bad)
+
+
 def test_worker_help_says_how_the_host_starts_it():
     for argv in ([sys.executable, "-m", "soma.worker", "--help"],):
         out = subprocess.run(argv, capture_output=True, text=True, timeout=30)

@@ -1,28 +1,36 @@
-"""The host side of `soma.Local`: starts workers, dispatches plans, gathers results.
+"""The host side of `soma.Local`: compiles programs, decides which worker runs what, gathers results.
 
-How one `run(g, x)` flows (worker side in `soma.worker`):
+How one `run(g, x)` flows (the worker's side is drawn in `soma.worker`):
 
-    caller thread(s)                        host                                   workers
-    ────────────────                        ────                                   ───────
-    run(g, x) ─▶ program for (g, placement)   (dispatch.py: compiled once, cached;
-                 PlacementError here, before    Remote = a piece run whole on one worker,
-                 anything is sent               Spread = a wave, Chain = in order)
-              ─▶ encode x once (wire.Encoder: msgpack; tensors → shared segments, handles only)
-              ─▶ TASK per worker  ──── ROUTER (ipc://, 0700 dir, MAC'd) ─────▶ DEALER ─▶ run pieces
-                 (branches for one worker in one message; node code only the first time)
-              ─▶ wait: one waiting thread at a time leads and receives for all (leader/follower),
-                 the others sleep on a condition until their task is done
-                                             PULL ◀──── RESULT / HELLO ──── PUSH
-                 leader: authenticate, decode outputs (map segments), settle the lease book,
-                         look at worker processes every 50 ms: a dead one → WorkerDied for what
-                         it held, its segments settled, a replacement started
-              ◀─ postcondition checked on what arrived; the output, or the first failure in
-                 branch order
+    caller thread                       host (this package)                           a worker
+    ─────────────                       ───────────────────                           ────────
+    Local.run(g, x)          local.py   the program of (g, placement), compiled once (program.py):
+      │                                 pieces of the plan, each run whole on one worker;
+      │                                 PlacementError here, before anything is sent
+      ├─▶ Scheduler.start  scheduler.py a Flow for x; flows.py walks the program: each Piece it
+      │                                 reaches becomes a Job (x encoded once by soma.codec:
+      │                                 tensors into shared segments, handles only)
+      │   pump: a worker for each job   (its CUDA device; the copies of the piece's nodes it
+      │                                 holds; the copies their classes allow; fewest jobs out)
+      ├─▶ WorkerPool.send     pool.py   one Task per worker, with the node code and piece specs
+      │                                 it lacks ── ROUTER ── ipc ──────────────────────▶ DEALER
+      │                                                                      a lane per piece, its
+      │                                                                      units in order: decode,
+      │                                                                      run (soma.execute),
+      │                                                                      encode, flush
+      │   receive_until: the caller    ◀── PULL ◀── Result [outcomes, releases] ◀──────── PUSH
+      │   receives its own outcome (the listener thread does, when no caller is waiting)
+      │   pool: authenticate, decode outputs (map segments), count leases (leases.py)
+      │   Scheduler.on_outcomes: the postcondition on what arrived, then the job's continuation:
+      │   the next piece (another Job), a wave's join, or the flow's end: (index, ok, value) → sink
+      ◀── sink.get(): the output, or the failure, raised
 
-    a timeout: the host reads what the late workers were running from their status pages,
-    kills and replaces them, and raises RunTimeout naming those nodes.
-    close(): STOP to every worker, wait, kill stragglers, unlink the pool's segments,
-    remove the socket directory. atexit closes pools left open.
+    map(g, xs) is the same with many flows in one sink (soma.mapping takes the inputs lazily).
+    A worker that dies: the listener drains what it sent, fails the jobs it held (WorkerDied),
+    settles its segments and starts a replacement. A timeout: Scheduler.expire reads the status
+    pages, replaces the workers running that input's nodes, and names them (RunTimeout).
+    close(): every flow in flight gets SomaError; STOP to every worker; the listener closes its
+    socket itself; segments unlinked, the socket directory removed. atexit closes pools left open.
 """
 
 from .local import Local

@@ -1,22 +1,27 @@
 """The `soma-worker` program: one process of a `soma.Local` pool.
 
-How messages flow through a worker (host on the left, see `soma.scheduler`):
+How messages flow through a worker (the host is drawn in `soma.scheduler`):
 
-    host ROUTER ──TASK/FREE/STOP──▶ DEALER ──────┐
-                                                  │  one thread leads: it polls the DEALER,
-                                                  │  takes one message, hands the lead on,
-                                                  ▼  then runs what it took (leader/follower:
-                                         ┌─ thread ─┐   no queue between receiving and running)
-                                         │ TASK: load node code once (cloudpickle), decode the
-                                         │ input (tensors map shared segments), run each branch
-                                         │ whole (soma.execute.Runner; branches of one task run
-                                         │ on threads), check postconditions, encode outputs
-                                         │ (tensors as segment handles), drop the input
-                                         └──────────┘
-    host PULL  ◀──HELLO/RESULT── PUSH (one lock: any thread may send)
+    host ROUTER ──Task/Free/Cancel/Stop──▶ DEALER
+                                             │ one serving thread receives (soma.protocol.parse)
+                                             ▼
+                     accept(Task): register the node code and piece specs it carries; append
+                                   each Unit to its piece's Lane (a lane keeps arrival order)
+                                             │ the receiving thread runs the first runnable lane
+                                             │ itself (no hand-off for a short unit); other runnable
+                                             │ lanes go to other serving threads at once; a follower
+                                             ▼ takes over receiving if a unit runs longer than 2 ms
+                     run_lane: each unit in order ─▶ run_unit:
+                                   decode the input (soma.codec: map shared segments by name)
+                                   Runner.run(plan) (soma.execute: setup once per copy, forward,
+                                                     Done, postcondition; one input per node at once)
+                                   encode the output (tensors become segment handles)
+                     flush: Result[outcomes, releases]; outcomes of short units travel together
+    host PULL ◀──Hello/Result── PUSH (one lock: any thread may send)
 
-    watchdog thread: every 0.5 s, if the host (our parent) is gone, unlink the
-    pool's segments and exit.
+    status page: which unit and node each thread runs, for the host to read if we die.
+    watchdog thread: every 0.5 s, if the host (our parent) is gone, unlink the pool's
+    segments, remove its socket directory, and exit.
 
 The host starts it as `python -m soma.worker` (the same program as the
 `soma-worker` console script) with its own `sys.path`, working directory and the

@@ -17,8 +17,12 @@ starts one per worker as `python -m soma.worker ...` (the same program as the
     keyed MAC, and messages that fail it are dropped unread;
   * the endpoints of its sockets (ipc:// in a private 0700 directory), this
     worker's id, the device it pins (cuda:N becomes the current CUDA device, no
-    CUDA_VISIBLE_DEVICES renumbering; cpu never touches CUDA), the torch threads
-    it may use, and the shared-memory arena size.
+    CUDA_VISIBLE_DEVICES renumbering; cpu never touches CUDA), and the
+    shared-memory arena size;
+  * its threads: the intra-op threads torch and BLAS may use here
+    (soma.Local(threads=N); by default cores // workers, at least 1, so a full
+    pool does not oversubscribe the machine), set as OMP_NUM_THREADS,
+    MKL_NUM_THREADS and torch.set_num_threads.
 
 The worker exits when the host says STOP, and by itself within a second when
 the host process is gone.
@@ -33,7 +37,8 @@ def parse_args(argv):
     parser.add_argument("--results", required=True, help="endpoint of the host's PULL (results go to it)")
     parser.add_argument("--id", required=True, help="this worker's id, e.g. w0 (ctx.worker)")
     parser.add_argument("--device", default="cpu", help="the device this worker is pinned to: cpu or cuda:N")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (its share of the cores)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch and BLAS intra-op threads: soma.Local(threads=N), by default cores // workers")
     parser.add_argument("--status", required=True, help="file of the page where this worker shows what it runs")
     parser.add_argument("--host-pid", type=int, required=True, help="the host's pid: exit when it is gone")
     parser.add_argument("--prefix", required=True, help="the pool's shared-memory segment prefix")

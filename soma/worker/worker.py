@@ -96,12 +96,13 @@ class Worker:
     # -- life --------------------------------------------------------------------------------
     def serve(self) -> int:
         signal.signal(signal.SIGTERM, self.terminated)
+        self.when_torch_imports()
         threading.Thread(target=self.watch_host, name="soma-watchdog", daemon=True).start()
         self.send(protocol.Hello(self.id, os.getpid(), self.device))
         if self.preload_torch:
             # After HELLO, not before: importing torch takes a second or more, and the pool is ready
             # without it. A unit that needs torch meanwhile waits on the import, as it would anyway.
-            threading.Thread(target=self.setup_torch, name="soma-torch", daemon=True).start()
+            threading.Thread(target=lambda: __import__("torch"), name="soma-torch", daemon=True).start()
         try:
             self.serve_forever()
         finally:
@@ -306,7 +307,6 @@ class Worker:
             status.enter(unit.id, entry)
             runner = self.runner(unit.piece, plan, steps)
             x = self.decode(unit.payload, entry)
-            self.setup_torch_if_imported()
             value = runner.run(plan, x, RunState(self, unit.id), spans)
             del x
             status.enter(unit.id, producer)
@@ -388,7 +388,6 @@ class Worker:
             node = self.unpickle(node_id, blob)  # a failure keeps the code: the next input tries again
             self.nodes[key] = node
             del self.blobs[key]
-        self.setup_torch_if_imported()
         return node
 
     def unpickle(self, node_id: str, blob: bytes):
@@ -430,6 +429,7 @@ class Worker:
 
     # -- torch, devices, shared memory -----------------------------------------------------------
     def setup_torch(self) -> None:
+        """This worker's share of threads and its CUDA device, once torch is imported (by whoever)."""
         import torch
 
         with self.torch_lock:
@@ -440,11 +440,17 @@ class Worker:
                 torch.cuda.set_device(int(self.device.split(":")[1]))
             self.torch_ready = True
 
-    def setup_torch_if_imported(self) -> None:
-        # While the background preload runs, torch is in sys.modules half-imported: waiting for it
-        # here would hold every unit behind a second of imports; the preload configures it when done.
-        if not self.torch_ready and not self.preload_torch and "torch" in sys.modules:
+    def when_torch_imports(self) -> None:
+        """Run setup_torch as part of the first `import torch` in this process, whoever imports it.
+
+        torch reads OMP_NUM_THREADS at import but caps it at the cores, and a node may import
+        torch inside its forward: only a hook on the import itself makes the very first
+        torch operation run with the threads the pool asked for.
+        """
+        if "torch" in sys.modules:
             self.setup_torch()
+        else:
+            sys.meta_path.insert(0, _AfterImport("torch", self.setup_torch))
 
     def on_thread(self) -> None:
         """First thing on every thread that runs nodes: CUDA's current device is per thread."""
@@ -461,7 +467,6 @@ class Worker:
                     from ..shm import SegmentStore
 
                     self.store = SegmentStore(self.prefix, self.arena)
-                    self.setup_torch_if_imported()
         return self.store
 
     def free(self, frees: list) -> None:
@@ -481,3 +486,39 @@ class Worker:
             return torch.empty(size, dtype=dtype)  # travels inline anyway
         storage = self.get_store().allocate(nbytes)
         return torch.empty(0, dtype=dtype).set_(storage, 0, size)
+
+
+class _AfterImport:
+    """A meta-path finder that runs `then()` right after module `name` has been executed, once."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # find the real spec without us, and never again
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader:
+    """The module's own loader, with `then()` after it has executed the module."""
+
+    def __init__(self, loader, then):
+        self.loader, self.then = loader, then
+
+    def __getattr__(self, name):  # everything else (resource readers, is_package, ...) is the real loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.then()
