@@ -545,3 +545,27 @@ class Threads(Node):
         import torch
 
         return Done((os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()))
+
+
+class SetupFailsOnce(Node):
+    """Its first setup raises; the next one succeeds. Returns how many setups it saw."""
+
+    def __init__(self):
+        self.tries = 0
+
+    def setup(self, ctx):
+        self.tries += 1
+        if self.tries == 1:
+            raise ValueError("the model file is not there yet")
+
+    def forward(self, x, ctx):
+        return Done(self.tries)
+
+
+class MakesOnDevice(Node):
+    """Makes a tensor on ctx.device: fails where that device does not exist."""
+
+    def forward(self, x, ctx):
+        import torch
+
+        return Done(torch.ones(2, device=ctx.device))

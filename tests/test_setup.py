@@ -1,0 +1,48 @@
+"""`setup(ctx)`: once per copy, in the copy's process, before its first forward; on every runner."""
+
+import os
+
+import pytest
+
+import soma
+from soma import Graph, NodeError
+from tests.conftest import cuda_available
+from tests.nodes import MakesOnDevice, SetupCounter, SetupFailsOnce
+
+
+@pytest.fixture(params=["executor", "local"], scope="module")
+def runner(request, local):
+    return soma.Executor() if request.param == "executor" else local
+
+
+def test_setup_runs_once_before_the_first_forward(runner):
+    g = Graph.somatize(SetupCounter().on("meta"))
+    outs = [runner.run(g, i) for i in range(5)]
+    assert [setups for _, setups, _ in outs] == [1] * 5
+    pids = {pid for pid, _, _ in outs}
+    assert pids == ({os.getpid()} if isinstance(runner, soma.Executor) else pids & set(runner.pids()))
+
+
+def test_setup_sees_its_nodes_ctx(runner):
+    node = SetupCounter()
+    runner.run(Graph.somatize(node.named("counted").on("meta")), 0)
+    if isinstance(runner, soma.Executor):  # in a worker the copy's ctx is not visible from here
+        assert node.setup_ctx == ("counted", "meta", None)
+
+
+def test_a_setup_that_raises_is_the_nodes_error_and_is_tried_again(runner):
+    g = Graph.somatize(SetupFailsOnce())
+    with pytest.raises(NodeError, match=r"^node `setup_fails_once` failed: setup raised ValueError: the model file "
+                                        r"is not there yet$") as info:
+        runner.run(g, 0)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert runner.run(g, 0) == 2  # the same copy: its setup tried again, once, before this forward
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the message on a machine without CUDA")
+def test_a_node_on_a_missing_gpu_says_which_device_this_machine_lacks():
+    pytest.importorskip("torch")
+    g = Graph.somatize(MakesOnDevice().named("enc").on("cuda:0"))
+    with pytest.raises(NodeError, match=r"^node `enc` failed: it is placed on `cuda:0`, but this machine has no CUDA "
+                                        r"device \(torch.cuda.is_available\(\) is False\); [A-Za-z]+Error: "):
+        soma.Executor().run(g, 0)
