@@ -20,12 +20,12 @@ def _beside_package(folder: str) -> Path:
     return Path(__file__).resolve().parent.parent / folder
 
 
-def _run_example(name: str) -> int:
+def _run_example(name: str, argv: list[str] = ()) -> int:
     path = _beside_package("examples") / f"{name}.py"
     if not path.exists():
         print(f"soma: the example {path} is not there (examples/ ships with the source checkout)", file=sys.stderr)
         return 2
-    saved, sys.argv = sys.argv, [str(path)]  # the example sees its own argv, not the `soma` command's
+    saved, sys.argv = sys.argv, [str(path), *argv]  # the example sees its own argv, not the `soma` command's
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as stop:  # the example's own exit status is the command's (2: it lacks what it needs)
@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"soma {__version__}")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("example", help="run the seed example pipeline in-process (examples/pipeline.py)")
-    sub.add_parser("demo", help="GIL-bound nodes: soma.Local against the in-process Executor (examples/gil_demo.py)")
+    demo = sub.add_parser("demo", help="GIL-bound nodes: soma.Local against the in-process Executor "
+                                       "(examples/gil_demo.py)")
+    demo.add_argument("--trace", metavar="FILE", help="also write a timeline of Local's runs to FILE (Perfetto)")
     bench = sub.add_parser("bench", help="run a benchmark of benchmarks/ (no NAME: list them; all: every one)")
     bench.add_argument("name", nargs="?", help="the benchmark to run, or all")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute each)")
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "example":
         return _run_example("pipeline")
     if args.command == "demo":
-        return _run_example("gil_demo")
+        return _run_example("gil_demo", ["--trace", args.trace] if args.trace else [])
     if args.command == "bench":
         return _run_bench(args.name, args.quick, args.smoke, args.json)
     parser.print_help()
