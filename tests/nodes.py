@@ -569,3 +569,20 @@ class MakesOnDevice(Node):
         import torch
 
         return Done(torch.ones(2, device=ctx.device))
+
+
+class Rendezvous(Node):
+    """Marks its arrival in a file, then waits for the other's mark: proves two processes ran at once."""
+
+    def __init__(self, mine, other, seconds=10.0):
+        self.mine, self.other, self.seconds = mine, other, seconds
+
+    def forward(self, x, ctx):
+        with open(self.mine, "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + self.seconds
+        while not os.path.exists(self.other):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.other} never came: the branches did not run at once")
+            time.sleep(0.001)
+        return Done(os.getpid())

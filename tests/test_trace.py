@@ -9,7 +9,7 @@ import pytest
 
 import soma
 from soma import Graph, NodeError, SomaError
-from tests.nodes import AddOne, Boom, Double, Identity, Join, Sleep, Spin
+from tests.nodes import AddOne, Boom, Double, Identity, Join, Rendezvous, Sleep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,8 +60,8 @@ def test_every_node_execution_of_run_and_map_is_one_complete_event(runner, tmp_p
 
 
 def test_a_wave_on_two_workers_shows_two_overlapping_tracks(local, tmp_path):
-    g = Graph.somatize(Spin(0.05) | Spin(0.05))
-    local.run(g, 0)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    g = Graph.somatize(Rendezvous(a, b) | Rendezvous(b, a))  # each waits for the other: they overlap for sure
     path = tmp_path / "wave.json"
     with local.trace(path):
         local.run(g, 0)

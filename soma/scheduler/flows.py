@@ -24,7 +24,7 @@ from .program import Piece
 class Flow:
     """One input on its way through a program."""
 
-    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns")
+    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "end")
 
     def __init__(self, index, sink, trace):
         self.index = index
@@ -33,6 +33,11 @@ class Flow:
         self.finished = False
         self.jobs: set = set()  # its jobs queued or outstanding
         self.started_ns = time.monotonic_ns() if trace is not None else 0
+        self.end = None  # end(flow, ok, value): what ends it (the scheduler's)
+
+    def __call__(self, ok, value) -> None:
+        """The flow as the last continuation of its program's walk."""
+        self.end(self, ok, value)
 
 
 class Job:

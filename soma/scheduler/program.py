@@ -42,7 +42,7 @@ class Piece(Plan):
     `spec`: the piece as the protocol carries it (packed once).
     """
 
-    __slots__ = ("id", "plan", "keys", "devices", "cuda", "copies", "spec")
+    __slots__ = ("id", "plan", "keys", "devices", "cuda", "copies", "spec", "entry")
 
     def __init__(self, plan: Plan, keys: dict, devices: dict, copies: int | None):
         ids = list(plan.steps())
@@ -55,6 +55,7 @@ class Piece(Plan):
             ("cuda", next(iter(cuda)) if cuda else None),
             ("copies", copies),
             ("spec", pack_piece(plan, keys, devices)),
+            ("entry", ids[0]),  # the first node: the one its input is for
         ):
             object.__setattr__(self, name, value)
 
@@ -69,11 +70,6 @@ class Piece(Plan):
 
     def steps(self):
         return self.plan.steps()
-
-    @property
-    def entry(self) -> str:
-        """The first node of the piece: the one its input is for."""
-        return next(self.plan.steps())
 
     def __str__(self) -> str:
         return f"[{self.plan}]"

@@ -233,6 +233,7 @@ class Scheduler:
     def on_outcomes(self, slot: int, worker, outcomes: list) -> None:
         now = time.monotonic()
         with self.lock:
+            measured = service = trip = 0
             for unit, ok, value, spans, seconds, decode in outcomes:
                 job = self.outstanding.pop(unit, None)
                 if job is None or job.slot != slot:
@@ -241,12 +242,16 @@ class Scheduler:
                 if value is CANCELLED or job.flow.finished:
                     job.flow.jobs.discard(job)
                     continue
-                self._measure(seconds, now - job.sent_at)
+                measured += 1
+                service += seconds
+                trip += now - job.sent_at
                 if spans is not None and job.flow.trace is not None:
                     self._record(job, worker, spans, decode)
                 if ok:
                     value, ok = self._arrived(job, value, worker)
                 self._end_job(job, ok, value)
+            if measured:
+                self._measure(service / measured, trip / measured)
             self._pump()
 
     def _measure(self, service_s: float, round_trip_s: float) -> None:
@@ -393,7 +398,8 @@ class Scheduler:
 
     def _ender(self, flow: Flow):
         """The continuation at the end of a program: the flow's outcome goes to its sink."""
-        return lambda ok, value: self._finish(flow, ok, value)
+        flow.end = self._finish
+        return flow
 
     def forget(self, keys: list) -> None:
         with self.lock:

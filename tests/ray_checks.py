@@ -1,0 +1,449 @@
+"""Every Ray check in one process: one local Ray session, then one two-machine cluster, all on loopback.
+
+    python tests/ray_checks.py OUT.json          (tests/test_ray.py runs it under `unshare -n`)
+
+Starting Ray takes seconds, so the checks share one session (and then one
+cluster) instead of one each. Each check returns what it *observed* as plain
+data; the assertions live in tests/test_ray.py, one test per check, so each can
+fail on its own. A check that raises is recorded with its traceback. Nothing
+here sleeps to let something happen: waits are on conditions with deadlines.
+
+Nodes defined here live in `__main__`: they travel to the actors by value
+(soma.nodecode), the way a user's script's nodes do; the others come from
+tests/nodes.py by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+
+import soma  # noqa: E402
+from soma import Done, Executor, Graph, Node  # noqa: E402
+from tests.nodes import (  # noqa: E402
+    AddOne, Boom, Count, Fill, Identity, Join, MarkThenSleep, Obeys, OneCopyCounter, Pid, PlusOne, ReturnsMovingDevice, ReturnsOn,
+    Sleep, Tokenize, Upper,
+)
+
+DEADLINE_S = 60.0
+
+
+# -- nodes of these checks (by value, from __main__) ------------------------------------------------
+
+class Rendezvous(Node):
+    """Writes its marker, then waits for the other branch's: only branches that run at once both see it."""
+
+    def __init__(self, folder, me, other):
+        self.folder, self.me, self.other = folder, me, other
+
+    def forward(self, x, ctx):
+        start = time.monotonic_ns()
+        Path(self.folder, self.me).write_text("here")
+        deadline = time.monotonic() + 20
+        while not Path(self.folder, self.other).exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return Done({"pid": os.getpid(), "saw_other": Path(self.folder, self.other).exists(),
+                     "start": start, "end": time.monotonic_ns(), "worker": ctx.worker})
+
+
+class DieOn(Node):
+    """Ends its process (os._exit) on one input; returns (input, its pid) for every other one."""
+
+    def __init__(self, fatal):
+        self.fatal = fatal
+
+    def forward(self, x, ctx):
+        if x == self.fatal:
+            os._exit(3)
+        return Done((x, os.getpid()))
+
+
+class SlowOn(Node):
+    """Sleeps a long time on one input (a run's timeout must stop it); returns (input, its pid) at once otherwise."""
+
+    def __init__(self, slow):
+        self.slow = slow
+
+    def forward(self, x, ctx):
+        if x == self.slow:
+            time.sleep(120)
+        return Done((x, os.getpid()))
+
+
+class RayNodeId(Node):
+    """Appends (its id, the Ray node id it runs on, its pid) to its input list."""
+
+    def forward(self, x, ctx):
+        return Done(list(x) + [(ctx.node, ray.get_runtime_context().get_node_id(), os.getpid())])
+
+
+class OnGpu(Node):
+    """What a cuda:N node sees: its ctx.device, the GPU torch gives it, the ids Ray reserved."""
+
+    def forward(self, x, ctx):
+        import torch
+
+        t = torch.ones(4, device=ctx.device)
+        props = torch.cuda.get_device_properties(torch.device(ctx.device))
+        return Done({"device": ctx.device, "tensor_device": str(t.device), "visible": os.environ.get(
+            "CUDA_VISIBLE_DEVICES"), "reserved": [str(g) for g in ray.get_gpu_ids()],
+            "uuid": str(getattr(props, "uuid", "")), "sum": float(t.sum())})
+
+
+# -- the checks of the local session ----------------------------------------------------------------
+
+def same_answers(cluster):
+    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Join())
+    xs = ["a b c", "d", "x y", "p q r s"]
+    return {"executor": [Executor().run(g, x) for x in xs],
+            "run": [cluster.run(g, x) for x in xs],
+            "map": list(cluster.map(g, xs)),
+            "map_unordered": sorted(cluster.map(g, xs, ordered=False), key=lambda out: out[1])}
+
+
+def wave_overlap(cluster):
+    folder = tempfile.mkdtemp(prefix="soma-rendezvous-")
+    try:
+        g = Graph.somatize(Identity() >> (Rendezvous(folder, "a", "b") | Rendezvous(folder, "b", "a")))
+        first, second = cluster.run(g, None)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"branches": [first, second], "driver_pid": os.getpid()}
+
+
+def copies_one_keeps_state(cluster):
+    counts = Graph.somatize(OneCopyCounter())  # returns (its count, its pid)
+    runs = [cluster.run(counts, None) for _ in range(3)]
+    mapped = list(cluster.map(counts, range(6), window=4))
+    more = [cluster.run(counts, None) for _ in range(2)]
+    return {"runs": runs, "map": mapped, "after_map": more}
+
+
+def map_spreads_over_actors(cluster):
+    g = Graph.somatize(Sleep(0.02) >> Pid())
+    pids, taken = set(), 0
+    deadline = time.monotonic() + DEADLINE_S
+
+    def endless():
+        while True:
+            yield None
+
+    outputs = cluster.map(g, endless(), window=4)
+    for pid in outputs:  # until a second copy has taken inputs (copies start only when the first is busy)
+        taken += 1
+        pids.add(pid)
+        if len(pids) >= 2 or time.monotonic() > deadline:
+            break
+    outputs.close()
+    return {"pids": sorted(pids), "inputs": taken, "driver_pid": os.getpid()}
+
+
+def node_error(cluster):
+    out = {}
+    try:
+        cluster.run(Graph.somatize(AddOne() >> Boom()), 2)
+    except Exception as err:
+        out["run"] = _error(err)
+        out["run"]["cause"] = repr(err.__cause__)
+        out["run"]["cause_chain"] = _chain(err)
+    seen = []
+    try:
+        for y in cluster.map(Graph.somatize(AddOne()), [1, 2, "x", 4]):
+            seen.append(y)
+    except Exception as err:
+        out["map"] = _error(err)
+        out["map"]["index"] = err.index
+    out["map_before"] = seen
+    wave = Graph.somatize(Identity() >> (Boom() | Boom()) >> Join())
+    try:
+        cluster.run(wave, 1)
+    except Exception as err:
+        out["wave"] = _error(err)
+        out["wave"]["notes"] = list(getattr(err, "__notes__", []))
+    out["next_run"] = cluster.run(Graph.somatize(AddOne()), 1)
+    return out
+
+
+def postcondition(cluster):
+    out = {}
+    try:
+        cluster.run(Graph.somatize(Obeys().on("meta") >> ReturnsOn("cpu").on("meta")), None)
+    except Exception as err:
+        out["declared_meta"] = _error(err) | {"declared": err.declared, "actual": err.actual}
+    try:  # a value that reports another device once it has crossed: caught where it arrives
+        cluster.run(Graph.somatize(ReturnsMovingDevice().on("cpu") >> Identity()), None)
+    except Exception as err:
+        out["moved_on_the_way"] = _error(err)
+    try:  # ... and at the driver, for the run's output
+        cluster.run(Graph.somatize(Identity() >> ReturnsMovingDevice().on("cpu")), None)
+    except Exception as err:
+        out["moved_to_the_driver"] = _error(err)
+    obeys = cluster.run(Graph.somatize(Obeys().on("meta")), None)
+    out["obeying"] = repr(obeys)
+    return out
+
+
+def tensors(cluster):
+    import torch
+
+    mib = 1 << 20
+    x = torch.arange(4 * mib // 4, dtype=torch.float32)  # 4 MiB in
+    first, second = PlusOne(), PlusOne()  # one pair of actors for both graphs (each imports torch: seconds)
+    y = cluster.run(Graph.somatize(first >> second), x)
+    wave = cluster.run(Graph.somatize(first | second), x)
+    made = cluster.run(Graph.somatize(Fill(6 * mib // 4)), 3.0)  # 6 MiB made in an actor, out
+    made.add_(1)  # the caller's own, writable memory
+    return {"in_bytes": x.numel() * 4, "out_equal": bool(torch.equal(y, x + 2)), "x_untouched": float(x[-1]),
+            "made_bytes": made.numel() * 4, "made_all": float(made.min()), "made_max": float(made.max()),
+            "wave_equal": all(bool(torch.equal(t, x + 1)) for t in wave)}
+
+
+def actor_dies(cluster):
+    g = Graph.somatize(AddOne() >> DieOn(5))
+    out = {}
+    try:
+        cluster.run(g, 4)
+    except Exception as err:
+        out["error"] = _error(err) | {"node": err.node, "worker": err.worker, "pid": err.pid}
+    out["next_run"] = cluster.run(g, 1)
+    try:
+        list(cluster.map(g, [1, 2, 4, 6]))
+    except Exception as err:
+        out["map_error"] = _error(err) | {"index": err.index, "node": err.node}
+    out["after_map"] = list(cluster.map(g, [1, 2]))
+    return out
+
+
+def timeout(cluster):
+    g = Graph.somatize(AddOne() >> SlowOn(2) >> Identity())
+    out = {"before": cluster.run(g, 0)}
+    started = time.monotonic()
+    try:
+        cluster.run(g, 1, timeout=1.0)
+    except Exception as err:
+        out["error"] = _error(err) | {"nodes": list(err.nodes), "waiting": list(err.waiting),
+                                      "is_timeout_error": isinstance(err, TimeoutError)}
+    out["raised_after_s"] = time.monotonic() - started
+    out["after"] = cluster.run(g, 0)
+    try:
+        list(cluster.map(g, [0, 1, 0], timeout=1.0))
+    except Exception as err:
+        out["map_error"] = _error(err) | {"index": err.index, "nodes": list(err.nodes)}
+    return out
+
+
+def traced(cluster, folder):
+    path = Path(folder, "trace.json")
+    g = Graph.somatize(RayNodeId() >> (RayNodeId() | RayNodeId()))
+    with cluster.trace(path):
+        first, second = cluster.run(g, [])
+        mapped = list(cluster.map(Graph.somatize(RayNodeId()), [[]] * 3))
+    doc = json.loads(path.read_text())
+    events = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "node"]
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
+    reported = [[node, pid] for node, _, pid in first + second[1:] + [out[0] for out in mapped]]
+    return {"events": [{"name": e["name"], "pid": e["pid"], "input": e["args"]["input"], "ts": e["ts"],
+                        "worker": e["args"]["worker"]} for e in events],
+            "process_names": {str(k): v for k, v in names.items()},
+            "reported": reported, "driver_pid": os.getpid()}
+
+
+def dropped_nodes_stop_their_actors(cluster):
+    """A node the caller lets go can never run again: its actors are stopped at the next run."""
+    import gc
+
+    g = Graph.somatize(Pid())
+    pid = cluster.run(g, None)
+    del g
+    gc.collect()
+    cluster.run(Graph.somatize(AddOne()), 1)  # the next run forgets what was dropped
+    return {"pid": pid, "gone_after_s": _gone_within(pid, DEADLINE_S)}
+
+
+def _gone_within(pid: int, seconds: float):
+    """Seconds until process `pid` is gone (killing an actor is asynchronous), or None if it outlived `seconds`."""
+    import psutil
+
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return time.monotonic() - started
+        time.sleep(0.05)  # polling a condition, with a deadline
+    return None
+
+
+def placement(cluster):
+    out = {}
+    g = Graph.somatize(AddOne() >> Identity().on("cuda:7"))
+    try:
+        cluster.run(g, 1)
+    except Exception as err:
+        out["error"] = _error(err) | {"node": err.node}
+    out["same_graph_unplaced"] = cluster.run(g.place("identity", None), 1)
+    return out
+
+
+def cuda0(cluster):
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA GPU on this machine"}
+    return cluster.run(Graph.somatize(OnGpu().on("cuda:0")), None)
+
+
+def no_ray_errors_leak(cluster):
+    """Every error above is soma's own class: nothing of Ray's in the class or its bases."""
+    kinds = []
+    for g, x in ((Graph.somatize(Boom()), 1), (Graph.somatize(DieOn(0)), 0)):
+        try:
+            cluster.run(g, x)
+        except Exception as err:
+            kinds.append([f"{c.__module__}.{c.__qualname__}" for c in type(err).__mro__])
+    return {"mros": kinds}
+
+
+SESSION_CHECKS = [same_answers, wave_overlap, copies_one_keeps_state, map_spreads_over_actors, node_error,
+                  postcondition, tensors, actor_dies, timeout, dropped_nodes_stop_their_actors, placement, cuda0,
+                  no_ray_errors_leak]
+
+
+# -- two machines --------------------------------------------------------------------------------------
+
+def two_machines(folder) -> dict:
+    """A head with `host_a` and a second machine with `host_b`; `options` pins one node to each."""
+    from ray.cluster_utils import Cluster
+
+    out: dict = {}
+    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+              "health_check_initial_delay_ms": 0}
+    _say("two machines: starting the head")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"host_a": 1}, "temp_dir": folder, "_system_config": system,
+        "include_dashboard": False})
+    try:
+        machine_b = cluster.add_node(num_cpus=1, resources={"host_b": 1}, temp_dir=folder)
+        _say("two machines: both up")
+        ray.init(address=cluster.address, log_to_driver=False)
+        ids = {}
+        for node in ray.nodes():
+            for name in ("host_a", "host_b"):
+                if node["Alive"] and name in node["Resources"]:
+                    ids[name] = node["NodeID"]
+        out["machines"] = ids
+        options = {"on_a": {"resources": {"host_a": 0.1}}, "on_b": {"resources": {"host_b": 0.1}},
+                   "sleeper": {"resources": {"host_b": 0.1}}, "on_c": {"resources": {"host_c": 1}}}
+        with soma.Ray(options=options) as machines:
+            g = Graph.somatize(RayNodeId().named("on_a") >> RayNodeId().named("on_b"))
+            out["pinned"] = machines.run(g, [])
+            _say("two machines: pinned run done")
+            out["pinned_map"] = list(machines.map(g, [[]] * 4))
+            try:  # no machine offers host_c: refused before anything is submitted, not pending forever
+                machines.run(Graph.somatize(RayNodeId().named("on_c")), [])
+            except Exception as err:
+                out["nowhere"] = _error(err)
+            marker = str(Path(folder, "sleeper-is-running"))
+            slow = Graph.somatize(RayNodeId().named("on_a") >> MarkThenSleep(marker, 60).named("sleeper"))
+            out["machine_death"] = _kill_machine_during(machines, slow, cluster, machine_b, marker)
+            _say("two machines: machine b taken away")
+        # close() stops the actors soma made even in a session it leaves running (machine a's are on this host)
+        out["actor_a_gone_after_close_s"] = _gone_within(out["pinned"][0][2], DEADLINE_S)
+        out["session_left_running"] = ray.is_initialized()
+    finally:
+        ray.shutdown()
+        _say("two machines: driver disconnected")
+        cluster.shutdown()
+        _say("two machines: cluster down")
+    return out
+
+
+def _kill_machine_during(runner, g, cluster, machine, marker: str) -> dict:
+    """Run `g` on a thread, take `machine` away once its node runs there (`marker` exists), report what it raised."""
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = runner.run(g, [])
+        except Exception as err:
+            box["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling a condition, with a deadline
+    started = time.monotonic()
+    cluster.remove_node(machine, allow_graceful=False)
+    thread.join(DEADLINE_S)
+    err = box.get("error")
+    return {"error": _error(err) | {"node": err.node, "worker": err.worker} if err is not None else None,
+            "value": box.get("value"), "raised_after_s": time.monotonic() - started}
+
+
+# -- plumbing ------------------------------------------------------------------------------------------
+
+_STARTED = time.monotonic()
+
+
+def _say(what: str) -> None:
+    """Progress on stderr, with the seconds since the start (the pytest side shows it when a check fails)."""
+    print(f"[{time.monotonic() - _STARTED:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _error(err) -> dict:
+    return {"type": type(err).__name__, "message": str(err), "module": type(err).__module__,
+            "node": getattr(err, "node", None), "remote_traceback": getattr(err, "remote_traceback", None)}
+
+
+def _chain(err) -> list:
+    chain = []
+    while err is not None and len(chain) < 5:
+        chain.append(type(err).__name__)
+        err = err.__cause__
+    return chain
+
+
+def _recorded(name: str, call) -> dict:
+    started = time.monotonic()
+    try:
+        result = {"ok": True, "value": call()}
+    except Exception:
+        result = {"ok": False, "traceback": traceback.format_exc()}
+    result["seconds"] = round(time.monotonic() - started, 2)
+    _say(f"ray check {name}: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']} s")
+    return result
+
+
+def main(out_path: str, only: list) -> None:
+    """Run the checks (`only`: just these, by name, to debug one) and write what each observed to `out_path`."""
+    results: dict = {}
+    checks = [c for c in SESSION_CHECKS if not only or c.__name__ in only]
+    folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")  # Ray's own temp dir: a crashed run leaves no trace
+    try:
+        with soma.Ray(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=folder) as cluster:
+            for check in checks:
+                results[check.__name__] = _recorded(check.__name__, lambda: check(cluster))
+            if not only or "traced" in only:
+                results["traced"] = _recorded("traced", lambda: traced(cluster, folder))
+        results["session_shut_down"] = {"ok": True, "value": {"initialized_after_close": ray.is_initialized()}}
+        if not only or "two_machines" in only:
+            results["two_machines"] = _recorded("two_machines", lambda: two_machines(folder))
+    finally:
+        Path(out_path).write_text(json.dumps(results, default=repr))
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

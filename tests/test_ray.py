@@ -1,0 +1,257 @@
+"""soma.Ray on real Ray, kept on loopback: one session for every check, then one two-machine cluster.
+
+Ray binds the machine's own network address unless it runs where only loopback
+exists, so the checks run in a fresh network namespace (`unshare -n`, then
+`ip link set lo up`): nothing they start can be reached from, or reach, the
+network. They run in one subprocess (tests/ray_checks.py: starting Ray takes
+seconds, so they share one session), which writes what each check observed as
+JSON; each test below asserts on one check's observations.
+
+Skipped, with the reason, when ray is not installed or the machine does not
+allow a network namespace (unshare needs root or unprivileged user namespaces).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKS = ROOT / "tests" / "ray_checks.py"
+RUN_S = 200  # the whole subprocess; it takes ~50 s here
+
+pytestmark = pytest.mark.timeout(RUN_S + 60)
+
+
+def why_ray_cannot_run_here() -> str | None:
+    if importlib.util.find_spec("ray") is None:
+        return "ray is not installed (pip install 'soma[ray]')"
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare or ip is missing: no loopback-only network namespace for Ray"
+    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return (f"this machine does not allow a loopback-only network namespace (unshare -n: "
+                f"{probe.stderr.strip() or probe.returncode}), and Ray must not bind its real address in tests")
+    return None
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    """Run every Ray check once (in a loopback-only network namespace) and return what each observed."""
+    reason = why_ray_cannot_run_here()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("ray") / "observed.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    command = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, str(CHECKS),
+               str(out)]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: one kill ends Ray with it
+    try:
+        _, stderr = proc.communicate(timeout=RUN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the Ray checks did not finish in {RUN_S} s; their progress:\n{_progress(stderr)}")
+    if not out.exists():
+        pytest.fail(f"the Ray checks wrote nothing (exit code {proc.returncode}); stderr:\n{stderr[-4000:]}")
+    results = json.loads(out.read_text())
+    results["_progress"] = _progress(stderr)
+    return results
+
+
+def _progress(stderr: str) -> str:
+    return "\n".join(line for line in stderr.splitlines() if line.startswith("[") and " s] " in line)
+
+
+def check(observed, name: str):
+    """What one check observed; a check that raised fails its test with the traceback."""
+    result = observed.get(name)
+    if result is None:
+        pytest.fail(f"the Ray check `{name}` did not run; progress:\n{observed['_progress']}")
+    if not result["ok"]:
+        pytest.fail(f"the Ray check `{name}` raised:\n{result['traceback']}")
+    return result["value"]
+
+
+# -- one session ------------------------------------------------------------------------------------------
+
+def test_ray_gives_the_executors_answers_through_run_and_map(observed):
+    seen = check(observed, "same_answers")
+    assert seen["run"] == seen["executor"]
+    assert seen["map"] == seen["executor"]
+    assert sorted(seen["map_unordered"], key=lambda out: out[1]) == sorted(seen["executor"], key=lambda o: o[1])
+
+
+def test_ray_branches_of_one_wave_overlap_on_different_actors(observed):
+    seen = check(observed, "wave_overlap")
+    first, second = seen["branches"]
+    assert first["saw_other"] and second["saw_other"]  # each waited for the other's marker: they ran at once
+    assert first["pid"] != second["pid"] and seen["driver_pid"] not in (first["pid"], second["pid"])
+    assert first["worker"] != second["worker"]
+    assert max(first["start"], second["start"]) < min(first["end"], second["end"])  # the intervals overlap
+
+
+def test_ray_one_copy_node_keeps_its_state_across_runs_and_maps(observed):
+    seen = check(observed, "copies_one_keeps_state")
+    counts = [count for count, _ in seen["runs"] + seen["map"] + seen["after_map"]]
+    assert [count for count, _ in seen["runs"]] == [1, 2, 3]
+    assert sorted(count for count, _ in seen["map"]) == [4, 5, 6, 7, 8, 9]
+    assert [count for count, _ in seen["after_map"]] == [10, 11]
+    assert len({pid for _, pid in seen["runs"] + seen["map"] + seen["after_map"]}) == 1 and len(counts) == 11
+
+
+def test_ray_map_spreads_a_stateless_node_over_several_actors(observed):
+    seen = check(observed, "map_spreads_over_actors")
+    assert len(seen["pids"]) >= 2, seen
+    assert seen["driver_pid"] not in seen["pids"]
+
+
+def test_ray_node_error_carries_the_remote_traceback_and_cause(observed):
+    seen = check(observed, "node_error")
+    run = seen["run"]
+    assert (run["type"], run["module"], run["node"]) == ("NodeError", "soma.errors", "boom")
+    assert run["message"] == "node `boom` failed: ValueError: boom on 3"
+    assert 'raise ValueError(f"boom on {x!r}")' in run["remote_traceback"]
+    assert "tests/nodes.py" in run["remote_traceback"]
+    assert run["cause"] == "ValueError('boom on 3')" and run["cause_chain"] == ["NodeError", "ValueError",
+                                                                             "RemoteTraceback"]
+    assert seen["map"]["index"] == 2 and seen["map"]["node"] == "add_one" and seen["map_before"] == [2, 3]
+    assert seen["wave"]["message"] == "node `boom` failed: ValueError: boom on 1"
+    assert seen["wave"]["notes"] == ["another branch of the same wave also failed: node `boom_2` failed: "
+                                     "ValueError: boom on 1"]
+    assert seen["next_run"] == 2
+
+
+def test_ray_postcondition_has_the_exact_text_where_the_node_ran_and_where_values_arrive(observed):
+    seen = check(observed, "postcondition")
+    meta = seen["declared_meta"]
+    assert meta["type"] == "PostconditionError" and (meta["declared"], meta["actual"]) == ("meta", "cpu")
+    assert meta["message"] == "node `returns_on` failed: it declared `meta` but returned a value on `cpu`"
+    moved = "node `returns_moving_device` failed: it declared `cpu` but returned a value on `meta`"
+    assert seen["moved_on_the_way"]["message"] == moved and seen["moved_on_the_way"]["type"] == "PostconditionError"
+    assert seen["moved_to_the_driver"]["message"] == moved
+    assert seen["obeying"] == "Located('meta')"
+
+
+def test_ray_tensors_of_mibs_travel_both_ways(observed):
+    seen = check(observed, "tensors")
+    assert seen["in_bytes"] == 4 << 20 and seen["out_equal"] and seen["wave_equal"]
+    assert seen["x_untouched"] == float((4 << 20) // 4 - 1)  # the caller's input is not written to
+    assert seen["made_bytes"] == 6 << 20 and seen["made_all"] == seen["made_max"] == 4.0  # 3 + 1, writable here
+
+
+def test_ray_an_actor_that_dies_is_worker_died_naming_the_node_and_the_next_run_works(observed):
+    seen = check(observed, "actor_dies")
+    err = seen["error"]
+    assert err["type"] == "WorkerDied" and err["node"] == "die_on"
+    assert err["worker"] and err["worker"] in err["message"] and isinstance(err["pid"], int)
+    assert f"pid {err['pid']}" in err["message"] and "node `die_on`" in err["message"]
+    assert "its worker process has died" in err["message"]
+    assert seen["next_run"][0] == 2 and seen["next_run"][1] != err["pid"]  # a new copy, in a new process
+    # Input 2 kills the copy; inputs queued on that copy fail with it (as on a Local worker that dies).
+    assert seen["map_error"]["type"] == "WorkerDied" and seen["map_error"]["node"] == "die_on"
+    assert seen["map_error"]["index"] in (0, 1, 2)
+    assert [y for y, _ in seen["after_map"]] == [2, 3]
+
+
+def test_ray_a_timeout_names_the_running_node_and_replaces_its_actor(observed):
+    seen = check(observed, "timeout")
+    err = seen["error"]
+    assert err["type"] == "RunTimeout" and err["is_timeout_error"]
+    assert err["nodes"] == ["slow_on"] and err["waiting"] == ["identity"]
+    assert err["message"].startswith("run timed out after 1.0 s; still running: `slow_on` (on Ray actor ")
+    assert "waiting to run: `identity`" in err["message"]
+    assert seen["after"][0] == 1 and seen["after"][1] != seen["before"][1]  # the slow copy was replaced
+    assert seen["map_error"]["index"] == 1 and seen["map_error"]["nodes"] == ["slow_on"]
+
+
+def test_ray_actors_of_nodes_the_caller_dropped_are_stopped(observed):
+    seen = check(observed, "dropped_nodes_stop_their_actors")
+    assert seen["gone_after_s"] is not None, seen
+
+
+def test_ray_a_gpu_index_no_machine_has_is_a_placement_error_before_anything_runs(observed):
+    seen = check(observed, "placement")
+    err = seen["error"]
+    assert err["type"] == "PlacementError" and err["node"] == "identity"
+    assert err["message"].startswith("node `identity` cannot run: it is placed on `cuda:7`, but no machine of the "
+                                     "Ray cluster has 8 GPU(s)")
+    assert seen["same_graph_unplaced"] == 2
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU: this machine has none, so the cuda:0 node on Ray "
+                                            "cannot run here (the CUDA order is unit-tested in test_ray_devices.py)")
+def test_ray_a_cuda0_node_gets_the_gpu_ray_reserved_skipped_without_a_gpu(observed):
+    seen = check(observed, "cuda0")
+    assert seen["device"] == "cuda:0" and seen["tensor_device"] == "cuda:0" and seen["sum"] == 4.0
+    assert len(seen["reserved"]) == 1 and seen["visible"].split(",")[0] == seen["reserved"][0]
+
+
+def test_ray_errors_are_soma_classes_never_rays(observed):
+    seen = check(observed, "no_ray_errors_leak")
+    assert len(seen["mros"]) == 2
+    for mro in seen["mros"]:
+        assert mro[0].startswith("soma.errors.") and not any("ray" in cls.lower() for cls in mro), mro
+
+
+def test_ray_trace_writes_node_events_with_the_actors_pids(observed):
+    seen = check(observed, "traced")
+    events = seen["events"]
+    assert sorted((e["name"], e["input"] is None) for e in events) == [
+        ("ray_node_id", False), ("ray_node_id", False), ("ray_node_id", False), ("ray_node_id", True),
+        ("ray_node_id_2", True), ("ray_node_id_3", True)]
+    # each event sits on the track of the process its node ran in, as the node itself saw it
+    assert sorted((e["name"], e["pid"]) for e in events) == sorted(tuple(pair) for pair in seen["reported"])
+    assert seen["driver_pid"] not in {e["pid"] for e in events}
+    assert sorted(e["input"] for e in events if e["input"] is not None) == [0, 1, 2]
+    for e in events:
+        assert seen["process_names"][str(e["pid"])] == f"Ray actor {e['worker']} (node `{e['name']}`, pid {e['pid']})"
+        assert e["ts"] >= 0
+    assert seen["process_names"][str(seen["driver_pid"])].startswith("host (soma.Ray")
+
+
+def test_ray_a_session_soma_started_is_shut_down_at_close(observed):
+    assert check(observed, "session_shut_down") == {"initialized_after_close": False}
+
+
+# -- two machines -------------------------------------------------------------------------------------------
+
+def test_ray_options_pin_nodes_to_two_machines_of_a_cluster(observed):
+    seen = check(observed, "two_machines")
+    machines = seen["machines"]
+    assert set(machines) == {"host_a", "host_b"} and machines["host_a"] != machines["host_b"]
+    (a, on_a, _), (b, on_b, _) = seen["pinned"]
+    assert (a, on_a) == ("on_a", machines["host_a"]) and (b, on_b) == ("on_b", machines["host_b"])
+    for (a, on_a, _), (b, on_b, _) in seen["pinned_map"]:
+        assert (on_a, on_b) == (machines["host_a"], machines["host_b"])
+    assert seen["nowhere"]["type"] == "PlacementError"
+    assert seen["nowhere"]["message"].startswith("node `on_c` cannot run: no machine of the Ray cluster offers what "
+                                                 "it asks for (host_c=1)")
+    assert seen["session_left_running"] is True  # a session soma found is left running at close()
+    assert seen["actor_a_gone_after_close_s"] is not None  # ... and the actors soma made in it are stopped
+
+
+def test_ray_a_machine_that_dies_is_worker_died_naming_the_node(observed):
+    seen = check(observed, "two_machines")["machine_death"]
+    err = seen["error"]
+    assert err is not None, seen
+    assert err["type"] == "WorkerDied" and err["node"] == "sleeper" and err["worker"] in err["message"]
+    assert "its node has died" in err["message"]
