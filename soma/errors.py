@@ -109,6 +109,18 @@ class RunTimeout(SomaError, TimeoutError):
         self.nodes = tuple(nodes)
         self.waiting = tuple(waiting)
 
+    @classmethod
+    def after(cls, timeout: float, running: dict, waiting, then: str | None = None) -> "RunTimeout":
+        """soma's one wording: `running` maps each node still running to where ("worker w1", "Ray actor 3f2a"),
+        `waiting` the nodes that had not started, `then` what was done about the running ones."""
+        text = f"run timed out after {timeout} s; still running: " + (
+            ", ".join(f"`{node}` (on {where})" for node, where in running.items()) or "none")
+        if waiting:
+            text += f"; waiting to run: {', '.join(f'`{n}`' for n in waiting)}"
+        if then:
+            text += f" ({then})"
+        return cls(text, nodes=tuple(running), waiting=tuple(waiting))
+
 
 def traceback_text(exc: BaseException) -> str:
     """An exception's traceback as text: what travels from a worker when the exception itself may not."""

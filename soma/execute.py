@@ -137,6 +137,23 @@ def on_threads(calls: list) -> list:
     return results
 
 
+def wave_outcome(outcomes: list) -> tuple:
+    """A wave's `(ok, value)` from its branches' `(ok, value)`, once every branch is over.
+
+    The tuple of outputs; or the first failure in branch order, the others attached
+    as notes (a branch that only stopped because its run was abandoned is no failure
+    of its own).
+    """
+    errors = [value for ok, value in outcomes if not ok]
+    if not errors:
+        return True, tuple(value for _, value in outcomes)
+    first = next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
+    for other in errors:
+        if other is not first and not isinstance(other, Cancelled):
+            first.add_note(f"another branch of the same wave also failed: {other}")
+    return False, first
+
+
 def _thread_modes():
     """What a branch thread must inherit from the thread that started the wave.
 
@@ -201,15 +218,10 @@ class Runner:
                 return self.run(plan, x, state, spans)
             return call
 
-        outcomes = on_threads([branch(b) for b in wave.branches])
-        errors = [value for ok, value in outcomes if not ok]
-        if errors:
-            first = next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
-            for other in errors:
-                if other is not first and not isinstance(other, Cancelled):
-                    first.add_note(f"another branch of the same wave also failed: {other}")
-            raise first
-        return tuple(value for _, value in outcomes)
+        ok, value = wave_outcome(on_threads([branch(b) for b in wave.branches]))
+        if not ok:
+            raise value
+        return value
 
     def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):
         """Run one node: setup once, forward, check it returned Done, check the postcondition, unwrap."""

@@ -32,8 +32,8 @@ import ray  # noqa: E402
 import soma  # noqa: E402
 from soma import Done, Executor, Graph, Node  # noqa: E402
 from tests.nodes import (  # noqa: E402
-    AddOne, Boom, Count, Fill, Identity, Join, MarkThenSleep, Obeys, OneCopyCounter, Pid, PlusOne, ReturnsMovingDevice, ReturnsOn,
-    Sleep, Tokenize, Upper,
+    AddOne, Boom, Count, Fill, Identity, Join, MarkThenSleep, Obeys, OneCopyCounter, Pid, PlusOne, RequiresGradOutput,
+    ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, Sleep, Tokenize, Upper,
 )
 
 DEADLINE_S = 60.0
@@ -171,6 +171,10 @@ def node_error(cluster):
     except Exception as err:
         out["wave"] = _error(err)
         out["wave"]["notes"] = list(getattr(err, "__notes__", []))
+    try:  # Ray cannot pickle what the node returned: still soma's error, naming that node
+        cluster.run(Graph.somatize(ReturnsUnpicklable() >> Identity()), 1)
+    except Exception as err:
+        out["unpicklable"] = _error(err)
     out["next_run"] = cluster.run(Graph.somatize(AddOne()), 1)
     return out
 
@@ -204,7 +208,12 @@ def tensors(cluster):
     wave = cluster.run(Graph.somatize(first | second), x)
     made = cluster.run(Graph.somatize(Fill(6 * mib // 4)), 3.0)  # 6 MiB made in an actor, out
     made.add_(1)  # the caller's own, writable memory
-    return {"in_bytes": x.numel() * 4, "out_equal": bool(torch.equal(y, x + 2)), "x_untouched": float(x[-1]),
+    try:
+        cluster.run(Graph.somatize(RequiresGradOutput() >> Identity()), None)
+    except Exception as err:
+        autograd = _error(err)
+    return {"autograd": autograd, "in_bytes": x.numel() * 4, "out_equal": bool(torch.equal(y, x + 2)),
+            "x_untouched": float(x[-1]),
             "made_bytes": made.numel() * 4, "made_all": float(made.min()), "made_max": float(made.max()),
             "wave_equal": all(bool(torch.equal(t, x + 1)) for t in wave)}
 
@@ -432,7 +441,9 @@ def main(out_path: str, only: list) -> None:
     checks = [c for c in SESSION_CHECKS if not only or c.__name__ in only]
     folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")  # Ray's own temp dir: a crashed run leaves no trace
     try:
-        with soma.Ray(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=folder) as cluster:
+        # address="local": always a new instance of our own, never another program's cluster on this machine
+        with soma.Ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                      _temp_dir=folder) as cluster:
             for check in checks:
                 results[check.__name__] = _recorded(check.__name__, lambda: check(cluster))
             if not only or "traced" in only:

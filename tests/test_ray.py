@@ -128,6 +128,10 @@ def test_ray_node_error_carries_the_remote_traceback_and_cause(observed):
     assert seen["wave"]["message"] == "node `boom` failed: ValueError: boom on 1"
     assert seen["wave"]["notes"] == ["another branch of the same wave also failed: node `boom_2` failed: "
                                      "ValueError: boom on 1"]
+    unpicklable = seen["unpicklable"]
+    assert unpicklable["type"] == "NodeError" and unpicklable["node"] == "returns_unpicklable"
+    assert unpicklable["message"] == ("node `returns_unpicklable` failed: Ray could not carry its input or output: "
+                                      "TypeError: Unpicklable refuses to be pickled")
     assert seen["next_run"] == 2
 
 
@@ -147,6 +151,10 @@ def test_ray_tensors_of_mibs_travel_both_ways(observed):
     assert seen["in_bytes"] == 4 << 20 and seen["out_equal"] and seen["wave_equal"]
     assert seen["x_untouched"] == float((4 << 20) // 4 - 1)  # the caller's input is not written to
     assert seen["made_bytes"] == 6 << 20 and seen["made_all"] == seen["made_max"] == 4.0  # 3 + 1, writable here
+    autograd = seen["autograd"]
+    assert autograd["type"] == "NodeError" and autograd["node"] == "requires_grad_output"
+    assert autograd["message"].startswith("node `requires_grad_output` failed: it returned a tensor that requires grad "
+                                          "and carries an autograd graph, which cannot cross into another process")
 
 
 def test_ray_an_actor_that_dies_is_worker_died_naming_the_node_and_the_next_run_works(observed):

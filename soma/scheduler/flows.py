@@ -16,6 +16,7 @@ import time
 
 from .. import codec
 from ..errors import NodeError, SharedMemoryFull
+from ..execute import wave_outcome
 from ..plan import Seq, Wave
 from ..shm import ShmFull
 from .program import Piece
@@ -98,15 +99,8 @@ class Walker:
             def got(ok, value):
                 results[i] = (ok, value)
                 left[0] -= 1
-                if left[0]:
-                    return
-                errors = [v for ok_, v in results if not ok_]
-                if not errors:
-                    then(True, tuple(v for _, v in results))
-                    return
-                for other in errors[1:]:
-                    errors[0].add_note(f"another branch of the same wave also failed: {other}")
-                then(False, errors[0])
+                if not left[0]:
+                    then(*wave_outcome(results))
             return got
 
         for i, branch in enumerate(wave.branches):

@@ -1,0 +1,179 @@
+"""One input through a graph on Ray: the driver walks the plan once and submits every node's call at once.
+
+    plan:   tokenize >> (encoder | other) >> join
+    flow:   r1 = tokenize#1.call(x)
+            r2 = encoder#1.call(r1)      r3 = other#2.call(r1)      (two actors: the branches overlap)
+            r4 = join#1.call(r2, r3)     shape (0, 1): join receives the tuple (encoder's, other's)
+            out = r4                     the driver waits for this ref alone
+
+Every call is submitted before any has run: Ray starts each one when the refs it
+takes are ready, and the values go from the object store of the producing actor
+to the consuming actor, never through the driver (small values, under Ray's
+100 KiB inline limit, ride back in Ray's task replies to the driver, which owns
+every ref, and on into the next call, without being deserialized there).
+
+Calls carry the input's *shape* (how the flat args make the node's input: a
+wave's output is a tuple, nested waves nest) and the *checks* (for each arg from
+a placed node: where that node declared its output would be), so the consuming
+actor can check the postcondition on what arrives. The driver does the same for
+the run's output (`outcome`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .errors import PostconditionError
+from .plan import Plan, Seq, Step
+from .postcondition import find_misplaced
+from .ray_actor import carries_autograd, first_failure, grad_crossing
+
+
+class Out:
+    """A value the walk has produced: a ref to a node's output (`producer` its id), or the run's own input."""
+
+    __slots__ = ("ref", "producer")
+
+    def __init__(self, ref, producer: str | None):
+        self.ref = ref
+        self.producer = producer
+
+
+class Program:
+    """A graph under one placement, ready to submit: its plan and the copies of each of its nodes."""
+
+    __slots__ = ("plan", "stages", "devices", "entry_nodes", "shares_input")
+
+    def __init__(self, plan: Plan, stages: dict, devices: dict):
+        self.plan = plan
+        self.stages = stages  # node id → NodeCopies
+        self.devices = devices
+        self.entry_nodes = _entries(plan)
+        # More than one call receives the input: put it in the object store once, not once per call.
+        self.shares_input = len(self.entry_nodes) > 1
+
+
+class Flow:
+    """One input on its way: its calls (in submission order, which is a topological order) and its output."""
+
+    __slots__ = ("index", "token", "timed", "trace", "trace_tag", "started_ns", "tasks", "out", "leaves", "refs",
+                 "pending", "over")
+
+    def __init__(self, index, token: int, timed: bool, trace):
+        self.index = index  # its position in a map; None for run
+        self.token = token  # unique per runner: which input an actor is running now (when timed)
+        self.timed = timed  # it has a timeout: its calls carry the token, so a late one can be found
+        self.trace = trace  # the runner's Trace when this input is traced, else None
+        self.trace_tag = (index,) if trace is not None else None  # what the actors file its spans under
+        self.started_ns = time.monotonic_ns() if trace is not None else 0
+        self.tasks: list = []  # (node id, Copy, ref)
+        self.out = None  # tree of Out: one, or tuples of them (a plan ending in a wave)
+        self.leaves: list[Out] = []
+        self.refs: list = []
+        self.pending = 0  # map: refs of `refs` not ready yet
+        self.over = False  # its copies' loads were given back
+
+
+def submit(program: Program, x, flow: Flow, put) -> None:
+    """Submit every call of one input (the runner holds its lock: copies are picked here)."""
+    if carries_autograd(x):
+        raise grad_crossing(program.entry_nodes[0], "its input is")
+    out = _walk(program, program.plan, Out(put(x) if program.shares_input else x, None), flow)
+    flow.out = out
+    _collect(out, flow.leaves)
+    flow.refs = [leaf.ref for leaf in flow.leaves]
+    flow.pending = len(flow.refs)
+
+
+def _walk(program: Program, plan: Plan, value, flow: Flow):
+    kind = type(plan)
+    if kind is Step:
+        return _call(program, plan.id, value, flow)
+    if kind is Seq:
+        for item in plan.items:
+            value = _walk(program, item, value, flow)
+        return value
+    return tuple(_walk(program, branch, value, flow) for branch in plan.branches)
+
+
+def _call(program: Program, node_id: str, value, flow: Flow) -> Out:
+    args: list = []
+    checks: list = []
+    shape = _flatten(value, args, checks, program.devices)
+    copy = program.stages[node_id].pick()
+    if shape == 0 and not checks and flow.trace_tag is None and not flow.timed:
+        ref = copy.actor.call.remote(args[0])
+    else:
+        meta = (flow.token if flow.timed else None, shape, tuple(checks), flow.trace_tag)
+        ref = copy.actor.call_with.remote(meta, *args)
+    flow.tasks.append((node_id, copy, ref))
+    return Out(ref, node_id)
+
+
+def _flatten(value, args: list, checks: list, devices: dict):
+    """Refs as top-level args (Ray resolves only those), and the shape that puts them back together."""
+    if type(value) is Out:
+        position = len(args)
+        args.append(value.ref)
+        declared = devices.get(value.producer) if value.producer is not None else None
+        if declared is not None:
+            checks.append((position, value.producer, declared))
+        return position
+    return tuple(_flatten(item, args, checks, devices) for item in value)
+
+
+def _collect(tree, leaves: list) -> None:
+    if type(tree) is Out:
+        leaves.append(tree)
+    else:
+        for item in tree:
+            _collect(item, leaves)
+
+
+def outcome(flow: Flow, values: list, devices: dict):
+    """The run's output from the values of its refs, or the error to raise (the first failure in branch order).
+
+    The driver checks the postcondition on what arrived, like every consuming actor.
+    """
+    failed = first_failure(values)
+    if failed is not None:
+        raise failed.rebuild()
+    for leaf, value in zip(flow.leaves, values):
+        declared = devices.get(leaf.producer)
+        if declared is not None:
+            actual = find_misplaced(value, declared)
+            if actual is not None:
+                raise PostconditionError(leaf.producer, declared, actual)
+    it = iter(values)
+    return _rebuild(flow.out, it)
+
+
+def _rebuild(tree, values):
+    if type(tree) is Out:
+        return next(values)
+    return tuple(_rebuild(item, values) for item in tree)
+
+
+def _entries(plan: Plan) -> list[str]:
+    """The nodes that receive a run's input (several when the plan starts with a wave)."""
+    if isinstance(plan, Step):
+        return [plan.id]
+    if isinstance(plan, Seq):
+        return _entries(plan.items[0])
+    return [node for branch in plan.branches for node in _entries(branch)]
+
+
+def release(flow: Flow, outcome: str = "ok") -> None:
+    """The input is over (done, failed, expired or abandoned): its copies may take other inputs.
+
+    A traced input of a map becomes an interval on the driver's track (a run's is its caller's span).
+    """
+    if flow.over:
+        return
+    flow.over = True
+    for _, copy, _ in flow.tasks:
+        copy.load -= 1
+    if flow.trace is not None and flow.index is not None:
+        flow.trace.interval(f"input {flow.index}", "host", flow.started_ns, time.monotonic_ns(), os.getpid(),
+                            f"input-{flow.token}", {"input": flow.index, "outcome": outcome})

@@ -1,0 +1,392 @@
+"""`soma.Ray`: the same graphs, `run` and `map`, on a Ray cluster. See docs/ray.md.
+
+    with soma.Ray() as cluster:            # a local Ray, started here and shut down at close()
+        y = cluster.run(g, x)
+
+    start()     ray.init(address, **init), unless Ray is already initialised in this process:
+                then that session is used, and left running at close()
+    run(g, x)   program (once per graph and placement: the copies of each node, PlacementError
+                here, before anything is submitted)
+                → ray_flows.submit: every node's call at once, values actor to actor as ObjectRefs
+                → wait for the output's refs → ray_flows.outcome: soma's error, or the output
+                  (a Ray error on the way → WorkerDied or NodeError: never Ray's own classes)
+    map(g, xs)  soma.mapping.map_outputs over `_RayFlows`: `window` inputs in flight, spread over
+                the copies of each node (ray_copies: a new copy when every copy is busy)
+    trace(p)    the actors keep the spans of traced inputs; the block's end collects them, each
+                actor's clock brought onto the driver's
+
+Modules: ray_devices (pure: options, CUDA order, hosting), ray_actor (in the
+actors), ray_copies (which actor takes an input), ray_flows (one input through a
+plan), ray_faults (Ray's errors as soma's, timeouts), this one (life, map, trace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+import weakref
+
+from .errors import NodeError, RunTimeout, SomaError
+from .mapping import Inflight, map_outputs
+from .ray_copies import control
+from .ray_devices import actor_options, checked_options, demand_error, hosting_error, requested_resources
+from .ray_faults import abandon, expire, translate
+from .ray_flows import Flow, Program, outcome, release, submit
+from .trace import Trace, Traced
+
+SPANS_ANSWER_S = 10.0  # how long the end of a trace block waits for each actor's spans
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as err:
+        raise SomaError("soma.Ray needs Ray, which is not installed here: pip install 'soma[ray]'") from err
+    return ray
+
+
+_actor_classes: dict = {}
+
+
+def _actor_class(ray):
+    """`NodeCopy` as a Ray actor class, made once per process (with its control concurrency group)."""
+    cls = _actor_classes.get(id(ray))
+    if cls is None:
+        from .ray_actor import NodeCopy
+
+        # Out of order: a call whose args are not ready must not hold back the calls behind it, neither another
+        # input's (a pipeline) nor a control call (a timeout asking what runs). The default group still runs
+        # one call at a time (a copy runs one input at a time), in the order their args became ready.
+        cls = _actor_classes[id(ray)] = ray.remote(concurrency_groups={"control": 1},
+                                                   allow_out_of_order_execution=True)(NodeCopy)
+    return cls
+
+
+class Ray(Traced):
+    """Runs graphs on a Ray cluster: each copy of a node is a Ray actor.
+
+        with soma.Ray() as cluster: y = cluster.run(g, x)
+        with soma.Ray(address="auto", options={"encoder": {"num_gpus": 1}}) as cluster:
+            for y in cluster.map(g, xs): ...
+
+    `address` and `init` go to `ray.init` as Ray takes them. `options[id]`: Ray
+    actor options for the copies of one node (`num_cpus`, `num_gpus`, `memory`,
+    `resources`, `runtime_env`, `scheduling_strategy`, ...), on top of what its
+    placement asks for (`cuda:N`: one GPU). A node's copies: `copies = N` caps
+    them, `copies = 1` keeps every input on one actor; by default at most as many
+    as the cluster has CPUs, started only when every copy is busy (so `run` alone
+    makes one copy per node).
+    """
+
+    def __init__(self, address=None, *, options=None, **init):
+        self._ray = _import_ray()
+        self.address = address
+        self.init = init
+        self.options = checked_options(options)
+        self._lock = threading.RLock()
+        self._started = False
+        self._owns_session = False
+        self._closed = False
+        self._cpus = 1
+        self._driver_node = None
+        self._actor_cls = None
+        self._copies: dict = {}  # (node key, node id, device) → NodeCopies
+        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → {placement: Program}
+        self._tokens = itertools.count(1)
+        from .scheduler.registry import NodeRegistry
+
+        self._registry = NodeRegistry()
+
+    # -- life ----------------------------------------------------------------------------------
+    def __enter__(self) -> "Ray":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> "Ray":
+        """Connect to Ray (starting a local one when `address` is None and Ray is not initialised here)."""
+        ray = self._ray
+        with self._lock:
+            if self._closed:
+                raise SomaError("this soma.Ray is closed; make a new one")
+            if self._started:
+                return self
+            if not ray.is_initialized():
+                ray.init(address=self.address, **self.init)
+                self._owns_session = True
+            self._cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            self._driver_node = ray.get_runtime_context().get_node_id()
+            self._actor_cls = _actor_class(ray)
+            self._started = True
+        return self
+
+    def close(self) -> None:
+        """Stop every actor soma made; shut Ray down if soma started it (a session it found stays up)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            copies, self._copies = list(self._copies.values()), {}
+            self._programs = weakref.WeakKeyDictionary()
+        if not self._started:
+            return
+        for node_copies in copies:
+            node_copies.close()
+        if self._owns_session and self._ray.is_initialized():
+            self._ray.shutdown()
+
+    # -- running -------------------------------------------------------------------------------
+    def run(self, g, x, *, timeout: float | None = None):
+        """Run graph `g` on input `x` on the cluster and return its output."""
+        program = self._ready(g)
+        trace = self._trace
+        start = time.monotonic_ns() if trace is not None else 0
+        flow = self._submit(program, x, None, timeout is not None)
+        try:
+            return self._await(flow, program, timeout)
+        finally:
+            with self._lock:
+                release(flow)
+            if trace is not None:
+                pid, tid = os.getpid(), threading.get_native_id()
+                trace.thread(pid, tid, threading.current_thread().name)
+                trace.span("run", "host", start, time.monotonic_ns(), pid, tid, {"input": None})
+
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
+        """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (SPEC 7.4)."""
+        program = self._ready(g)
+        return map_outputs(_RayFlows(self, program, timeout), xs, window=window, ordered=ordered,
+                           progress=progress, timeout=timeout)
+
+    def _ready(self, g) -> Program:
+        if not self._started:
+            self.start()
+        with self._lock:
+            if self._closed:
+                raise SomaError("this soma.Ray is closed; make a new one")
+            self._forget_dead_nodes()
+            key = tuple(g.devices().items())
+            per_graph = self._programs.get(g)
+            if per_graph is None:
+                per_graph = self._programs[g] = {}
+            program = per_graph.get(key)
+            if program is None:
+                program = per_graph[key] = self._compile(g)
+            return program
+
+    def _compile(self, g) -> Program:
+        """The copies of each node (made on first use), checked against the cluster's machines."""
+        from .ray_copies import NodeCopies
+        from .scheduler.program import copies_of
+
+        devices = g.devices()
+        machines = [n["Resources"] for n in self._ray.nodes() if n.get("Alive")]
+        options = {node_id: actor_options(node_id, devices.get(node_id), self.options.get(node_id))
+                   for node_id in g.nodes()}
+        for node_id in g.nodes():  # every check before any copy is made: a refused graph leaves nothing
+            unhostable = hosting_error(node_id, devices.get(node_id), options[node_id], machines)
+            if unhostable is not None:
+                raise unhostable
+        too_much = demand_error({n: requested_resources(o) for n, o in options.items()}, machines)
+        if too_much is not None:
+            raise too_much
+        stages = {}
+        for node_id in g.nodes():
+            node = g._catalog[node_id]
+            device = devices.get(node_id)
+            key = (self._registry.key_of(node), node_id, device)
+            copies = self._copies.get(key)
+            if copies is None:
+                limit = copies_of(node_id, node) or self._cpus
+                code = self._ray.put(self._registry.code(node_id, key[0]))
+                try:
+                    copies = NodeCopies(self._ray, self._actor_cls, node_id, device, code, options[node_id], limit)
+                except (TypeError, ValueError) as err:
+                    raise SomaError(f"options for node `{node_id}` are not Ray actor options Ray accepts: "
+                                    f"{err}") from None
+                self._copies[key] = copies
+            stages[node_id] = copies
+        return Program(g.plan(), stages, devices)
+
+    def _forget_dead_nodes(self) -> None:
+        """Nodes the caller has let go can never run again: stop their actors."""
+        dead = set(self._registry.take_dead())
+        if dead:
+            for key in [k for k in self._copies if k[0] in dead]:
+                self._copies.pop(key).close()
+
+    def _submit(self, program: Program, x, index, timed: bool) -> Flow:
+        flow = Flow(index, next(self._tokens), timed, self._trace)
+        with self._lock:
+            if self._closed:
+                raise SomaError("this soma.Ray is closed; make a new one")
+            try:
+                submit(program, x, flow, self._ray.put)
+            except BaseException:
+                release(flow)
+                raise
+        return flow
+
+    def _await(self, flow: Flow, program: Program, timeout):
+        ray = self._ray
+        try:
+            if timeout is not None:
+                ready, _ = ray.wait(flow.refs, num_returns=len(flow.refs), timeout=timeout)
+                if len(ready) < len(flow.refs):
+                    raise self._expire(flow, timeout)
+            values = ray.get(flow.refs)
+        except ray.exceptions.RayError as err:
+            raise self._translate(flow, err) from None
+        return outcome(flow, values, program.devices)
+
+    # -- Ray's errors, as soma's (soma/ray_faults.py) ---------------------------------------------
+    def _translate(self, flow: Flow, err) -> SomaError:
+        if self._closed:
+            return SomaError("this soma.Ray was closed while this run was in flight")
+        return translate(self._ray, flow, err, self._drop)
+
+    def _expire(self, flow: Flow, timeout: float) -> RunTimeout:
+        return expire(self._ray, flow, timeout, self._lock, self._drop)
+
+    def _abandon(self, flow: Flow) -> None:
+        abandon(self._ray, flow, self._lock)
+
+    def _drop(self, copy) -> None:
+        """A copy that died, or that soma stopped: forget it (the next input that needs its node starts another)."""
+        with self._lock:
+            copy.owner.drop(copy)
+
+    # -- tracing -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def trace(self, path):
+        """Record every node execution in this block and write it to `path` as Chrome trace-event JSON.
+
+        The actors keep the spans of traced inputs; they are collected when the block
+        ends, each actor's times brought onto the driver's clock (docs/ray.md).
+        """
+        with super().trace(path) as trace:
+            try:
+                yield trace
+            finally:
+                self._collect_spans(trace)
+
+    def _trace_started(self, trace: Trace) -> None:
+        trace.process(os.getpid(), f"host (soma.Ray driver, pid {os.getpid()})")
+        for copy in self._all_copies():
+            if copy.ready:
+                self._offset_of(copy)  # at the start of the block, as near as possible to the spans
+
+    def _collect_spans(self, trace: Trace) -> None:
+        ray = self._ray
+        asks = [(copy, control(copy.actor, "take_spans")) for copy in self._all_copies()]
+        for copy, ref in asks:
+            try:
+                taken = ray.get(ref, timeout=SPANS_ANSWER_S)
+            except Exception:
+                continue  # dead, or stuck: its spans are lost with it
+            if not taken:
+                continue
+            if not copy.ready:
+                copy.owner.learn(copy)
+            owner = copy.owner
+            devices = {owner.node_id: owner.device} if owner.device is not None else {}
+            offset = self._offset_of(copy)
+            trace.process(copy.pid, f"Ray actor {copy.actor_id} (node `{owner.node_id}`, pid {copy.pid})")
+            for index, spans in taken:
+                trace.node_spans(spans, copy.pid, copy.actor_id, devices, index, offset)
+
+    def _offset_of(self, copy) -> int:
+        """The driver's clock minus this actor's: 0 on the driver's machine (one CLOCK_MONOTONIC), else measured.
+
+        Measured as the best of three round trips asking the actor for its clock,
+        against the middle of the round trip: off by at most half of that round trip.
+        """
+        if copy.offset_ns is not None:
+            return copy.offset_ns
+        if copy.ray_node == self._driver_node:
+            copy.offset_ns = 0
+            return 0
+        best = None
+        for _ in range(3):
+            before = time.monotonic_ns()
+            theirs = self._ray.get(control(copy.actor, "clock"), timeout=SPANS_ANSWER_S)
+            after = time.monotonic_ns()
+            if best is None or after - before < best[0]:
+                best = (after - before, (before + after) // 2 - theirs)
+        copy.offset_ns = best[1]
+        return copy.offset_ns
+
+    def _all_copies(self) -> list:
+        with self._lock:
+            return [copy for node_copies in self._copies.values() for copy in node_copies.copies]
+
+
+class _RayFlows(Inflight):
+    """Ray's in-flight set for map: every input's calls submitted at once, their output refs waited on together."""
+
+    def __init__(self, runner: Ray, program: Program, timeout):
+        self.runner, self.program, self.timeout = runner, program, timeout
+        self.flows: dict = {}  # index → Flow
+        self.by_ref: dict = {}  # an output ref not ready yet → its Flow
+        self.refused: list = []  # (index, False, error) for inputs that could not even be submitted
+
+    def parallelism(self) -> int:
+        return self.runner._cpus
+
+    def start(self, items: list) -> None:
+        for index, x in items:
+            try:
+                flow = self.runner._submit(self.program, x, index, self.timeout is not None)
+            except NodeError as err:  # an input that cannot travel (autograd): its own error, in its place
+                self.refused.append((index, False, err))
+                continue
+            self.flows[index] = flow
+            for ref in flow.refs:
+                self.by_ref[ref] = flow
+
+    def wait(self, timeout):
+        if self.refused:
+            refused, self.refused = self.refused, []
+            return refused
+        ray = self.runner._ray
+        refs = list(self.by_ref)
+        if not refs:
+            return []
+        # One at a time: with a window of a few inputs, asking again for whatever else is ready costs more
+        # than it gathers (map_outputs calls back at once while outputs are there).
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        finished = []
+        for ref in ready:
+            flow = self.by_ref.pop(ref)
+            flow.pending -= 1
+            if flow.pending == 0:
+                del self.flows[flow.index]
+                finished.append(self._conclude(flow))
+        return finished
+
+    def _conclude(self, flow: Flow):
+        verdict = "ok"
+        try:
+            return flow.index, True, self.runner._await(flow, self.program, None)
+        except SomaError as err:
+            verdict = type(err).__name__
+            return flow.index, False, err
+        finally:
+            with self.runner._lock:
+                release(flow, verdict)
+
+    def expire(self, index: int) -> BaseException:
+        flow = self.flows.pop(index)
+        for ref in flow.refs:
+            self.by_ref.pop(ref, None)
+        return self.runner._expire(flow, self.timeout)
+
+    def close(self) -> None:
+        flows, self.flows = list(self.flows.values()), {}
+        self.by_ref.clear()
+        for flow in flows:
+            self.runner._abandon(flow)
