@@ -334,29 +334,24 @@ class Scheduler:
     def expire(self, flow: Flow, timeout: float) -> RunTimeout:
         """The input's time is up: stop it, replace the workers running its nodes, and say which those were."""
         with self.lock:
-            running: dict = {}  # node → the worker running it
+            running: dict = {}  # node → where it runs
             waiting: dict = {}
+            retire: set = set()
             if not flow.finished:
                 for job in list(flow.jobs):
                     nodes = [] if job.slot is None else [
                         node for unit, node in self.pool.running(job.slot) if unit == job.id]
                     for node in nodes:
-                        running[node] = self.pool.workers[job.slot].id
+                        running[node] = f"worker {self.pool.workers[job.slot].id}"
+                        retire.add(job.slot)
                     if not nodes:
                         waiting[job.piece.entry] = None
                 self._finish(flow, None, None)
-            retire = sorted({slot for slot in range(len(self.load))
-                             if self.pool.workers[slot] is not None and self.pool.workers[slot].id in running.values()})
-            for slot in retire:
+            for slot in sorted(retire):
                 self.pool.retire(slot, "was stopped because a run timed out on it")
             self._cancel_at_workers([flow])
-        text = f"run timed out after {timeout} s; still running: " + (
-            ", ".join(f"`{node}` (on worker {worker})" for node, worker in running.items()) or "none")
-        if waiting:
-            text += f"; waiting to run: {', '.join(f'`{n}`' for n in waiting)}"
-        if retire:
-            text += " (the workers running them were replaced)"
-        return RunTimeout(text, nodes=tuple(running), waiting=tuple(waiting))
+        return RunTimeout.after(timeout, running, list(waiting),
+                                "the workers running them were replaced" if retire else None)
 
     def cancel(self, flows) -> None:
         """These inputs are no longer wanted: drop their queued jobs, ask workers to drop what has not started."""
