@@ -200,7 +200,10 @@ class Worker:
             self.free(message.frees)
         elif isinstance(message, Cancel):
             with self.cv:
-                self.cancelled.update(message.units)
+                # Only what still waits in a lane can be dropped (a Cancel comes after its Task, on the
+                # same socket): the rest has started or is done, and its id need not be kept.
+                wanted = set(message.units)
+                self.cancelled.update(u.id for lane in self.lanes.values() for u in lane.units if u.id in wanted)
         elif isinstance(message, Stop):
             self.stopping.set()
             self.finish()
