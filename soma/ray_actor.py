@@ -17,9 +17,10 @@ cause, as `Local` carries them), every later node passes it on without running,
 and the driver raises exactly that error.
 
 The control methods (`hello`, `clock`, `running_token`, `take_spans`) are called
-in a concurrency group of their own (`ray_copies.control`), so the driver can ask
-a busy copy which input it is running (a timeout) or what time it is (a trace)
-without queueing behind it.
+in a concurrency group of their own (`ray_copies.control`), so a busy copy answers
+which input it is running (a timeout) or what time it is (a trace) at once, also
+while one of the driver's calls to it still waits for its input (measured with
+Ray 2.60, in order and out of order alike).
 
 Ray is imported inside the functions that run in an actor: the driver imports
 this module for `Failed` and friends before it knows whether Ray is installed.

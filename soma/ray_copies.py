@@ -22,7 +22,7 @@ import sys
 class Copy:
     """One actor holding one copy of a node; `load` counts the inputs routed to it and not yet finished."""
 
-    __slots__ = ("actor", "actor_id", "hello", "pid", "ray_node", "load", "ready", "offset_ns", "owner")
+    __slots__ = ("actor", "actor_id", "hello", "pid", "ray_node", "load", "ready", "offset_ns", "owner", "stopped")
 
     def __init__(self, actor, hello_ref, owner: "NodeCopies"):
         self.actor = actor
@@ -34,6 +34,7 @@ class Copy:
         self.ready = False
         self.offset_ns: int | None = None  # this actor's clock minus the driver's (traces); None: not measured
         self.owner = owner
+        self.stopped: str | None = None  # why soma stopped it on purpose (the other inputs it held hear this)
 
     def describe(self) -> str:
         pid = f"pid {self.pid}" if self.pid is not None else "pid not known yet"

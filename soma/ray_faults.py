@@ -21,6 +21,7 @@ from .ray_copies import control
 from .ray_flows import Flow, release
 
 CONTROL_ANSWER_S = 2.0  # how long a timeout waits for the late actors to say what they run
+UNANSWERED = "soma: no answer"  # what `ask` reports for an actor that did not answer in time
 
 
 def translate(ray, flow: Flow, err, drop) -> SomaError:
@@ -35,9 +36,9 @@ def translate(ray, flow: Flow, err, drop) -> SomaError:
             if copy.pid is None:
                 copy.pid = _pid_in(str(err))
             drop(copy)
-            return WorkerDied(f"{copy.describe()}, which held a copy of node `{node_id}`, died "
-                              f"({_death_reason(err)}); soma starts a new copy for the next input: run again",
-                              worker=copy.actor_id, pid=copy.pid, node=node_id)
+            how = f"was stopped: {copy.stopped}" if copy.stopped else f"died ({_death_reason(err)})"
+            return WorkerDied(f"{copy.describe()}, which held a copy of node `{node_id}`, {how}; soma starts a new "
+                              f"copy for the next input: run again", worker=copy.actor_id, pid=copy.pid, node=node_id)
     if isinstance(err, exceptions.ObjectLostError):
         hex_id = getattr(err, "object_ref_hex", None)
         task = next((t for t in flow.tasks if t[2].hex() == hex_id), None) or culprit(ray, flow)
@@ -86,26 +87,21 @@ def expire(ray, flow: Flow, timeout: float, lock, drop) -> RunTimeout:
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
     done = set(done)
     late = [t for t in flow.tasks if t[2] not in done]
-    asks = {}
+    asked: dict = {}  # actor id → Copy: the late calls' copies that are up
     with lock:
         for _, copy, _ in late:
             if copy.ready or copy.owner.has_said_hello(copy):
-                asks.setdefault(copy.actor_id, (copy, control(copy.actor, "running_token")))
-    answered, _ = ray.wait([ref for _, ref in asks.values()], num_returns=len(asks), timeout=CONTROL_ANSWER_S)
-    answered = set(answered)
+                asked[copy.actor_id] = copy
+    answer_of = dict(zip(asked, ask(ray, [copy.actor for copy in asked.values()], "running_token",
+                                    CONTROL_ANSWER_S)))
     running, waiting, stop = {}, [], {}
     for node_id, copy, ref in late:
-        ask = asks.get(copy.actor_id)
-        if ask is None:
+        if copy.actor_id not in answer_of:
             waiting.append(node_id)  # its actor has not started yet
             continue
-        if ask[1] in answered:
-            try:
-                busy_with_this = ray.get(ask[1]) == flow.token
-            except ray.exceptions.RayError:
-                busy_with_this = False  # it died meanwhile
-        else:
-            busy_with_this = True  # it cannot even answer: stuck holding the GIL, as good as running
+        answer = answer_of[copy.actor_id]
+        # No answer even from the control group: stuck holding the GIL (in C code), as good as running.
+        busy_with_this = answer == flow.token or answer == UNANSWERED
         if busy_with_this:
             running[node_id] = copy.actor_id
             stop[copy.actor_id] = copy
@@ -113,11 +109,26 @@ def expire(ray, flow: Flow, timeout: float, lock, drop) -> RunTimeout:
             waiting.append(node_id)
             ray.cancel(ref)  # queued behind other inputs, or waiting for its args: it will not start
     for copy in stop.values():
+        copy.stopped = f"another input timed out while it ran node `{copy.owner.node_id}` there"
         drop(copy)
     with lock:
         release(flow, "RunTimeout")
     then = "the actors running them were stopped; new copies start for the next input" if stop else None
     return RunTimeout.after(timeout, {node: f"Ray actor {actor}" for node, actor in running.items()}, waiting, then)
+
+
+def ask(ray, actors: list, method: str, answer_s: float) -> list:
+    """Each actor's answer to a control method, or `UNANSWERED` where none came within `answer_s` seconds."""
+    refs = [control(actor, method) for actor in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=answer_s) if refs else ([], [])
+    ready = set(ready)
+    answers = []
+    for ref in refs:
+        try:
+            answers.append(ray.get(ref) if ref in ready else UNANSWERED)
+        except Exception:  # it died meanwhile: no answer either
+            answers.append(UNANSWERED)
+    return answers
 
 
 def abandon(ray, flow: Flow, lock) -> None:

@@ -33,7 +33,7 @@ from .errors import NodeError, RunTimeout, SomaError
 from .mapping import Inflight, map_outputs
 from .ray_copies import control
 from .ray_devices import actor_options, checked_options, demand_error, hosting_error, requested_resources
-from .ray_faults import abandon, expire, translate
+from .ray_faults import UNANSWERED, abandon, ask, expire, translate
 from .ray_flows import Flow, Program, outcome, release, submit
 from .trace import Trace, Traced
 
@@ -57,9 +57,10 @@ def _actor_class(ray):
     if cls is None:
         from .ray_actor import NodeCopy
 
-        # Out of order: a call whose args are not ready must not hold back the calls behind it, neither another
-        # input's (a pipeline) nor a control call (a timeout asking what runs). The default group still runs
-        # one call at a time (a copy runs one input at a time), in the order their args became ready.
+        # Out of order: a call whose args are not ready must not hold back the calls behind it (another
+        # input's, in a pipeline). The default group still runs one call at a time (a copy runs one input at a
+        # time), in the order their args became ready. A `copies = 1` node's copy runs its calls in the order
+        # they were sent instead: input order, as on Local.
         cls = _actor_classes[id(ray)] = ray.remote(concurrency_groups={"control": 1},
                                                    allow_out_of_order_execution=True)(NodeCopy)
     return cls
@@ -159,7 +160,7 @@ class Ray(Traced):
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
         """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (SPEC 7.4)."""
         program = self._ready(g)
-        return map_outputs(_RayFlows(self, program, timeout), xs, window=window, ordered=ordered,
+        return map_outputs(_RayFlows(self, program, timeout, ordered), xs, window=window, ordered=ordered,
                            progress=progress, timeout=timeout)
 
     def _ready(self, g) -> Program:
@@ -202,6 +203,8 @@ class Ray(Traced):
             copies = self._copies.get(key)
             if copies is None:
                 limit = copies_of(node_id, node) or self._cpus
+                if limit == 1:  # its one copy runs every input in the order they were sent: input order
+                    options[node_id].setdefault("allow_out_of_order_execution", False)
                 code = self._ray.put(self._registry.code(node_id, key[0]))
                 try:
                     copies = NodeCopies(self._ray, self._actor_cls, node_id, device, code, options[node_id], limit)
@@ -232,13 +235,19 @@ class Ray(Traced):
         return flow
 
     def _await(self, flow: Flow, program: Program, timeout):
+        """The input's output, or soma's error for it; `RunTimeout` once `timeout` has passed."""
+        try:
+            return self._collect(flow, program, timeout)
+        except self._ray.exceptions.GetTimeoutError:
+            raise self._expire(flow, timeout) from None
+
+    def _collect(self, flow: Flow, program: Program, timeout):
+        """Fetch the input's output refs (one `ray.get`), or raise soma's error; Ray's GetTimeoutError passes."""
         ray = self._ray
         try:
-            if timeout is not None:
-                ready, _ = ray.wait(flow.refs, num_returns=len(flow.refs), timeout=timeout)
-                if len(ready) < len(flow.refs):
-                    raise self._expire(flow, timeout)
-            values = ray.get(flow.refs)
+            values = ray.get(flow.refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise
         except ray.exceptions.RayError as err:
             raise self._translate(flow, err) from None
         return outcome(flow, values, program.devices)
@@ -281,15 +290,10 @@ class Ray(Traced):
                 self._offset_of(copy)  # at the start of the block, as near as possible to the spans
 
     def _collect_spans(self, trace: Trace) -> None:
-        ray = self._ray
-        asks = [(copy, control(copy.actor, "take_spans")) for copy in self._all_copies()]
-        for copy, ref in asks:
-            try:
-                taken = ray.get(ref, timeout=SPANS_ANSWER_S)
-            except Exception:
+        copies = self._all_copies()
+        for copy, taken in zip(copies, ask(self._ray, [c.actor for c in copies], "take_spans", SPANS_ANSWER_S)):
+            if taken == UNANSWERED or not taken:
                 continue  # dead, or stuck: its spans are lost with it
-            if not taken:
-                continue
             if not copy.ready:
                 copy.owner.learn(copy)
             owner = copy.owner
@@ -313,7 +317,10 @@ class Ray(Traced):
         best = None
         for _ in range(3):
             before = time.monotonic_ns()
-            theirs = self._ray.get(control(copy.actor, "clock"), timeout=SPANS_ANSWER_S)
+            try:
+                theirs = self._ray.get(control(copy.actor, "clock"), timeout=SPANS_ANSWER_S)
+            except Exception:  # gone, or stuck: its spans (if any) are placed as if on this machine
+                return 0
             after = time.monotonic_ns()
             if best is None or after - before < best[0]:
                 best = (after - before, (before + after) // 2 - theirs)
@@ -328,10 +335,10 @@ class Ray(Traced):
 class _RayFlows(Inflight):
     """Ray's in-flight set for map: every input's calls submitted at once, their output refs waited on together."""
 
-    def __init__(self, runner: Ray, program: Program, timeout):
-        self.runner, self.program, self.timeout = runner, program, timeout
-        self.flows: dict = {}  # index → Flow
-        self.by_ref: dict = {}  # an output ref not ready yet → its Flow
+    def __init__(self, runner: Ray, program: Program, timeout, ordered: bool):
+        self.runner, self.program, self.timeout, self.ordered = runner, program, timeout, ordered
+        self.flows: dict = {}  # index → Flow, oldest first (inputs start in index order)
+        self.by_ref: dict = {}  # an output ref not ready yet → its Flow (unordered maps)
         self.refused: list = []  # (index, False, error) for inputs that could not even be submitted
 
     def parallelism(self) -> int:
@@ -345,39 +352,47 @@ class _RayFlows(Inflight):
                 self.refused.append((index, False, err))
                 continue
             self.flows[index] = flow
-            for ref in flow.refs:
-                self.by_ref[ref] = flow
+            if not self.ordered:
+                for ref in flow.refs:
+                    self.by_ref[ref] = flow
 
     def wait(self, timeout):
         if self.refused:
             refused, self.refused = self.refused, []
             return refused
-        ray = self.runner._ray
-        refs = list(self.by_ref)
-        if not refs:
+        if not self.flows:
             return []
+        if self.ordered:
+            # In order, only the oldest input can be handed out next, and map takes no new input before it
+            # is (its window counts what is not handed out yet): wait for that one alone, one ray.get.
+            return self._conclude(next(iter(self.flows.values())), timeout)
         # One at a time: with a window of a few inputs, asking again for whatever else is ready costs more
         # than it gathers (map_outputs calls back at once while outputs are there).
-        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        ready, _ = self.runner._ray.wait(list(self.by_ref), num_returns=1, timeout=timeout)
         finished = []
         for ref in ready:
             flow = self.by_ref.pop(ref)
             flow.pending -= 1
             if flow.pending == 0:
-                del self.flows[flow.index]
-                finished.append(self._conclude(flow))
+                finished += self._conclude(flow, None)
         return finished
 
-    def _conclude(self, flow: Flow):
-        verdict = "ok"
+    def _conclude(self, flow: Flow, timeout) -> list:
+        """[(index, ok, value)] for a finished input; [] when `timeout` passed before it finished."""
         try:
-            return flow.index, True, self.runner._await(flow, self.program, None)
+            value = self.runner._collect(flow, self.program, timeout)
+        except self.runner._ray.exceptions.GetTimeoutError:
+            return []
         except SomaError as err:
-            verdict = type(err).__name__
-            return flow.index, False, err
-        finally:
-            with self.runner._lock:
-                release(flow, verdict)
+            self._over(flow, type(err).__name__)
+            return [(flow.index, False, err)]
+        self._over(flow, "ok")
+        return [(flow.index, True, value)]
+
+    def _over(self, flow: Flow, verdict: str) -> None:
+        del self.flows[flow.index]
+        with self.runner._lock:
+            release(flow, verdict)
 
     def expire(self, index: int) -> BaseException:
         flow = self.flows.pop(index)

@@ -81,6 +81,21 @@ class SlowOn(Node):
         return Done((x, os.getpid()))
 
 
+class OneCopyMarkThenSleep(Node):
+    """One copy: on input 2 (the first node adds one to 1) it writes `marker`, then sleeps a long time."""
+
+    copies = 1
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def forward(self, x, ctx):
+        if x == 2:
+            Path(self.marker).write_text("running")
+            time.sleep(120)
+        return Done((x, os.getpid()))
+
+
 class RayNodeId(Node):
     """Appends (its id, the Ray node id it runs on, its pid) to its input list."""
 
@@ -127,7 +142,8 @@ def copies_one_keeps_state(cluster):
     runs = [cluster.run(counts, None) for _ in range(3)]
     mapped = list(cluster.map(counts, range(6), window=4))
     more = [cluster.run(counts, None) for _ in range(2)]
-    return {"runs": runs, "map": mapped, "after_map": more}
+    fresh = list(cluster.map(Graph.somatize(OneCopyCounter()), range(40)))  # its first inputs meet a starting actor
+    return {"runs": runs, "map": mapped, "after_map": more, "fresh_map": fresh}
 
 
 def map_spreads_over_actors(cluster):
@@ -249,6 +265,44 @@ def timeout(cluster):
         list(cluster.map(g, [0, 1, 0], timeout=1.0))
     except Exception as err:
         out["map_error"] = _error(err) | {"index": err.index, "nodes": list(err.nodes)}
+    out.update(_one_copy_timeout(cluster))
+    return out
+
+
+def _one_copy_timeout(cluster) -> dict:
+    """A copies=1 node's copy runs its calls in order. Asked "what do you run?" while another input's call to
+    it waits for its upstream, it must still tell the input it runs from the one that waits."""
+    import threading
+
+    folder = tempfile.mkdtemp(prefix="soma-one-copy-")
+    marker = str(Path(folder, "running"))
+    one = OneCopyMarkThenSleep(marker)
+    slow = Graph.somatize(AddOne() >> one)  # input 1: the one copy marks, then sleeps
+    behind = Graph.somatize(Sleep(5) >> one)  # its call to the one copy waits 5 s for `sleep`
+    out: dict = {"one_copy_before": cluster.run(slow, 0)}
+    box: dict = {}
+
+    def timed_out():
+        try:
+            cluster.run(slow, 1, timeout=6.0)
+        except Exception as err:
+            box["error"] = err
+
+    thread = threading.Thread(target=timed_out)
+    thread.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a condition, with a deadline
+    try:  # times out first: `sleep` runs, and its call to the one copy (busy with input 1) waits
+        cluster.run(behind, 0, timeout=1.5)
+    except Exception as err:
+        out["behind_error"] = _error(err) | {"nodes": list(err.nodes), "waiting": list(err.waiting)}
+    thread.join(DEADLINE_S)
+    shutil.rmtree(folder, ignore_errors=True)
+    err = box.get("error")
+    out["one_copy_error"] = None if err is None else _error(err) | {"nodes": list(err.nodes),
+                                                                    "waiting": list(err.waiting)}
+    out["one_copy_after"] = cluster.run(slow, 0)
     return out
 
 

@@ -107,6 +107,8 @@ def test_ray_one_copy_node_keeps_its_state_across_runs_and_maps(observed):
     assert sorted(count for count, _ in seen["map"]) == [4, 5, 6, 7, 8, 9]
     assert [count for count, _ in seen["after_map"]] == [10, 11]
     assert len({pid for _, pid in seen["runs"] + seen["map"] + seen["after_map"]}) == 1 and len(counts) == 11
+    # its one copy runs a map's inputs in input order, the first ones too (sent while its actor was starting)
+    assert [count for count, _ in seen["fresh_map"]] == list(range(1, 41))
 
 
 def test_ray_map_spreads_a_stateless_node_over_several_actors(observed):
@@ -180,6 +182,16 @@ def test_ray_a_timeout_names_the_running_node_and_replaces_its_actor(observed):
     assert "waiting to run: `identity`" in err["message"]
     assert seen["after"][0] == 1 and seen["after"][1] != seen["before"][1]  # the slow copy was replaced
     assert seen["map_error"]["index"] == 1 and seen["map_error"]["nodes"] == ["slow_on"]
+    # a copies=1 node runs its calls in order; asked while another input's call waits for its upstream in
+    # that queue, it still tells what it runs: that waiting input was waiting (its copy kept running input 1),
+    # and input 1 was running there when its own time was up
+    behind = seen["behind_error"]
+    assert behind["type"] == "RunTimeout" and behind["nodes"] == ["sleep"], behind
+    assert behind["waiting"] == ["one_copy_mark_then_sleep"]
+    one = seen["one_copy_error"]
+    assert one is not None and one["type"] == "RunTimeout", seen
+    assert one["nodes"] == ["one_copy_mark_then_sleep"] and one["waiting"] == []
+    assert seen["one_copy_after"][0] == 1 and seen["one_copy_after"][1] != seen["one_copy_before"][1]
 
 
 def test_ray_actors_of_nodes_the_caller_dropped_are_stopped(observed):
