@@ -1,0 +1,310 @@
+"""soma_ray: what soma.Ray costs over hand-written Ray, and what Ray costs for a big tensor.
+
+    python benchmarks/soma_ray.py [--quick] [--smoke] [--json out.json]   (or: soma bench soma_ray)
+
+(Not `ray.py`: a script's folder comes first on sys.path, and `benchmarks/ray.py`
+would be what `import ray` finds, for this benchmark and every other one.)
+
+It re-runs itself in a loopback-only network namespace (`unshare -n`) when the
+machine allows it, so the Ray it starts never binds the machine's address; one
+local Ray (`num_cpus` = cores) serves every question. Every contender checks the
+values it receives. Contenders alternate round by round (benchmarks/README.md).
+
+* chain: one input through `AddOne >> Double >> AddOne`, per run.
+    soma     soma.Ray().run(g, x)
+    actors   three hand-written actors, each call given the ref of the one before
+             (soma's own pattern: every call submitted at once, values actor to actor)
+  Target: soma / actors <= 1.2.
+* map: N inputs through a one-node graph (tiny: returns its input + 1; 2ms: burns
+  2 ms first), window 4, in input order and as they finish.
+    soma     list(cluster.map(g, xs, window=4, ordered=...)) (the node's copies: 2 here)
+    pool     hand-written: as many actors, round-robin, ray.wait for the next, under
+             map's own rule (at most 4 inputs taken and not yet handed out)
+  Target: soma's inputs/s / pool's >= 1.0.
+* gil_wave: a wave of 4 branches of 50 ms pure-Python work (`burn`), per run.
+    executor soma.Executor() (threads: one GIL)     ray  soma.Ray (an actor per branch)
+* tensor: 256 MiB of float32 made in one actor and read (its last element) in another,
+  time beyond the tensor's creation; and the parts that explain it, in this process:
+  pickling it (what Ray does to a torch tensor), ray.put, ray.get of that ref.
+    actors   hand-written (make.remote() → read.remote(ref))     soma  MakeTimed >> LastOfTimed
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import _harness as h
+from _work import AddOne, Double
+
+NAME = "soma_ray"
+IN_NAMESPACE = "SOMA_BENCH_LOOPBACK"
+WINDOW = 4
+
+
+# -- keeping Ray on loopback ---------------------------------------------------------------------------
+
+def rerun_on_loopback(argv: list[str]) -> None:
+    """Replace this process with itself inside a network namespace that has only `lo`, when allowed."""
+    if os.environ.get(IN_NAMESPACE) or shutil.which("unshare") is None or shutil.which("ip") is None:
+        return
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        print(f"{NAME}: no network namespace here (unshare -n refused): Ray binds this machine's address")
+        return
+    os.environ[IN_NAMESPACE] = "1"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    script = os.path.abspath(__file__)
+    os.execvp("unshare", ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
+                          script, *argv])
+
+
+# -- what the actors run (plain functions and nodes; by value from __main__ is fine for both) -------------
+
+def make_timed(numel: int):
+    """(a float32 tensor of `numel` ones, seconds to make it), measured where it is made."""
+    from _work import make_timed as made
+
+    return made(numel)
+
+
+def last_of_timed(pair):
+    tensor, seconds = pair
+    return float(tensor.reshape(-1)[-1]), seconds
+
+
+def chain3(x):
+    return (x + 1) * 2 + 1
+
+
+def actor_classes(ray):
+    @ray.remote
+    class Stage:
+        """One hand-written stage: applies its function to whatever arrives."""
+
+        def __init__(self, func):
+            self.func = func
+
+        def call(self, x):
+            return self.func(x)
+
+    return Stage
+
+
+def hand_chain(stages, ray, x):
+    ref = x
+    for stage in stages:
+        ref = stage.call.remote(ref)
+    return ray.get(ref)
+
+
+def hand_pool_map(actors, ray, xs, window: int, ordered: bool) -> list:
+    """What one writes by hand, under map's own rule: at most `window` inputs taken and not yet handed out.
+
+    Round-robin over `actors`; ordered: outputs handed out in input order (a finished output waits
+    for the ones before it, and holds its place in the window meanwhile); unordered: as they finish.
+    """
+    out, taken, handed, next_actor = [], 0, 0, 0
+    inflight: dict = {}  # ref → input index
+    finished: dict = {}  # input index → output, not handed out yet (ordered)
+    while handed < len(xs):
+        while taken < len(xs) and taken - handed < window:
+            inflight[actors[next_actor].call.remote(xs[taken])] = taken
+            next_actor = (next_actor + 1) % len(actors)
+            taken += 1
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        index = inflight.pop(ready[0])
+        if not ordered:
+            out.append(ray.get(ready[0]))
+            handed += 1
+            continue
+        finished[index] = ray.get(ready[0])
+        while handed in finished:
+            out.append(finished.pop(handed))
+            handed += 1
+    return out
+
+
+def burn_plus_one(n):
+    def work(x):
+        h.burn(n)
+        return x + 1
+    return work
+
+
+# -- the questions -----------------------------------------------------------------------------------------
+
+def chain(suite, ray, cluster, Stage, soma):
+    g = soma.Graph.somatize(AddOne() >> Double() >> AddOne())
+    stages = [Stage.remote(lambda x: x + 1), Stage.remote(lambda x: x * 2), Stage.remote(lambda x: x + 1)]
+    runs = 10 if suite.mode == "smoke" else 200
+
+    def many(call):
+        def go():
+            for i in range(runs):
+                assert call(i) == chain3(i)
+        return go
+
+    samples = h.alternate({"soma": many(lambda i: cluster.run(g, i)),
+                           "actors": many(lambda i: hand_chain(stages, ray, i))},
+                          repeat=suite.repeat(full=7, quick=3), warmup=1)
+    params = {"question": "chain", "nodes": 3}
+    for name in ("soma", "actors"):
+        suite.add(name, params, [s / runs * 1e6 for s in samples[name]], "µs/run")
+    suite.add_ratio("soma", params, samples["soma"], samples["actors"], vs="actors")
+
+
+def map_throughput(suite, ray, cluster, Stage, soma):
+    n = 12 if suite.mode == "smoke" else 400
+    work_n = h.calibrate_burn(2.0)
+    for kind, func in (("tiny", lambda x: x + 1), ("2ms", burn_plus_one(work_n))):
+        g = soma.Graph.somatize(soma.fn(func, name="work"))
+        xs = list(range(n))
+        expected = [x + 1 for x in xs]
+        pool = [Stage.remote(func) for _ in range(cluster._cpus)]  # as many actors as soma's copies
+        for ordered in (True, False):
+            def with_soma(g=g, ordered=ordered):
+                out = list(cluster.map(g, xs, window=WINDOW, ordered=ordered))
+                assert (out if ordered else sorted(out)) == expected
+
+            def with_pool(pool=pool, ordered=ordered):
+                out = hand_pool_map(pool, ray, xs, WINDOW, ordered)
+                assert (out if ordered else sorted(out)) == expected
+
+            with_soma()  # soma starts its second copy once the first is busy: warm both before timing
+            samples = h.alternate({"soma": with_soma, "pool": with_pool}, repeat=suite.repeat(full=9, quick=3),
+                                  warmup=1)
+            params = {"question": "map", "work": kind, "ordered": ordered, "inputs": n, "window": WINDOW,
+                      "actors": len(pool)}
+            for name in ("soma", "pool"):
+                suite.add(name, params, [n / s for s in samples[name]], "inputs/s")
+            suite.add_ratio("soma", params, samples["pool"], samples["soma"], vs="pool")  # pool's time / soma's
+
+
+def gil_wave(suite, cluster, soma):
+    from _work import Burn
+
+    width_ms = 5 if suite.mode == "smoke" else 50
+    n = h.calibrate_burn(width_ms)
+    g = soma.Graph.somatize(Burn(n) | Burn(n) | Burn(n) | Burn(n))
+    expected = (h.burn(n),) * 4
+    executor = soma.Executor()
+
+    def check(call):
+        def go():
+            assert call() == expected
+        return go
+
+    contenders = {"executor": check(lambda: executor.run(g, None)), "ray": check(lambda: cluster.run(g, None))}
+    samples = h.alternate(contenders, repeat=suite.repeat(full=7, quick=3), warmup=1)
+    params = {"question": "gil_wave", "B": 4, "W_ms": width_ms}
+    for name in ("executor", "ray"):
+        suite.add(name, params, h.ms(samples[name]), "ms")
+    suite.add_ratio("ray", params, samples["executor"], samples["ray"], vs="executor")
+
+
+def tensor(suite, ray, cluster, soma):
+    import pickle
+
+    import torch
+
+    mib = 8 if suite.mode == "smoke" else 256
+    numel = mib * h.MiB // 4
+    maker, reader = ray.remote(make_timed), ray.remote(last_of_timed)
+
+    @ray.remote
+    class Maker:
+        def make(self, numel):
+            return make_timed(numel)
+
+    @ray.remote
+    class Reader:
+        def read(self, pair):
+            return last_of_timed(pair)
+
+    make_actor, read_actor = Maker.remote(), Reader.remote()
+    g = soma.Graph.somatize(soma.fn(make_timed, name="make") >> soma.fn(last_of_timed, name="read"))
+
+    def beyond_creation(call):
+        def go():
+            start = time.perf_counter()
+            value, made_s = call()
+            elapsed = time.perf_counter() - start
+            assert value == 1.0
+            return elapsed - made_s
+        return go
+
+    local = torch.ones(numel)
+    put_ref = ray.put(local)
+    contenders = {
+        "actors": beyond_creation(lambda: ray.get(read_actor.read.remote(make_actor.make.remote(numel)))),
+        "soma": beyond_creation(lambda: cluster.run(g, numel)),
+        "tasks": beyond_creation(lambda: ray.get(reader.remote(maker.remote(numel)))),
+        "pickle.dumps": lambda: h.timed(pickle.dumps, local)[0],
+        "ray.put": lambda: h.timed(ray.put, local)[0],
+        "ray.get": lambda: h.timed(lambda: float(ray.get(put_ref)[-1]))[0],
+        "clone": lambda: h.timed(local.clone)[0],
+    }
+    samples = h.alternate(contenders, repeat=suite.repeat(full=5, quick=3), warmup=1, self_timed=True)
+    for name, values in samples.items():
+        suite.add(name, {"question": "tensor", "MiB": mib}, h.ms(values), "ms")
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    rerun_on_loopback(argv)
+    args = h.parse_args(argv, __doc__)
+    suite = h.Suite(NAME, args)
+    ray = h.optional_ray()
+    if ray is None:
+        print(f"{NAME}: skipped: ray is not installed (pip install 'soma[ray]')")
+        return []
+    import soma
+
+    print(f"{NAME}: {h.versions()}, ray {ray.__version__}; mode {suite.mode}; "
+          f"{'loopback only' if os.environ.get(IN_NAMESPACE) else 'on the machine address'}")
+    folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")  # Ray's temp dir: nothing left for the next init
+    try:
+        # address="local": always a new instance of our own, never another program's cluster on this machine
+        with soma.Ray("local", num_cpus=h.CORES, include_dashboard=False, log_to_driver=False,
+                      _temp_dir=folder) as cluster:
+            Stage = actor_classes(ray)
+            chain(suite, ray, cluster, Stage, soma)
+            print("  chain done", flush=True)
+            map_throughput(suite, ray, cluster, Stage, soma)
+            print("  map done", flush=True)
+            gil_wave(suite, cluster, soma)
+            print("  gil_wave done", flush=True)
+            tensor(suite, ray, cluster, soma)
+            print("  tensor done", flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return suite.finish(lambda: print_summary(suite))
+
+
+def print_summary(suite: h.Suite) -> None:
+    ratio = suite.find("soma", "x", question="chain")
+    rows = [["chain: µs per run", h.cell(suite.find("soma", "µs/run")), h.cell(suite.find("actors", "µs/run")),
+             h.cell(ratio) + "×", "≤ 1.2×"]]
+    for kind in ("tiny", "2ms"):
+        for ordered in (True, False):
+            rows.append([f"map ({kind}, {'ordered' if ordered else 'unordered'}): inputs/s",
+                         h.cell(suite.find("soma", "inputs/s", work=kind, ordered=ordered)),
+                         h.cell(suite.find("pool", "inputs/s", work=kind, ordered=ordered)),
+                         h.cell(suite.find("soma", "x", question="map", work=kind, ordered=ordered)) + "×", "≥ 1.0×"])
+    h.print_table(f"{NAME}: soma.Ray against the same work written by hand on Ray (median; ratio: median of "
+                  f"per-round ratios)", ["question", "soma.Ray", "hand-written", "ratio", "target"], rows)
+    wave = [["4 × W ms GIL-bound branches", h.cell(suite.find("executor", "ms")), h.cell(suite.find("ray", "ms")),
+             h.cell(suite.find("ray", "x", question="gil_wave")) + "×"]]
+    h.print_table(f"{NAME}: the GIL-bound wave, ms per run", ["wave", "Executor", "soma.Ray", "speed-up"], wave)
+    tensors = [[name, h.cell(suite.find(name, "ms", question="tensor"))]
+               for name in ("actors", "soma", "tasks", "pickle.dumps", "ray.put", "ray.get", "clone")]
+    h.print_table(f"{NAME}: a float32 tensor between two actors on one machine, ms beyond its creation (and its "
+                  f"parts, in this process)", ["what", "ms"], tensors)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
