@@ -45,6 +45,7 @@ class Receiver:
         # Plain ints and the backend's get/set: pyzmq's getsockopt builds enums on every call.
         self._rcvtimeo = int(zmq.RCVTIMEO)
         self._events, self._pollin = int(zmq.EVENTS), int(zmq.POLLIN)
+        self._noblock = int(zmq.NOBLOCK)
         self.sock = sock
         self._timeout_ms = None
 
@@ -56,6 +57,13 @@ class Receiver:
             self._timeout_ms = timeout_ms
         try:
             return sock.recv()
+        except self._again:
+            return None
+
+    def now(self) -> bytes | None:
+        """The next frame if one is queued, without waiting (and without touching the receive timeout)."""
+        try:
+            return self.sock.recv(self._noblock)
         except self._again:
             return None
 

@@ -155,8 +155,8 @@ class Local(Traced):
         if self._closed:
             raise SomaError("this soma.Local is closed; make a new one")
         program = self._program(g)
-        dead = self._registry.take_dead() if self._registry.has_dead else None
-        if dead:
+        if self._registry.has_dead:
+            dead = self._registry.take_dead()
             self._scheduler.forget(dead)
             self._pool.forget(dead)
         return self._scheduler, program

@@ -312,11 +312,9 @@ class WorkerPool:
             if self.closing:
                 return
             deadline = time.monotonic() + seconds
-            while not done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                frame = self._receiver.wait(max(1, int(remaining * 1000)))
+            wait_ms = max(1, int(seconds * 1000))  # one receive timeout: changing it costs a call each time
+            while not done() and time.monotonic() < deadline:
+                frame = self._receiver.wait(wait_ms)
                 if frame is not None:
                     self._handle(frame)
             self._drain()
@@ -331,7 +329,7 @@ class WorkerPool:
         """Handle every frame queued now (receive lock held)."""
         receiver = self._receiver
         while receiver.ready():
-            frame = receiver.wait(0)
+            frame = receiver.now()
             if frame is None:
                 break
             self._handle(frame)

@@ -114,8 +114,9 @@ class Scheduler:
 
     def _pump_queue(self) -> None:
         usable, starting = [], set()
+        state_of = self.pool.state
         for slot in range(len(self.load)):
-            state = self.pool.state(slot)
+            state = state_of(slot)
             if state == "dead" and self.load[slot] == 0:
                 self.pool.retire(slot)  # died while idle: replace it now, nothing to drain or fail
                 state = "starting"
