@@ -7,6 +7,12 @@
     suite.add_ratio("local", {"B": 4}, samples["executor"], samples["local"], vs="executor")
     suite.finish()          # prints the records, writes --json, returns the records
 
+Every contender's answers are checked, not only timed: `expect` and
+`expect_filled` raise `WrongValue` naming the contender, `Held` keeps results
+across repetitions and checks them again when let go of (a result overwritten
+by a later run is caught there), and `cli` turns a `WrongValue` into a loud exit
+with status 1.
+
 Why alternate: this machine is a shared VM whose CPU drifts 2-3x between
 minutes. Measuring contender A for a minute and then B for a minute measures the
 drift; running A, B, C, then B, C, A, ... in one process puts every contender
@@ -21,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
 import sys
 import time
+from collections import deque
 from typing import Callable
 
 CORES = os.cpu_count() or 1
@@ -40,6 +48,9 @@ def parse_args(argv, description: str, extra: Callable | None = None) -> argpars
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and inputs (under a minute)")
     parser.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path (tests)")
     parser.add_argument("--json", metavar="FILE", help="write one record per measurement to FILE")
+    parser.add_argument("--ray", action="store_true",
+                        help="add Ray rows (a fresh local Ray instance, never an existing cluster; also "
+                             "SOMA_BENCH_RAY=1)")
     if extra is not None:
         extra(parser)
     return parser.parse_args(argv)
@@ -48,7 +59,7 @@ def parse_args(argv, description: str, extra: Callable | None = None) -> argpars
 # -- running contenders --------------------------------------------------------------------------
 
 def alternate(contenders: dict[str, Callable[[], object]], repeat: int, warmup: int = 1,
-              self_timed: bool = False) -> dict[str, list]:
+              self_timed: bool = False, check: Callable[[str, object], None] | None = None) -> dict[str, list]:
     """Run every contender once per round, `warmup` rounds thrown away, then `repeat` kept.
 
     Each round starts one contender later than the one before (A B C, B C A, ...),
@@ -56,6 +67,9 @@ def alternate(contenders: dict[str, Callable[[], object]], repeat: int, warmup: 
     is the call's wall time in seconds, or, with `self_timed`, what the call
     returns (it measured itself: its own units, or several figures at once).
     Sample i of every contender comes from round i: `add_ratio` pairs them.
+    `check(name, returned)` runs after every call, warm-up included, off the
+    clock; it raises `WrongValue` for a wrong answer (self-timed contenders check
+    their own answers inside the call, off their own clock).
     """
     names = list(contenders)
     samples: dict[str, list] = {name: [] for name in names}
@@ -66,6 +80,8 @@ def alternate(contenders: dict[str, Callable[[], object]], repeat: int, warmup: 
             start = time.perf_counter()
             value = contenders[name]()
             elapsed = time.perf_counter() - start
+            if check is not None:
+                check(name, value)
             if round_no >= warmup:
                 samples[name].append(value if self_timed else elapsed)
     return samples
@@ -89,6 +105,93 @@ def us(values) -> list[float]:
 def paired_ratios(numerators, denominators) -> list[float]:
     """numerator_i / denominator_i, round by round (both measured in the same round)."""
     return [a / b for a, b in zip(numerators, denominators) if b]
+
+
+# -- checking what contenders return -------------------------------------------------------------
+
+class WrongValue(RuntimeError):
+    """A contender returned something other than what it had to: the benchmark fails, loudly."""
+
+
+def _short(value, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def expect(contender: str, got, expected, what: str = "") -> None:
+    """`got == expected`, or a `WrongValue` naming the contender (and, for sequences, the first difference)."""
+    if got == expected:
+        return
+    detail = f"got {_short(got)}, expected {_short(expected)}"
+    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+        if len(got) != len(expected):
+            detail = f"{len(got)} values, expected {len(expected)}"
+        else:
+            i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+            if i is not None:  # (None: equal items in a list where a tuple was expected, or the other way)
+                detail = f"value {i} is {_short(got[i])}, expected {_short(expected[i])}"
+    raise WrongValue(f"{contender} returned wrong values{' (' + what + ')' if what else ''}: {detail}")
+
+
+def expect_filled(contender: str, t, fill: float, numel: int, what: str = "") -> None:
+    """A tensor of `numel` elements, every one equal to `fill` (one pass: aminmax reads every page)."""
+    if t.numel() != numel:
+        raise WrongValue(f"{contender} returned a tensor of {t.numel()} elements, expected {numel} ({what})")
+    lo, hi = (float(v) for v in t.aminmax())
+    if lo != fill or hi != fill:
+        raise WrongValue(f"{contender} returned a tensor that should hold {fill:g} everywhere and holds values "
+                         f"from {lo:g} to {hi:g}{' (' + what + ')' if what else ''}: overwritten or mixed up")
+
+
+_fills = itertools.count(1)
+
+
+def next_fill() -> float:
+    """A fill value no earlier call used (exact in float32 up to 2**24): a result overwritten by a later
+    one, or one contender's answer handed to another, shows up as the wrong number."""
+    return float(next(_fills) % (1 << 24))
+
+
+class Held:
+    """Results the caller keeps across repetitions, as a user keeping them in a list would.
+
+    `add(contender, check)` keeps `check` (a callable that re-reads a held
+    result and raises `WrongValue` if it changed) for the last `keep` results of
+    each contender; a result is checked again when it is let go of, and every
+    one left at `check_all()`. Holding is the point: a pool that reused memory a
+    held result still lives in is caught here, not only in the result just made.
+    """
+
+    def __init__(self, keep: int = 3):
+        self.keep = keep
+        self.held: dict[str, deque] = {}
+
+    def add(self, contender: str, check: Callable[[], None]) -> None:
+        ring = self.held.setdefault(contender, deque())
+        ring.append(check)
+        while len(ring) > self.keep:
+            ring.popleft()()
+
+    def check_all(self) -> int:
+        """Check (and let go of) everything still held; returns how many were checked."""
+        count = 0
+        for ring in self.held.values():
+            while ring:
+                ring.popleft()()
+                count += 1
+        return count
+
+
+def cli(main: Callable) -> None:
+    """`main(sys.argv[1:])`, and a wrong value is exit status 1 with a last line that says whose it was."""
+    try:
+        main(sys.argv[1:])
+    except WrongValue as wrong:
+        import traceback
+
+        traceback.print_exc()
+        print(f"\nFAILED: {wrong}", file=sys.stderr)
+        sys.exit(1)
 
 
 # -- the calibrated burn ---------------------------------------------------------------------------
@@ -299,11 +402,33 @@ def cell(record: Record | None, ratio: Record | None = None) -> str:
 # -- optional contenders ---------------------------------------------------------------------------------
 
 def optional_ray():
-    """The `ray` module when it imports, else None (it is never installed for a benchmark)."""
+    """The `ray` module when it imports, else None (`pip install 'soma[ray]'` brings it)."""
     try:
         import ray
     except ImportError:
         return None
+    return ray
+
+
+def local_ray(args: argparse.Namespace):
+    """For the Ray rows of a benchmark: the `ray` module, initialised on a fresh local instance of our own,
+    when asked for (`--ray` or SOMA_BENCH_RAY=1) and importable; else None, with the reason printed.
+
+    Never by default: another program's Ray cluster may be running on this
+    machine, and a bare `ray.init` would connect to it (and then refuse
+    `num_cpus`). `address="local"` always starts a new instance; the caller
+    shuts it down with `ray.shutdown()`. Ray binds this machine's address: run
+    with --ray only where that is fine, such as a loopback-only network
+    namespace (benchmarks/soma_ray.py re-runs itself in one).
+    """
+    if not (getattr(args, "ray", False) or os.environ.get("SOMA_BENCH_RAY") == "1"):
+        print("ray rows skipped: pass --ray (or set SOMA_BENCH_RAY=1) to start a fresh local Ray instance for them")
+        return None
+    ray = optional_ray()
+    if ray is None:
+        print("ray rows skipped: `import ray` failed (pip install 'soma[ray]')")
+        return None
+    ray.init(address="local", num_cpus=CORES, include_dashboard=False, log_to_driver=False)
     return ray
 
 

@@ -7,6 +7,8 @@ nothing is warm. The clock starts just before the contender's first import;
 with --torch this program has imported torch before that (a user's program
 usually has), which is not counted. Only the standard library is imported at the
 top: a ProcessPoolExecutor child re-imports this file as its main module.
+A wrong answer exits with status 1 and a message naming the contender, which
+`startup.py` raises with.
 """
 
 import json
@@ -20,6 +22,11 @@ def echo(x):
     return x
 
 
+def expect(contender: str, got, expected) -> None:
+    if got != expected:
+        sys.exit(f"{contender} returned wrong values: got {got!r}, expected {expected!r}")
+
+
 def local(start: float) -> dict:
     import soma
 
@@ -27,7 +34,7 @@ def local(start: float) -> dict:
     pool = soma.Local(workers=WORKERS)
     pool.start()
     started = time.perf_counter()
-    assert pool.run(soma.Graph.somatize(soma.fn(echo)), 1) == 1
+    expect("local", pool.run(soma.Graph.somatize(soma.fn(echo)), 41), 41)
     first = time.perf_counter()
     pool.close()
     closed = time.perf_counter()
@@ -43,8 +50,9 @@ def procpool(start: float, tasks: int = 1) -> dict:
 
     imported = time.perf_counter()
     pool = cf.ProcessPoolExecutor(WORKERS, mp_context=mp.get_context("spawn"))
-    futures = [pool.submit(echo, i) for i in range(tasks)]
-    assert [f.result() for f in futures] == list(range(tasks))
+    futures = [pool.submit(echo, 41 + i) for i in range(tasks)]
+    expect("procpool" if tasks == 1 else "procpool_both", [f.result() for f in futures],
+           [41 + i for i in range(tasks)])
     first = time.perf_counter()
     pool.shutdown(wait=True)
     closed = time.perf_counter()

@@ -27,6 +27,22 @@ class Burn(Node):
         return Done(burn(self.n))
 
 
+def burn_tagged(n: int, x):
+    """`(x, burn(n))`: the burn, and which input it was for (so a mixed-up answer shows)."""
+    return x, burn(n)
+
+
+class BurnTagged(Node):
+    """`burn_tagged(n, tag)`: tagged with its input, or with `tag` when given (a wave's branches get one input)."""
+
+    def __init__(self, n: int, tag=None):
+        self.n = n
+        self.tag = tag
+
+    def forward(self, x, ctx):
+        return Done(burn_tagged(self.n, x if self.tag is None else self.tag))
+
+
 class Echo(Node):
     """Returns its input."""
 
@@ -44,6 +60,18 @@ class Double(Node):
         return Done(x * 2)
 
 
+class SlowLen(Node):
+    """`(i, payload)` → `(i, len(payload))` after sleeping `ms`: a slow node with a big input and a small output."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def forward(self, x, ctx):
+        i, payload = x
+        time.sleep(self.ms / 1e3)
+        return Done((i, len(payload)))
+
+
 def echo(x):
     return x
 
@@ -55,30 +83,36 @@ def chain3(x):
 
 # -- tensors ----------------------------------------------------------------------------------------
 
-def make_tensor(numel: int, allocate=None):
-    """`numel` float32 ones, on this process's heap, or through `allocate` (a ctx's `empty`)."""
+def make_tensor(numel: int, allocate=None, fill: float = 1.0):
+    """`numel` float32 elements equal to `fill`, on this process's heap, or through `allocate` (a ctx's `empty`).
+
+    The benchmarks give every call its own fill (`_harness.next_fill`): a result
+    overwritten by a later one, or handed to the wrong caller, then holds the
+    wrong number.
+    """
     import torch
 
     t = allocate(numel, dtype=torch.float32) if allocate is not None else torch.empty(numel, dtype=torch.float32)
-    return t.fill_(1.0)
+    return t.fill_(fill)
 
 
-def make_timed(numel: int, allocate=None):
+def make_timed(numel: int, allocate=None, fill: float = 1.0):
     """`(tensor, seconds it took to create and fill)`, measured here, in the producing process."""
     start = time.perf_counter()
-    t = make_tensor(numel, allocate)
+    t = make_tensor(numel, allocate, fill)
     return t, time.perf_counter() - start
 
 
 class MakeTimed(Node):
-    """Makes a float32 tensor of ones (heap, or `ctx.empty`) and returns it with its creation time."""
+    """Makes a float32 tensor (heap, or `ctx.empty`) filled with its input (1.0 for None) and returns it with
+    its creation time."""
 
     def __init__(self, numel: int, through_ctx: bool = False):
         self.numel = numel
         self.through_ctx = through_ctx
 
     def forward(self, x, ctx):
-        return Done(make_timed(self.numel, ctx.empty if self.through_ctx else None))
+        return Done(make_timed(self.numel, ctx.empty if self.through_ctx else None, 1.0 if x is None else x))
 
 
 def last(t) -> float:
@@ -102,8 +136,8 @@ def import_torch(then_sleep: float = 0.0) -> bool:
 def queue_server(commands, results) -> None:
     """A torch.multiprocessing process: the shared-memory reference for moving tensors.
 
-    `("make", numel)` puts `(tensor, creation seconds)`; `("last", tensor)` puts
-    `last(tensor)`; `("echo", tensor)` puts the tensor back; None ends it.
+    `("make", (numel, fill))` puts `(tensor, creation seconds)`; `("last", tensor)`
+    puts `last(tensor)`; `("echo", tensor)` puts the tensor back; None ends it.
     torch's own Queue reductions move every tensor through shared memory.
     """
     import torch  # noqa: F401  (registers torch's reductions before the first get)
@@ -114,7 +148,8 @@ def queue_server(commands, results) -> None:
             return
         kind, arg = command
         if kind == "make":
-            results.put(make_timed(arg))
+            numel, fill = arg
+            results.put(make_timed(numel, fill=fill))
         elif kind == "last":
             results.put(last(arg))
         elif kind == "echo":

@@ -12,7 +12,10 @@ workers 1..cores. Contenders, alternated round by round in this one process:
     local      soma.Local(workers=w): branches spread over worker processes
     threads    ThreadPoolExecutor(w)
     procpool   ProcessPoolExecutor(w, spawn)
-    ray        Ray tasks (only when `import ray` works; at workers = cores)
+    ray        Ray tasks (only with --ray, on a fresh local instance; at workers = cores)
+
+Every answer is checked (each branch returns its own tag and the burn's value);
+a wrong one fails the run, naming the contender.
 
 Reported: wall time per wave, speed-up over the Executor (taken round by round),
 the limit min(B, workers, cores): the best any contender can do, and Local's
@@ -24,25 +27,38 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
-import sys
 
 import _harness as h
 import soma
-from _work import Burn
+from _work import BurnTagged, burn_tagged
 from soma import Graph
 
 NAME = "gil_wave"
 
 
 def wave(n: int, branches: int) -> Graph:
-    expr = Burn(n)
-    for _ in range(branches - 1):
-        expr = expr | Burn(n)
+    expr = BurnTagged(n, tag=0)
+    for b in range(1, branches):
+        expr = expr | BurnTagged(n, tag=b)
     return Graph.somatize(expr)
 
 
 def pool_wave(pool, n: int, branches: int):
-    return list(pool.map(h.burn, [n] * branches))
+    return list(pool.map(burn_tagged, [n] * branches, range(branches)))
+
+
+def checker(n: int, branches: int):
+    """`check(name, out)` for `alternate`: every branch's tag and burn, in order.
+
+    soma's graph of one node returns that node's value, not a 1-tuple.
+    """
+    expected = [burn_tagged(n, b) for b in range(branches)]
+
+    def check(name: str, out) -> None:
+        soma_graph = name == "executor" or name.startswith("local/")
+        h.expect(name, [out] if soma_graph and branches == 1 else list(out), expected)
+
+    return check
 
 
 def start_pools(worker_counts: list[int]) -> dict:
@@ -60,7 +76,7 @@ def contenders_for(pools: dict, worker_counts: list[int], n: int, branches: int,
     g = wave(n, branches)
     executor = soma.Executor()
     contenders = {
-        "serial": lambda: [h.burn(n) for _ in range(branches)],
+        "serial": lambda: [burn_tagged(n, b) for b in range(branches)],
         "executor": lambda: executor.run(g, None),
     }
     for w in worker_counts:
@@ -69,8 +85,8 @@ def contenders_for(pools: dict, worker_counts: list[int], n: int, branches: int,
         contenders[f"threads/{w}"] = lambda pool=threads: pool_wave(pool, n, branches)
         contenders[f"procpool/{w}"] = lambda pool=procpool: pool_wave(pool, n, branches)
     if ray is not None:
-        task = ray.remote(h.burn)
-        contenders[f"ray/{h.CORES}"] = lambda: ray.get([task.remote(n) for _ in range(branches)])
+        task = ray.remote(burn_tagged)
+        contenders[f"ray/{h.CORES}"] = lambda: ray.get([task.remote(n, b) for b in range(branches)])
     return contenders
 
 
@@ -85,14 +101,12 @@ def main(argv=None) -> list[dict]:
 
     n = h.calibrate_burn(width_ms)
     print(f"{NAME}: burn({n:,}) ≈ {width_ms} ms here; {h.versions()}; mode {suite.mode}")
-    ray = h.optional_ray()
-    if ray is not None:
-        ray.init(num_cpus=h.CORES, include_dashboard=False, log_to_driver=False)
+    ray = h.local_ray(args)
     pools = start_pools(worker_counts)
     try:
         for branches in branch_counts:
             contenders = contenders_for(pools, worker_counts, n, branches, ray)
-            samples = h.alternate(contenders, repeat=repeat, warmup=1)
+            samples = h.alternate(contenders, repeat=repeat, warmup=1, check=checker(n, branches))
             for name, values in samples.items():
                 kind, _, w = name.partition("/")
                 params = {"B": branches, "W_ms": width_ms, "workers": int(w) if w else 1}
@@ -130,4 +144,4 @@ def print_summary(suite: h.Suite, branch_counts, worker_counts, width_ms) -> Non
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    h.cli(main)

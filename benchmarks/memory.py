@@ -18,6 +18,11 @@
   worker RSS, the host's open fds, the pool's segment files in /dev/shm and all
   files there (machine-wide: other programs' count too) at evenly spaced
   checkpoints. Growth = last checkpoint over the first.
+
+Every answer is checked: each tensor received holds a fill no other call used,
+and every element is read (that read is the "touched" state); the last results
+of each contender are held across repetitions and checked again when let go of.
+A wrong value fails the run, naming the contender.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import concurrent.futures as cf
 import gc
 import multiprocessing as mp
 import os
-import sys
 import time
 
 import _harness as h
@@ -80,9 +84,12 @@ class Pools:
         self.local = soma.Local(workers=2, preload_torch=True).start()
         cf.wait(warm)
         small = torch.ones(64 << 10)  # 256 KiB: above the inline limit, so it travels through a segment
-        self.plain.run(Graph.somatize(Echo()), 1)
-        self.local.run(Graph.somatize(Echo() | Echo()), small)  # a wave: each worker gets a branch
-        self.procpool.submit(echo, small).result()
+        h.expect("local/no_torch", self.plain.run(Graph.somatize(Echo()), 1), 1)
+        both = self.local.run(Graph.somatize(Echo() | Echo()), small)  # a wave: each worker gets a branch
+        for t in both:
+            h.expect_filled("local/torch", t, 1.0, small.numel(), "warm-up echo")
+        h.expect_filled("procpool/torch", self.procpool.submit(echo, small).result(), 1.0, small.numel(),
+                        "warm-up echo")
 
     def close(self) -> None:
         self.plain.close()
@@ -114,17 +121,22 @@ def idle_workers(suite: h.Suite, pools: Pools) -> None:
 
 # -- receiving a big tensor ---------------------------------------------------------------------------
 
-def received_growth(receive) -> dict:
-    """MiB this process grows by: right after `receive()`, and after reading the tensor through."""
+def received_growth(name: str, receive, numel: int, held: h.Held) -> dict:
+    """MiB this process grows by: right after `receive(fill)`, and after reading the tensor through.
+
+    Reading it through is the check: every element must be the fill this call
+    asked for. The tensor is then held (the last one of each contender) and
+    checked again when let go of; the held one is already in `before`.
+    """
     gc.collect()
     me = os.getpid()
+    fill = h.next_fill()
     before = process_memory(me)
-    t, _ = receive()
+    t, _ = receive(fill)
     after = process_memory(me)
-    float(t.sum())  # every page touched
+    h.expect_filled(name, t, fill, numel, "just received")  # every page read
     touched = process_memory(me)
-    del t
-    gc.collect()
+    held.add(name, lambda: h.expect_filled(name, t, fill, numel, "held across repetitions"))
     return {f"{metric}_{when}": state[metric] - before[metric]
             for when, state in (("received", after), ("touched", touched)) for metric in before}
 
@@ -132,12 +144,15 @@ def received_growth(receive) -> dict:
 def receiving(suite: h.Suite, pools: Pools, nbytes: int) -> None:
     numel = nbytes // 4
     arena, heap = Graph.somatize(MakeTimed(numel, through_ctx=True)), Graph.somatize(MakeTimed(numel))
+    held = h.Held(keep=1)
     calls = {
-        "local/ctx": lambda: received_growth(lambda: pools.local.run(arena, None)),
-        "local/heap": lambda: received_growth(lambda: pools.local.run(heap, None)),
-        "procpool": lambda: received_growth(lambda: pools.procpool.submit(make_timed, numel).result()),
+        "local/ctx": lambda: received_growth("local/ctx", lambda f: pools.local.run(arena, f), numel, held),
+        "local/heap": lambda: received_growth("local/heap", lambda f: pools.local.run(heap, f), numel, held),
+        "procpool": lambda: received_growth(
+            "procpool", lambda f: pools.procpool.submit(make_timed, numel, None, f).result(), numel, held),
     }
     samples = h.alternate(calls, repeat=suite.repeat(full=5, quick=3, smoke=1), self_timed=True)
+    held.check_all()
     size = f"{nbytes // h.MiB}MiB"
     for name, values in samples.items():
         for key in values[0]:
@@ -152,37 +167,90 @@ def shm_files(prefix: str = "") -> int:
     return sum(1 for name in os.listdir("/dev/shm") if name.startswith(prefix))
 
 
+def shm_mib(prefix: str) -> float:
+    """MiB of memory the /dev/shm files starting with `prefix` hold (pages written, not their nominal size)."""
+    total = 0
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(prefix):
+            try:
+                total += os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
+            except FileNotFoundError:  # let go of between the listing and the stat
+                pass
+    return total / h.MiB
+
+
 def snapshot(local) -> dict:
     me = os.getpid()
     return {"host_rss": process_memory(me)["rss"], "host_uss": process_memory(me)["uss"],
             "worker_rss": sum(process_memory(pid)["rss"] for pid in local.pids()),
             "host_fds": len(os.listdir("/proc/self/fd")),
             # this host's pools name their segments soma-<host pid>-...; /dev/shm is shared with everyone else
-            "pool_segments": shm_files(f"soma-{me}-"), "dev_shm_files": shm_files()}
+            "pool_segments": shm_files(f"soma-{me}-"), "pool_segment_mib": shm_mib(f"soma-{me}-"),
+            "dev_shm_files": shm_files()}
+
+
+SMALL_TENSOR = 64 << 10  # float32 elements: 256 KiB, above the inline limit, so it travels through a segment
+
+
+def checked_run(local, g, i: int, held: h.Held) -> None:
+    """Run `add_one >> double` on the int i (even i) or on a fresh 256 KiB tensor filled with i (odd i), and
+    check the answer; tensor answers are held (the last few) and checked again when let go of."""
+    import torch
+
+    if i % 2 == 0:
+        h.expect("local", local.run(g, i), (i + 1) * 2, f"run {i}")
+        return
+    fill = float(i % (1 << 23))
+    out = local.run(g, torch.full((SMALL_TENSOR,), fill))
+    h.expect_filled("local", out, (fill + 1) * 2, SMALL_TENSOR, f"run {i}")
+    held.add("local", lambda: h.expect_filled("local", out, (fill + 1) * 2, SMALL_TENSOR,
+                                              f"run {i}, held across later runs"))
 
 
 def many_runs(suite: h.Suite, local, runs: int, checkpoints: int = 5) -> None:
-    import torch
-
     g = Graph.somatize(AddOne() >> Double())
-    inputs = [1, torch.ones(64 << 10)]  # an int, and 256 KiB: inline values and segments both
+    held = h.Held(keep=8)
     for i in range(max(100, runs // 10)):  # warm: segments made, code loaded, caches filled
-        local.run(g, inputs[i % 2])
+        checked_run(local, g, i, held)
     gc.collect()
     series = [snapshot(local)]
     for _ in range(checkpoints - 1):
         for i in range(runs // (checkpoints - 1)):
-            local.run(g, inputs[i % 2])
+            checked_run(local, g, i, held)
         gc.collect()
         series.append(snapshot(local))
+    held.check_all()
     params = {"what": "many_runs", "runs": runs, "checkpoints": checkpoints}
-    units = {"host_rss": "MiB", "host_uss": "MiB", "worker_rss": "MiB", "host_fds": "count",
-             "pool_segments": "count", "dev_shm_files": "count"}
-    for metric, unit in units.items():
+    add_series(suite, params, series)
+
+
+SERIES_UNITS = {"host_rss": "MiB", "host_uss": "MiB", "worker_rss": "MiB", "host_fds": "count",
+                "pool_segments": "count", "pool_segment_mib": "MiB", "dev_shm_files": "count"}
+
+
+def add_series(suite: h.Suite, params: dict, series: list[dict]) -> None:
+    """Each metric of `snapshot()` at every checkpoint, and its growth: last checkpoint over the first, and over
+    the middle one (a pool that grows to a high-water mark and stays there is flat in its second half; a leak
+    is not)."""
+    middle = len(series) // 2
+    for metric, unit in SERIES_UNITS.items():
         values = [s[metric] for s in series]
         suite.add("local", {**params, "metric": metric}, values, unit)
-        growth = 100 * (values[-1] - values[0]) / values[0] if values[0] else 0.0
-        suite.add("local", {**params, "metric": metric, "vs": "first_checkpoint"}, [growth], "% growth")
+        for vs, base in (("first_checkpoint", values[0]), ("middle_checkpoint", values[middle])):
+            growth = 100 * (values[-1] - base) / base if base else 0.0
+            suite.add("local", {**params, "metric": metric, "vs": vs}, [growth], "% growth")
+
+
+def print_series(suite: h.Suite, title: str, **params) -> None:
+    rows = []
+    for r in suite.records:
+        if all(r.params.get(k) == v for k, v in params.items()) and "metric" in r.params and "vs" not in r.params:
+            growth = [suite.find("local", "% growth", metric=r.params["metric"], vs=vs, **params).median
+                      for vs in ("first_checkpoint", "middle_checkpoint")]
+            rows.append([r.params["metric"], r.values[0], r.values[len(r.values) // 2], r.values[-1], max(r.values)]
+                        + [f"{g:+.1f}%" for g in growth])
+    h.print_table(title, ["metric", "first checkpoint", "middle", "last", "max", "growth from first",
+                          "growth from middle"], rows)
 
 
 def main(argv=None) -> list[dict]:
@@ -227,15 +295,9 @@ def print_summary(suite: h.Suite) -> None:
     h.print_table(f"{NAME}: how much this process grows receiving {size} from a worker, median MiB",
                   ["contender"] + columns, rows)
 
-    rows = []
-    for r in suite.records:
-        if r.params.get("what") == "many_runs" and "vs" not in r.params:
-            growth = suite.find("local", "% growth", what="many_runs", metric=r.params["metric"])
-            rows.append([r.params["metric"], r.values[0], r.values[-1], max(r.values), f"{growth.median:+.1f}%"])
     runs = next((r.params["runs"] for r in suite.records if r.params.get("what") == "many_runs"), "?")
-    h.print_table(f"{NAME}: {runs:,} runs of a small graph on a warm Local pool of 2",
-                  ["metric", "first checkpoint", "last checkpoint", "max", "growth"], rows)
+    print_series(suite, f"{NAME}: {runs:,} runs of a small graph on a warm Local pool of 2", what="many_runs")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    h.cli(main)

@@ -8,12 +8,14 @@ Three questions, each on warm pools of 2 workers, contenders alternated round by
   caller sees it: `Local.run(g, x)` vs `ProcessPoolExecutor(spawn).submit(echo,
   x).result()` vs `multiprocessing.Pool(spawn).apply(echo, (x,))` vs
   `ThreadPoolExecutor.submit().result()`, with `soma.Executor` as the in-process
-  floor. One sample = the mean of many back-to-back trips.
+  floor. One sample = the mean of many back-to-back trips; trip i sends the
+  int i and every answer is checked against it (after the clock stops).
 * throughput: a 3-node graph `add_one >> double >> add_one` over many inputs, in
   runs per second. The pools get the same three steps as one function.
   Sequential: one input at a time, each waited for. Concurrent: Local from 4
   caller threads (Local.run may be called from several threads at once), the
   pools with all inputs submitted at once (`map`), which is how one uses them.
+  Every output is checked against `(x + 1) * 2 + 1`.
 * idle: CPU used by a warm pool doing nothing for about a second (the host
   process and its workers, from psutil's cpu_times), in % of one core.
 """
@@ -23,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
-import sys
 import time
 
 import _harness as h
@@ -33,7 +34,6 @@ from soma import Graph
 
 NAME = "overhead"
 WORKERS = 2
-SMALL_INPUT = "ping"  # a few bytes: the figure is the machinery, not the data
 
 
 def start_pools() -> dict:
@@ -54,12 +54,19 @@ def close_pools(pools: dict) -> None:
     pools["threads"].shutdown(wait=True)
 
 
-def per_call(trips: int, call) -> float:
-    """Mean seconds per call over `trips` back-to-back calls."""
+def per_call(name: str, trips: int, call) -> float:
+    """Mean seconds per call over `trips` back-to-back calls of `call(i)`, each answer checked to be `i`.
+
+    The inputs are small ints (the figure is the machinery, not the data); the
+    answers are kept and compared after the clock stops.
+    """
+    answers = [None] * trips
     start = time.perf_counter()
-    for _ in range(trips):
-        call()
-    return (time.perf_counter() - start) / trips
+    for i in range(trips):
+        answers[i] = call(i)
+    elapsed = time.perf_counter() - start
+    h.expect(name, answers, list(range(trips)), "round trips")
+    return elapsed / trips
 
 
 # -- round trip ---------------------------------------------------------------------------------
@@ -69,16 +76,14 @@ def round_trips(suite: h.Suite, pools: dict) -> None:
     executor = soma.Executor()
     local, procpool, mp_pool, threads = pools["local"], pools["procpool"], pools["mp_pool"], pools["threads"]
     calls = {
-        "local": lambda: local.run(g, SMALL_INPUT),
-        "procpool": lambda: procpool.submit(echo, SMALL_INPUT).result(),
-        "mp_pool": lambda: mp_pool.apply(echo, (SMALL_INPUT,)),
-        "threads": lambda: threads.submit(echo, SMALL_INPUT).result(),
-        "executor": lambda: executor.run(g, SMALL_INPUT),
+        "local": lambda x: local.run(g, x),
+        "procpool": lambda x: procpool.submit(echo, x).result(),
+        "mp_pool": lambda x: mp_pool.apply(echo, (x,)),
+        "threads": lambda x: threads.submit(echo, x).result(),
+        "executor": lambda x: executor.run(g, x),
     }
-    for name, call in calls.items():
-        assert call() == SMALL_INPUT, name
     trips = {"full": 500, "quick": 200, "smoke": 20}[suite.mode]
-    samples = h.alternate({name: (lambda c=call: per_call(trips, c)) for name, call in calls.items()},
+    samples = h.alternate({name: (lambda n=name, c=call: per_call(n, trips, c)) for name, call in calls.items()},
                           repeat=suite.repeat(full=9, quick=5, smoke=1), self_timed=True)
     params = {"workers": WORKERS, "trips_per_sample": trips}
     for name, values in samples.items():
@@ -111,13 +116,13 @@ def throughputs(suite: h.Suite, pools: dict) -> None:
         "threads/concurrent": lambda: list(threads.map(chain3, inputs)),
     }
 
-    def rate(batch):
+    def rate(name, batch):
         elapsed, out = h.timed(batch)
-        assert out == expected
+        h.expect(name, list(out), expected, "3-node throughput")
         return runs / elapsed
 
     try:
-        samples = h.alternate({name: (lambda b=batch: rate(b)) for name, batch in batches.items()},
+        samples = h.alternate({name: (lambda n=name, b=batch: rate(n, b)) for name, batch in batches.items()},
                               repeat=suite.repeat(full=5, quick=3, smoke=1), self_timed=True)
     finally:
         callers.shutdown()
@@ -194,4 +199,4 @@ def print_summary(suite: h.Suite) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    h.cli(main)

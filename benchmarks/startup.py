@@ -17,7 +17,9 @@ own start-up is the same for both and not counted; `process` is the whole
 child's wall time, seen from here). Two settings: a host program that has not
 imported torch, and one that has (then Local's workers import torch at start,
 as Local does by default when its host uses torch; the pool's children do not).
-Contenders alternate, one child at a time.
+Contenders alternate, one child at a time. Each child checks the answers it gets
+and exits with status 1 naming its contender when one is wrong; this run then
+fails with that message.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def run_child(contender: str, with_torch: bool) -> dict:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr}")
+        wrong = "returned wrong values" in done.stderr  # the child's own check (see _startup_child.expect)
+        raise (h.WrongValue if wrong else RuntimeError)(
+            f"{contender}: {' '.join(argv)} failed ({done.returncode}):\n{done.stderr}")
     phases = json.loads(done.stdout.strip().splitlines()[-1])
     phases["process"] = elapsed
     return phases
@@ -91,4 +95,4 @@ def print_summary(suite: h.Suite, settings) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    h.cli(main)

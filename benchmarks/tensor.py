@@ -11,7 +11,7 @@ Contenders, alternated round by round in this one process:
     procpool      ProcessPoolExecutor(spawn); with torch imported, tensors travel through
                   torch's shared memory (torch registers its reductions with that pickler)
     torch_queue   a torch.multiprocessing process and its Queue: the shared-memory reference
-    ray           Ray tasks (only when `import ray` works)
+    ray           Ray tasks (only with --ray, on a fresh local instance)
     host/heap     this process making the same tensor on its own heap (torch.empty + fill)
     memcpy        dst.copy_(src) of the same bytes, both buffers pre-faulted: the physical floor
     clone         src.clone(): a copy into fresh memory (allocation and page faults included)
@@ -26,13 +26,19 @@ Four questions:
   small value (its last element); the time until that value is back.
 * echo: a tensor already in shared memory (received from that contender's worker)
   sent to a node that returns it: should cost the same at 1 MiB and 256 MiB.
+
+Every answer is checked, off the clock: each call fills its tensor with a value
+no other call used, the caller checks every element it receives (and, for send,
+that the tensor it sent is still intact), and keeps the last 3 results of each
+contender (`_harness.Held`), checking them again when it lets go of them. A
+result overwritten while held, or handed to the wrong caller, fails the run with
+a message naming the contender.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
-import sys
 
 import _harness as h
 import soma
@@ -43,12 +49,13 @@ NAME = "tensor"
 WORKERS = 2
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "256MiB": 256 << 20}
 TRANSPORTS = ["local/heap", "local/ctx", "procpool", "torch_queue", "ray"]
+HOLD = 3  # results of each contender the caller keeps across repetitions, each checked again when let go of
 
 
 class Contenders:
     """The pools every question uses, started and warmed once."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, args):
         import torch
 
         self.torch = torch
@@ -61,11 +68,10 @@ class Contenders:
         self.queue_proc = tmp.Process(target=queue_server, args=(self.commands, self.results), daemon=True)
         self.queue_proc.start()
         self.local = soma.Local(workers=workers).start()  # workers import torch at the first tensor (the warm-up)
-        self.ask_queue("make", 1024)
+        h.expect_filled("torch_queue", self.ask_queue("make", (1024, 1.0))[0], 1.0, 1024, "warm-up")
         cf.wait(warm)
-        self.ray = h.optional_ray()
+        self.ray = h.local_ray(args)
         if self.ray is not None:
-            self.ray.init(num_cpus=h.CORES, include_dashboard=False, log_to_driver=False)
             self.ray_make = self.ray.remote(make_timed)
             self.ray_last = self.ray.remote(last)
 
@@ -85,34 +91,49 @@ class Contenders:
 
 # -- return and made --------------------------------------------------------------------------------
 
-def returning(c: Contenders, numel: int) -> dict:
-    """Callables returning `(wall seconds, creation seconds in the producer)`."""
+def hold_checked(held: h.Held, name: str, t, fill: float, numel: int) -> None:
+    """Check a received tensor now, and keep it (checked again when the caller lets go of it)."""
+    h.expect_filled(name, t, fill, numel, "just received")
+    held.add(name, lambda: h.expect_filled(name, t, fill, numel, f"held across repetitions (filled with {fill:g})"))
+
+
+def returning(c: Contenders, numel: int, held: h.Held) -> dict:
+    """Callables returning `(wall seconds, creation seconds in the producer)`; every tensor checked, off the clock."""
     torch = c.torch
     heap, arena = Graph.somatize(MakeTimed(numel)), Graph.somatize(MakeTimed(numel, through_ctx=True))
     src = torch.ones(numel)
     dst = torch.empty(numel).fill_(0.0)  # pre-faulted
 
-    def received(call):
-        wall, (t, created) = h.timed(call)
-        assert t.numel() == numel
+    def received(name, call):
+        fill = h.next_fill()
+        wall, (t, created) = h.timed(call, fill)
+        hold_checked(held, name, t, fill, numel)
         return wall, created
 
+    def reference(name, call, fill=1.0):
+        wall, t = h.timed(call)
+        h.expect_filled(name, t, fill, numel)
+        return wall, 0.0
+
     calls = {
-        "local/heap": lambda: received(lambda: c.local.run(heap, None)),
-        "local/ctx": lambda: received(lambda: c.local.run(arena, None)),
-        "procpool": lambda: received(lambda: c.procpool.submit(make_timed, numel).result()),
-        "torch_queue": lambda: received(lambda: c.ask_queue("make", numel)),
-        "host/heap": lambda: (h.timed(make_tensor, numel)[0], 0.0),
-        "memcpy": lambda: (h.timed(dst.copy_, src)[0], 0.0),
-        "clone": lambda: (h.timed(src.clone)[0], 0.0),
+        "local/heap": lambda: received("local/heap", lambda f: c.local.run(heap, f)),
+        "local/ctx": lambda: received("local/ctx", lambda f: c.local.run(arena, f)),
+        "procpool": lambda: received("procpool", lambda f: c.procpool.submit(make_timed, numel, None, f).result()),
+        "torch_queue": lambda: received("torch_queue", lambda f: c.ask_queue("make", (numel, f))),
+        "host/heap": lambda: reference("host/heap", lambda: make_tensor(numel)),
+        "memcpy": lambda: reference("memcpy", lambda: dst.copy_(src)),
+        "clone": lambda: reference("clone", src.clone),
     }
     if c.ray is not None:
-        calls["ray"] = lambda: received(lambda: c.ray.get(c.ray_make.remote(numel)))
+        calls["ray"] = lambda: received("ray", lambda f: c.ray.get(c.ray_make.remote(numel, None, f)))
     return calls
 
 
 def measure_return(suite: h.Suite, c: Contenders, size: str, nbytes: int) -> None:
-    samples = h.alternate(returning(c, nbytes // 4), repeat=suite.repeat(full=7, quick=3, smoke=1), self_timed=True)
+    held = h.Held(HOLD)
+    samples = h.alternate(returning(c, nbytes // 4, held), repeat=suite.repeat(full=7, quick=3, smoke=1),
+                          self_timed=True)
+    held.check_all()
     walls = {name: [wall for wall, _ in values] for name, values in samples.items()}
     beyond = {name: [wall - made for wall, made in values] for name, values in samples.items()}
     params = {"size": size, "bytes": nbytes}
@@ -134,28 +155,38 @@ def measure_return(suite: h.Suite, c: Contenders, size: str, nbytes: int) -> Non
 
 # -- send -------------------------------------------------------------------------------------------
 
-def sending(c: Contenders, numel: int) -> dict:
-    """Callables returning the seconds from sending a fresh heap tensor to having its small answer."""
+def sending(c: Contenders, numel: int, held: h.Held) -> dict:
+    """Callables returning the seconds from sending a fresh heap tensor to having its small answer.
+
+    The answer (the tensor's last element, as the worker read it) must be the
+    tensor's fill; the tensor sent must be intact after the call, and stay so
+    while the caller holds it.
+    """
     g = Graph.somatize(Last())
 
-    def sent(call):
-        t = make_tensor(numel)  # fresh every time, made before the clock starts
+    def sent(name, call):
+        fill = h.next_fill()
+        t = make_tensor(numel, fill=fill)  # fresh every time, made before the clock starts
         wall, answer = h.timed(call, t)
-        assert answer == 1.0
+        h.expect(name, answer, fill, "the last element of the tensor sent, read by the worker")
+        hold_checked(held, name, t, fill, numel)
         return wall
 
     calls = {
-        "local": lambda: sent(lambda t: c.local.run(g, t)),
-        "procpool": lambda: sent(lambda t: c.procpool.submit(last, t).result()),
-        "torch_queue": lambda: sent(lambda t: c.ask_queue("last", t)),
+        "local": lambda: sent("local", lambda t: c.local.run(g, t)),
+        "procpool": lambda: sent("procpool", lambda t: c.procpool.submit(last, t).result()),
+        "torch_queue": lambda: sent("torch_queue", lambda t: c.ask_queue("last", t)),
     }
     if c.ray is not None:
-        calls["ray"] = lambda: sent(lambda t: c.ray.get(c.ray_last.remote(t)))
+        calls["ray"] = lambda: sent("ray", lambda t: c.ray.get(c.ray_last.remote(t)))
     return calls
 
 
 def measure_send(suite: h.Suite, c: Contenders, size: str, nbytes: int) -> None:
-    samples = h.alternate(sending(c, nbytes // 4), repeat=suite.repeat(full=7, quick=3, smoke=1), self_timed=True)
+    held = h.Held(HOLD)
+    samples = h.alternate(sending(c, nbytes // 4, held), repeat=suite.repeat(full=7, quick=3, smoke=1),
+                          self_timed=True)
+    held.check_all()
     params = {"size": size, "bytes": nbytes, "what": "send"}
     for name, values in samples.items():
         suite.add(name, params, h.ms(values), "ms")
@@ -167,25 +198,43 @@ def measure_send(suite: h.Suite, c: Contenders, size: str, nbytes: int) -> None:
 # -- echo ---------------------------------------------------------------------------------------------
 
 def measure_echo(suite: h.Suite, c: Contenders, sizes: dict) -> None:
-    """Every size and contender in one alternation, so the size ratios are paired round by round."""
+    """Every size and contender in one alternation, so the size ratios are paired round by round.
+
+    Each echo is checked (every element, off the clock), and so is every tensor
+    echoed, at the end: the caller held it the whole time.
+    """
     g = Graph.somatize(Echo())
-    calls = {}
+    calls, originals = {}, []
+
+    def echoed(name, call, t, fill, numel):
+        wall, back = h.timed(call, t)
+        h.expect_filled(name, back, fill, numel, "echoed")
+        return wall
+
     for size, nbytes in sizes.items():
         numel = nbytes // 4
+        fills = {name: h.next_fill() for name in ("local", "procpool", "torch_queue")}
         received = {  # a tensor each contender's own worker made: it lives in that contender's shared memory
-            "local": c.local.run(Graph.somatize(MakeTimed(numel, through_ctx=True)), None)[0],
-            "procpool": c.procpool.submit(make_tensor, numel).result(),
-            "torch_queue": c.ask_queue("make", numel)[0],
+            "local": c.local.run(Graph.somatize(MakeTimed(numel, through_ctx=True)), fills["local"])[0],
+            "procpool": c.procpool.submit(make_tensor, numel, None, fills["procpool"]).result(),
+            "torch_queue": c.ask_queue("make", (numel, fills["torch_queue"]))[0],
         }
+        for name, t in received.items():
+            h.expect_filled(name, t, fills[name], numel, f"made for the {size} echo")
+            originals.append((name, t, fills[name], numel))
         back = c.local.run(g, received["local"])
         if nbytes >= soma.codec.INLINE_LIMIT:  # below it tensors travel inline, as copies
             assert back.untyped_storage().data_ptr() == received["local"].untyped_storage().data_ptr()
         del back
-        calls[f"local/{size}"] = lambda t=received["local"]: h.timed(c.local.run, g, t)[0]
-        calls[f"procpool/{size}"] = lambda t=received["procpool"]: h.timed(
-            lambda: c.procpool.submit(echo, t).result())[0]
-        calls[f"torch_queue/{size}"] = lambda t=received["torch_queue"]: h.timed(c.ask_queue, "echo", t)[0]
+        calls[f"local/{size}"] = lambda t=received["local"], f=fills["local"], n=numel: echoed(
+            "local", lambda x: c.local.run(g, x), t, f, n)
+        calls[f"procpool/{size}"] = lambda t=received["procpool"], f=fills["procpool"], n=numel: echoed(
+            "procpool", lambda x: c.procpool.submit(echo, x).result(), t, f, n)
+        calls[f"torch_queue/{size}"] = lambda t=received["torch_queue"], f=fills["torch_queue"], n=numel: echoed(
+            "torch_queue", lambda x: c.ask_queue("echo", x), t, f, n)
     samples = h.alternate(calls, repeat=suite.repeat(full=9, quick=5, smoke=1), self_timed=True)
+    for name, t, fill, numel in originals:
+        h.expect_filled(name, t, fill, numel, "held through every echo")
     smallest = "1MiB" if "1MiB" in sizes else next(iter(sizes))
     for name, values in samples.items():
         contender, _, size = name.partition("/")
@@ -203,7 +252,7 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(1)  # like each worker (1 core each of 2): copies compare like with like
     sizes = {k: v for k, v in SIZES.items() if not args.smoke or v <= 1 << 20}
     print(f"{NAME}: {h.versions()}; mode {suite.mode}; sizes {', '.join(sizes)}")
-    c = Contenders(workers=1 if args.smoke else WORKERS)  # smoke: fewer children importing torch
+    c = Contenders(workers=1 if args.smoke else WORKERS, args=args)  # smoke: fewer children importing torch
     try:
         for size, nbytes in sizes.items():
             measure_return(suite, c, size, nbytes)
@@ -258,4 +307,4 @@ def print_summary(suite: h.Suite, sizes: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    h.cli(main)

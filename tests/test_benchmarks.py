@@ -15,7 +15,7 @@ import pytest
 from soma import cli
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-MODULES = ["gil_wave", "overhead", "tensor", "startup", "memory", "soma_ray"]
+MODULES = ["gil_wave", "overhead", "tensor", "startup", "memory", "soma_ray", "map"]
 WITHOUT_RAY = importlib.util.find_spec("ray") is None
 KEYS = {"benchmark", "contender", "params", "median", "min", "max", "unit", "n"}
 SIGNED_UNITS = {"% growth", "MiB"}  # growth and memory deltas may be zero or negative; the rest must be > 0
@@ -49,3 +49,35 @@ def test_each_benchmark_writes_well_shaped_records(name, tmp_path):
         if r["unit"] not in SIGNED_UNITS:
             assert r["min"] > 0 or r["unit"] == "% of a core", r
     assert len({r["contender"] for r in records}) >= 2  # something was compared with something
+
+
+def test_a_wrong_value_fails_the_benchmark_naming_the_contender():
+    """What every benchmark's checks rest on: a wrong answer, or a held result changed later, is exit status 1
+    with the contender's name; a right one passes."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import torch, _harness as h\n"
+        "def main(argv):\n"
+        "    h.expect('procpool', [0, 1, 2], [0, 1, 2])\n"
+        "    held, t = h.Held(keep=2), torch.full((1000,), 7.0)\n"
+        "    held.add('local/heap', lambda: h.expect_filled('local/heap', t, 7.0, 1000, 'held'))\n"
+        "    if argv[-1] == 'overwrite':\n"
+        "        t[500] = 8.0  # what a pool reusing the memory of a held result does to it\n"
+        "    held.check_all()\n"
+        "    if argv[-1] == 'wrong':\n"
+        "        h.expect('mp_imap', [0, 1, 3], [0, 1, 2])\n"
+        "    print('all right')\n"
+        "h.cli(main)\n"
+    )
+    pytest.importorskip("torch")
+    outcomes = {}
+    for case in ("right", "overwrite", "wrong"):
+        done = subprocess.run([sys.executable, "-c", code, str(BENCHMARKS), case], capture_output=True, text=True,
+                              timeout=60)
+        outcomes[case] = (done.returncode, done.stdout, done.stderr)
+    assert outcomes["right"][0] == 0 and "all right" in outcomes["right"][1], outcomes["right"]
+    assert outcomes["overwrite"][0] == 1, outcomes["overwrite"]
+    assert "FAILED: local/heap returned a tensor that should hold 7 everywhere and holds values from 7 to 8" in \
+        outcomes["overwrite"][2]
+    assert outcomes["wrong"][0] == 1
+    assert "FAILED: mp_imap returned wrong values: value 2 is 3, expected 2" in outcomes["wrong"][2]

@@ -1,0 +1,285 @@
+"""map: many inputs through one graph, `runner.map(g, xs)`, against the pools people use for that.
+
+    python benchmarks/map.py [--quick] [--smoke] [--json out.json]   (or: soma bench map)
+
+Warm pools of 2 workers; contenders alternated round by round in this one process:
+
+    executor   list(soma.Executor().map(g, xs))               (one process, one input at a time)
+    local      list(soma.Local(workers=2).map(g, xs))         (default window: what users get)
+    procpool   list(ProcessPoolExecutor(2, spawn).map(f, xs)) (chunksize 1, its default)
+    mp_imap    list(multiprocessing.Pool(2, spawn).imap(f, xs, chunksize=1))
+    threads    list(ThreadPoolExecutor(2).map(f, xs))
+
+The pools get the graph's work as one plain function `f`. Every contender's
+outputs are checked against the expected list, in order, after the clock
+stops; a wrong one fails the run with a message naming the contender. Ray is
+not here (benchmarks/soma_ray.py measures soma.Ray against hand-written Ray).
+
+* tiny: N small ints through an identity node (`echo` for the pools): the cost
+  of map's machinery per input. Target: local >= 1.0x mp_imap (aim 2x).
+* gil: 8 inputs of 50 ms pure-Python work each (`burn`, tagged with the input):
+  Target: local >= 1.9x executor (the limit is 2x on 2 cores).
+* pipeline: examples/text_pipeline.py, `(word_piece | ngram_hash) >> encoder`
+  (a pure-Python WordPiece tokenizer and n-gram hashing, then a small torch
+  model), 200 documents in batches of 8; the pools run `embed_batch`, the same
+  work as one function (torch at 1 thread in each process, as in Local's
+  workers). Outputs checked against the Executor's vectors. docs/s. Target:
+  local >= procpool.
+* flat: 100,000 inputs (every 8th a 64 KiB tensor filled with its index, the
+  rest ints) through `add_one` from a generator; host and worker RSS, host fds,
+  this host's segments and all of /dev/shm at 11 checkpoints along the way.
+  Every output checked; the last 8 tensors held and checked again later.
+* window: an endless generator of 256 KiB payloads feeding a node that sleeps
+  2 ms; how far the generator ever got ahead of what was yielded (taken and not
+  yet yielded), and this process's RSS growth, against what all inputs together
+  would be. A window that is exceeded fails the run.
+
+The single-input round trip (Local.run against ProcessPoolExecutor.submit().result())
+is in overhead.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import gc
+import itertools
+import multiprocessing as mp
+import os
+import sys
+
+import _harness as h
+import soma
+from _work import AddOne, BurnTagged, Echo, SlowLen, burn_tagged, echo
+from memory import add_series, print_series, snapshot
+from soma import Graph
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import text_pipeline  # noqa: E402  (examples/: the pools' spawned children find it through sys.path too)
+
+NAME = "map"
+WORKERS = 2
+CONTENDERS = ["executor", "local", "procpool", "mp_imap", "threads"]
+FLAT_TENSOR = 16 << 10  # float32 elements: 64 KiB, above the inline limit (a segment each)
+FLAT_EVERY = 8  # every 8th input of `flat` is a tensor
+WINDOW = 8  # the explicit window of `window`
+
+
+class Pools:
+    """Every contender's runner, started and warmed once, closed together."""
+
+    def __init__(self):
+        spawn = mp.get_context("spawn")
+        self.executor = soma.Executor()
+        self.local = soma.Local(workers=WORKERS).start()
+        self.procpool = cf.ProcessPoolExecutor(WORKERS, mp_context=spawn)
+        self.mp_pool = spawn.Pool(WORKERS)
+        self.threads = cf.ThreadPoolExecutor(WORKERS)
+
+    def maps(self, g: Graph, func, xs) -> dict:
+        """`name → callable` returning each contender's outputs for `xs`, as a list."""
+        return {
+            "executor": lambda: list(self.executor.map(g, xs)),
+            "local": lambda: list(self.local.map(g, xs)),
+            "procpool": lambda: list(self.procpool.map(func, xs)),
+            "mp_imap": lambda: list(self.mp_pool.imap(func, xs, chunksize=1)),
+            "threads": lambda: list(self.threads.map(func, xs)),
+        }
+
+    def close(self) -> None:
+        self.local.close()
+        self.procpool.shutdown(wait=True)
+        self.mp_pool.close()
+        self.mp_pool.join()
+        self.threads.shutdown(wait=True)
+
+
+# -- rates: tiny, gil, pipeline --------------------------------------------------------------------------
+
+def rates(suite: h.Suite, case: str, samples: dict, count: int, unit: str, params: dict) -> None:
+    """Each contender's rate, and Local's speed-up over every other, round by round."""
+    params = {"case": case, "workers": WORKERS, **params}
+    for name, seconds in samples.items():
+        suite.add(name, params, [count / s for s in seconds], unit)
+    for name in samples:
+        if name != "local":
+            suite.add_ratio("local", params, samples[name], samples["local"], vs=name)
+
+
+def tiny(suite: h.Suite, pools: Pools) -> None:
+    count = {"full": 20_000, "quick": 5_000, "smoke": 300}[suite.mode]
+    xs = list(range(count))
+    samples = h.alternate(pools.maps(Graph.somatize(Echo()), echo, xs), repeat=suite.repeat(full=7, quick=3),
+                          check=lambda name, out: h.expect(name, out, xs, "identity"))
+    rates(suite, "tiny", samples, count, "inputs/s", {"inputs": count})
+
+
+def gil(suite: h.Suite, pools: Pools) -> None:
+    width_ms = 5 if suite.mode == "smoke" else 50
+    n = h.calibrate_burn(width_ms)
+    xs = list(range(8))
+    expected = [burn_tagged(n, x) for x in xs]
+    samples = h.alternate(pools.maps(Graph.somatize(BurnTagged(n)), functools.partial(burn_tagged, n), xs),
+                          repeat=suite.repeat(full=7, quick=3),
+                          check=lambda name, out: h.expect(name, out, expected, "tagged burns"))
+    rates(suite, "gil", samples, len(xs), "inputs/s", {"inputs": len(xs), "W_ms": width_ms})
+
+
+def pipeline(suite: h.Suite, pools: Pools) -> None:
+    import torch
+
+    docs = text_pipeline.make_documents(24 if suite.mode == "smoke" else 200)
+    inputs = text_pipeline.batches(docs, 8)
+    g = text_pipeline.graph()
+    torch.set_num_threads(1)  # the executor and threads contenders too: one core's worth, as each worker
+    expected = list(pools.executor.map(g, inputs))
+
+    def check(name, out):
+        if not text_pipeline.same_vectors(out, expected):
+            raise h.WrongValue(f"{name} returned vectors that differ from the Executor's (pipeline)")
+
+    samples = h.alternate(pools.maps(g, text_pipeline.embed_batch, inputs), repeat=suite.repeat(full=5, quick=3),
+                          check=check)
+    rates(suite, "pipeline", samples, len(docs), "docs/s", {"docs": len(docs), "batch": 8})
+
+
+# -- flat: 100,000 inputs ----------------------------------------------------------------------------------
+
+def flat_inputs(count: int):
+    """A generator (never a list held here): ints, and every FLAT_EVERY-th a tensor filled with its index."""
+    import torch
+
+    for i in range(count):
+        yield torch.full((FLAT_TENSOR,), float(i)) if i % FLAT_EVERY == 0 else i
+
+
+def checked_flat(local, g: Graph, count: int, held: h.Held, on_output=None) -> None:
+    """`local.map(g, flat_inputs(count))`, every output checked (`add_one`), tensors held and checked again."""
+    for i, out in enumerate(local.map(g, flat_inputs(count))):
+        if i % FLAT_EVERY:
+            h.expect("local", out, i + 1, f"input {i}")
+        else:
+            h.expect_filled("local", out, float(i + 1), FLAT_TENSOR, f"input {i}")
+            held.add("local", lambda out=out, i=i: h.expect_filled("local", out, float(i + 1), FLAT_TENSOR,
+                                                                    f"input {i}, held across later inputs"))
+        if on_output is not None:
+            on_output(i)
+
+
+def flat(suite: h.Suite, local, count: int, checkpoints: int = 11) -> None:
+    g = Graph.somatize(AddOne())
+    held = h.Held(keep=8)
+    checked_flat(local, g, max(1_000, count // 10), held)  # warm: segments made, caches filled
+    gc.collect()
+    series = [snapshot(local)]
+    every = count // (checkpoints - 1)
+
+    def sample(i):
+        if (i + 1) % every == 0:
+            gc.collect()
+            series.append(snapshot(local))
+
+    checked_flat(local, g, count, held, sample)
+    held.check_all()
+    add_series(suite, {"case": "flat", "inputs": count, "checkpoints": len(series)}, series)
+
+
+# -- window: a fast source, a slow node --------------------------------------------------------------------
+
+def bounded(local, count: int, window: int | None, payload: int) -> dict:
+    """Take from an endless generator through a 2 ms node until `count` outputs; what the window allowed."""
+    import psutil
+
+    g = Graph.somatize(SlowLen(2.0))
+    state = {"taken": 0, "yielded": 0, "ahead": 0}
+    me = psutil.Process()
+
+    def source():
+        for i in itertools.count():
+            state["taken"] += 1
+            state["ahead"] = max(state["ahead"], state["taken"] - state["yielded"])
+            yield i, bytes(payload)
+
+    gc.collect()
+    before = peak = me.memory_info().rss
+    outputs = local.map(g, source(), window=window)
+    for i, out in enumerate(outputs):
+        h.expect("local", out, (i, payload), "window")
+        state["yielded"] += 1
+        if i % 8 == 0:
+            peak = max(peak, me.memory_info().rss)
+        if state["yielded"] == count:
+            break
+    outputs.close()
+    return {"ahead": state["ahead"], "taken": state["taken"], "rss_growth": (peak - before) / h.MiB}
+
+
+def window(suite: h.Suite, local) -> None:
+    count = {"full": 400, "quick": 200, "smoke": 40}[suite.mode]
+    payload = 256 << 10
+    for label, size in (("default", None), (str(WINDOW), WINDOW)):
+        got = bounded(local, count, size, payload)
+        if size is not None and got["ahead"] > size:
+            raise h.WrongValue(f"local.map took {got['ahead']} inputs that it had not yielded, with window={size}")
+        params = {"case": "window", "window": label, "inputs": count, "payload_KiB": payload >> 10}
+        suite.add("local", {**params, "what": "most_taken_not_yielded"}, [got["ahead"]], "count")
+        suite.add("local", {**params, "what": "taken"}, [got["taken"]], "count")
+        suite.add("local", {**params, "what": "host_rss_growth"}, [got["rss_growth"]], "MiB")
+        suite.add("local", {**params, "what": "all_inputs_together"}, [count * payload / h.MiB], "MiB")
+
+
+def main(argv=None) -> list[dict]:
+    args = h.parse_args(argv, __doc__)
+    suite = h.Suite(NAME, args)
+    print(f"{NAME}: {h.versions()}; mode {suite.mode}; {WORKERS} workers")
+    pools = Pools()
+    try:
+        tiny(suite, pools)
+        print("  tiny done", flush=True)
+        gil(suite, pools)
+        print("  gil done", flush=True)
+        pipeline(suite, pools)
+        print("  pipeline done", flush=True)
+        flat(suite, pools.local, {"full": 100_000, "quick": 20_000, "smoke": 2_000}[suite.mode])
+        print("  flat done", flush=True)
+        window(suite, pools.local)
+    finally:
+        pools.close()
+    return suite.finish(lambda: print_summary(suite))
+
+
+def print_summary(suite: h.Suite) -> None:
+    rows = []
+    for case, unit in (("tiny", "inputs/s"), ("gil", "inputs/s"), ("pipeline", "docs/s")):
+        row = [f"{case} ({unit})"]
+        for name in CONTENDERS:
+            ratio = suite.find("local", "x", case=case, vs=name) if name != "local" else None
+            row.append(h.cell(suite.find(name, unit, case=case), ratio))
+        for vs in ("mp_imap", "procpool", "executor"):
+            r = suite.find("local", "x", case=case, vs=vs)
+            row.append(f"{h.fmt(r.median)}× ({h.fmt(min(r.values))}-{h.fmt(max(r.values))})")
+        rows.append(row)
+    h.print_table(f"{NAME}: median rate on {WORKERS} workers (in brackets: local's speed-up over that contender, "
+                  f"median of per-round ratios)",
+                  ["case"] + CONTENDERS + ["local / mp_imap (min-max)", "local / procpool", "local / executor"],
+                  rows)
+
+    inputs = next(r.params["inputs"] for r in suite.records if r.params.get("case") == "flat")
+    print_series(suite, f"{NAME}: {inputs:,} inputs through Local.map (add_one; every {FLAT_EVERY}th a 64 KiB "
+                        f"tensor), checkpoints after warming up", case="flat")
+
+    rows = []
+    for label in ("default", str(WINDOW)):
+        def value(what):
+            return suite.find("local", case="window", window=label, what=what).median
+
+        rows.append([label, str(int(value("most_taken_not_yielded"))), str(int(value("taken"))),
+                     value("host_rss_growth"), value("all_inputs_together")])
+    h.print_table(f"{NAME}: an endless generator of 256 KiB payloads into a 2 ms node, Local.map until "
+                  f"{suite.find('local', case='window', what='taken').params['inputs']} outputs",
+                  ["window", "most taken, not yet yielded", "taken in all", "host RSS growth MiB",
+                   "all inputs together MiB"], rows)
+
+
+if __name__ == "__main__":
+    h.cli(main)
