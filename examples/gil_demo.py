@@ -1,6 +1,6 @@
 """soma's main job in one screen: GIL-bound Python nodes really run in parallel on worker processes.
 
-    python examples/gil_demo.py [MS] [ROUNDS]        (or: soma demo)
+    python examples/gil_demo.py [MS] [ROUNDS] [--trace FILE]        (or: soma demo [--trace FILE])
 
 Four branches of pure-Python work in one wave. The in-process Executor runs each
 branch on its own thread, and the threads take turns on the GIL. soma.Local runs
@@ -8,21 +8,30 @@ the same graph on worker processes (`python -m soma.worker`, the `soma-worker`
 program), two branches per worker here, so the work is spread across the cores.
 Same graph, same answer, no code change.
 
+Then many inputs: `map` sends 8 inputs of ~50 ms of pure Python each through a
+one-node graph. `Executor.map` runs them one after another in this process;
+`Local.map` keeps both workers busy with different inputs (the node has a copy
+on each), and yields the outputs in input order.
+
 The speed-up is measured the way `soma bench` measures (benchmarks/_harness.py):
 the Executor and Local run in alternation, each round starting with the other
 one, and the speed-up is taken round by round, so both meet the same machine.
 It prints the median over the rounds with the lowest and highest, and how much
 CPU other programs (and the hypervisor, on a VM) took meanwhile: a busy machine
-is a low speed-up, not a soma that does not work. About 6 s on two cores.
+is a low speed-up, not a soma that does not work. Every answer of every round is
+checked against the Executor's. About 10 s on two cores. `--trace FILE` also
+writes a timeline of Local's wave and map (docs/trace.md; Local's times then
+include the recording).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import gc
 import os
 import resource
 import statistics
-import sys
 import time
 
 import soma
@@ -47,6 +56,16 @@ class Crunch(Node):
         return Done((ctx.worker, work(self.n)))
 
 
+class CrunchInput(Node):
+    """For map: the input, where it ran, and the work's result."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def forward(self, x, ctx):
+        return Done((x, ctx.worker, work(self.n)))
+
+
 def calibrate(ms: float) -> int:
     """How many iterations of `work` take about `ms` milliseconds here (the fastest of 3 tries)."""
     n = 100_000
@@ -55,20 +74,55 @@ def calibrate(ms: float) -> int:
 
 
 def timed(fn, *args) -> float:
+    return timed_call(fn, *args)[0]
+
+
+def timed_call(fn, *args):
+    """(seconds, what `fn` returned)."""
     gc.collect()  # the previous contender's garbage is not this one's cost
     t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+    out = fn(*args)
+    return time.perf_counter() - t0, out
 
 
-def alternate(contenders: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each contender, one call each per round, each round starting one later (A B, B A, ...)."""
+def alternate(contenders: dict, rounds: int, check) -> dict[str, list[float]]:
+    """Seconds per call of each contender, one call each per round, each round starting one later (A B, B A, ...).
+
+    `check(name, out)` looks at every answer, after the clock stops.
+    """
     names = list(contenders)
     samples = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name].append(timed(contenders[name]))
+            seconds, out = timed_call(contenders[name])
+            check(name, out)
+            samples[name].append(seconds)
     return samples
+
+
+def report(times: dict, labels: dict, rounds: int, limit: int, what: str) -> float:
+    """Each contender's median and range, then the speed-up taken round by round; returns the speed-up."""
+    for name, label in labels.items():
+        t = [s * 1e3 for s in times[name]]
+        print(f"{label:34} {statistics.median(t):6.0f} ms  (median; {min(t):.0f}-{max(t):.0f})")
+    ratios = [e / loc for e, loc in zip(times["executor"], times["local"])]
+    speedup = statistics.median(ratios)
+    print(f"\n{what}speed-up: {speedup:.2f}x (median of {rounds} rounds, range {min(ratios):.2f}x-{max(ratios):.2f}x; "
+          f"the limit here is {limit}x)\n")
+    return speedup
+
+
+def same_answers(what: str, strip_worker):
+    """A check for `alternate`: every answer equals the Executor's, the worker that ran it aside."""
+    expected = []
+
+    def check(name, out):
+        if not expected:
+            expected.append([strip_worker(v) for v in out])
+        if [strip_worker(v) for v in out] != expected[0]:
+            raise SystemExit(f"{name} gave other answers than before ({what}): soma is broken here")
+
+    return check
 
 
 class MachineShare:
@@ -129,34 +183,52 @@ def command_line(pid: int) -> str:
         return "?"
 
 
-def main(ms: float = 100.0, rounds: int = 7, workers: int | None = None) -> float:
+def main(ms: float = 100.0, rounds: int = 7, workers: int | None = None, map_inputs: int = 8,
+         map_ms: float = 50.0, trace: str | None = None) -> float:
     branches, cores = 4, os.cpu_count() or 1
     workers = workers or min(cores, branches)
     limit = min(branches, workers, cores)
     machine = MachineShare()
     n = calibrate(ms)
     g = Graph.somatize(Crunch(n).named("a") | Crunch(n).named("b") | Crunch(n).named("c") | Crunch(n).named("d"))
+    many = Graph.somatize(CrunchInput(max(1, round(n * map_ms / ms))))
+    xs = list(range(map_inputs))
     print(f"graph:   {g}")
     print(f"work:    {branches} branches x ~{ms:.0f} ms of pure Python each; {cores} cores, {workers} workers")
     print(f"rounds:  {rounds}, each runs the Executor and Local once, alternating which goes first\n")
 
     executor = soma.Executor()
-    with soma.Local(workers=workers) as local:
-        expected, out = executor.run(g, None), local.run(g, None)  # warm: each worker loads the node code once
-        assert [v for _, v in out] == [v for _, v in expected], "Local and the Executor disagree"
-        times = alternate({"executor": lambda: executor.run(g, None), "local": lambda: local.run(g, None)}, rounds)
+    with soma.Local(workers=workers) as local, (local.trace(trace) if trace else contextlib.nullcontext()):
+        out = local.run(g, None)  # warm: each worker loads the node code once
+        wave_check = same_answers("the wave", lambda branch: branch[1])
+        wave_check("executor", executor.run(g, None))
+        wave_check("local", out)
+        times = alternate({"executor": lambda: executor.run(g, None), "local": lambda: local.run(g, None)}, rounds,
+                          wave_check)
+        map_check = same_answers("map", lambda output: (output[0], output[2]))
+        map_check("executor", list(executor.map(many, xs)))
+        mapped = list(local.map(many, xs))  # warm: the node's copy on each worker
+        map_check("local", mapped)
+        map_times = alternate({"executor": lambda: list(executor.map(many, xs)),
+                               "local": lambda: list(local.map(many, xs))}, rounds, map_check)
         workers_seen = [(pid, command_line(pid)) for pid in local.pids()]
-    labels = {"executor": "Executor (threads, one process)", "local": f"Local    ({workers} worker processes)"}
-    for name, label in labels.items():
-        t = [s * 1e3 for s in times[name]]
-        print(f"{label:34} {statistics.median(t):6.0f} ms  (median; {min(t):.0f}-{max(t):.0f})")
-    ratios = [e / loc for e, loc in zip(times["executor"], times["local"])]
-    speedup = statistics.median(ratios)
-    print(f"\nspeed-up: {speedup:.2f}x (median of {rounds} rounds, range {min(ratios):.2f}x-{max(ratios):.2f}x; "
-          f"the limit here is {limit}x)\n")
+    speedup = report(times, {"executor": "Executor (threads, one process)",
+                             "local": f"Local    ({workers} worker processes)"}, rounds, limit, "")
     print("where each branch ran:", ", ".join(f"{nid}→{w}" for nid, (w, _) in zip("abcd", out)))
     for pid, line in workers_seen:
         print(f"  worker pid {pid}: {line}")
+
+    print(f"\nmap:     {len(xs)} inputs x ~{map_ms:.0f} ms of pure Python through one node: {many}")
+    print(f"rounds:  {rounds}, each maps all {len(xs)} inputs on the Executor and on Local, alternating\n")
+    report(map_times, {"executor": "Executor.map (one input at a time)",
+                       "local": f"Local.map    ({workers} worker processes)"}, rounds,
+           min(len(xs), workers, cores), "map ")
+    ran = {}
+    for _, worker, _ in mapped:
+        ran[worker] = ran.get(worker, 0) + 1
+    print("where the inputs ran:", ", ".join(f"{w}: {count}" for w, count in sorted(ran.items())))
+    if trace:
+        print(f"\ntrace of Local's wave and map: {trace} (open it in https://ui.perfetto.dev)")
 
     for line in machine_report(machine.others(), cores):  # after close: the workers' CPU now counts as ours
         print(line)
@@ -164,4 +236,9 @@ def main(ms: float = 100.0, rounds: int = 7, workers: int | None = None) -> floa
 
 
 if __name__ == "__main__":
-    main(ms=float(sys.argv[1]) if len(sys.argv) > 1 else 100.0, rounds=int(sys.argv[2]) if len(sys.argv) > 2 else 7)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ms", nargs="?", type=float, default=100.0, help="ms of work per branch (default 100)")
+    parser.add_argument("rounds", nargs="?", type=int, default=7, help="rounds (default 7)")
+    parser.add_argument("--trace", metavar="FILE", help="also write a timeline of Local's wave and map to FILE")
+    args = parser.parse_args()
+    main(ms=args.ms, rounds=args.rounds, trace=args.trace)

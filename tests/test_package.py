@@ -1,5 +1,6 @@
 """The package around the core: no torch on import, the command line, the example."""
 
+import json
 import re
 import subprocess
 import sys
@@ -40,12 +41,19 @@ def test_soma_example_runs_the_seed_pipeline():
     assert "'total_length': 16.0" in out.stdout and "'other_shape': (4, 8)" in out.stdout
 
 
-def test_soma_demo_runs_local_against_the_executor():
-    out = subprocess.run([sys.executable, "-m", "soma.cli", "demo"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+def test_soma_demo_runs_local_against_the_executor(tmp_path):
+    trace = tmp_path / "demo.json"
+    out = subprocess.run([sys.executable, "-m", "soma.cli", "demo", "--trace", str(trace)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Executor (threads, one process)" in out.stdout and "Local    (" in out.stdout
     assert "speed-up:" in out.stdout and "-m soma.worker" in out.stdout
-    assert re.search(r"speed-up: \d+\.\d\dx \(median of 7 rounds, range \d+\.\d\dx-\d+\.\d\dx; the limit here is \dx\)",
-                     out.stdout), out.stdout
+    ratio = r"speed-up: \d+\.\d\dx \(median of 7 rounds, range \d+\.\d\dx-\d+\.\d\dx; the limit here is \dx\)"
+    assert re.search("^" + ratio, out.stdout, re.M), out.stdout  # the wave
+    assert "Executor.map (one input at a time)" in out.stdout and "Local.map    (" in out.stdout
+    assert re.search("^map " + ratio, out.stdout, re.M), out.stdout
+    assert re.search(r"where the inputs ran: w\d: \d", out.stdout), out.stdout
     assert "while it ran, other programs used " in out.stdout
+    events = json.loads(trace.read_text())["traceEvents"]  # a timeline of Local's wave and map
+    ran = {e["name"] for e in events if e.get("ph") == "X" and e.get("cat") == "node"}
+    assert {"a", "b", "c", "d", "crunch_input"} <= ran, ran
