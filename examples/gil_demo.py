@@ -108,7 +108,11 @@ def report(times: dict, labels: dict, rounds: int, limit: int, what: str) -> flo
     ratios = [e / loc for e, loc in zip(times["executor"], times["local"])]
     speedup = statistics.median(ratios)
     print(f"\n{what}speed-up: {speedup:.2f}x (median of {rounds} rounds, range {min(ratios):.2f}x-{max(ratios):.2f}x; "
-          f"the limit here is {limit}x)\n")
+          f"the limit here is {limit}x)")
+    if speedup > 1.05 * limit:  # seen once in many runs on a shared VM: its cores' speed moved under one contender
+        print("  (above the limit: this machine ran one contender slower than the other while they alternated; "
+              "run it again for a figure to quote)")
+    print()
     return speedup
 
 
