@@ -78,6 +78,8 @@ class WorkerPool:
         self._recv_lock = threading.Lock()  # whoever holds it may use the results socket
         self._leading = False  # a caller holds it to receive its own outcome
         self._quiet = threading.Condition()  # the listener sleeps on it meanwhile
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it at once
+        os.set_blocking(self._wake_w, False)
         self._listener = None
         self.listener_tid = 0
         self._zctx = None
@@ -142,9 +144,17 @@ class WorkerPool:
                                                    flags=self._zmq.NOBLOCK)
                     except Exception:
                         pass
+        try:
+            os.write(self._wake_w, b"\0")  # the listener, asleep on its poll: look now
+        except OSError:
+            pass
+        with self._quiet:
+            self._quiet.notify_all()  # ... or asleep while a caller was receiving
         listener = self._listener
         if listener is not None and listener is not threading.current_thread():
             listener.join(5 * PUMP_S + 1)  # it closes its own socket on the way out
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
         deadline = time.monotonic() + 3.0
         for worker in workers:
             try:
@@ -269,6 +279,7 @@ class WorkerPool:
         self.listener_tid = threading.get_native_id()
         poller = select.poll()
         poller.register(self._results.get(self._zmq.FD), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         last_check = 0.0
         try:
             while not self.closing:
