@@ -246,3 +246,18 @@ def test_a_worker_killed_in_the_middle_of_a_map(local, tmp_path):
     assert err.node == "slow" and err.index is not None and err.index >= 5
     assert "while running node `slow`" in str(err) or "before it ran node `slow`" in str(err)
     assert list(local.map(Graph.somatize(AddOne()), range(5))) == [1, 2, 3, 4, 5]  # the runner goes on
+
+
+def test_a_map_keeps_its_graph_alive_while_other_graphs_run(local):
+    import gc
+
+    quick = Graph.somatize(AddOne())
+    outputs = local.map(Graph.somatize(Sleep(0.002)), itertools.count())  # the only reference: the map's
+    for i, y in enumerate(outputs):
+        assert y == i
+        if i == 50:
+            gc.collect()
+            assert local.run(quick, 1) == 2  # a run in the middle lets the pool forget what the host dropped
+        if i == 120:
+            break
+    outputs.close()

@@ -176,6 +176,9 @@ def test_the_demo_says_when_other_programs_took_the_cores():
 
 def test_the_demo_alternates_which_contender_goes_first():
     demo, order = load_demo(), []
-    samples = demo.alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3)
+    checked = []
+    samples = demo.alternate({"a": lambda: order.append("a") or "A", "b": lambda: order.append("b") or "B"}, rounds=3,
+                             check=lambda name, out: checked.append((name, out)))
     assert order == ["a", "b", "b", "a", "a", "b"]
     assert [len(v) for v in samples.values()] == [3, 3] and all(t >= 0 for v in samples.values() for t in v)
+    assert sorted(checked) == [("a", "A")] * 3 + [("b", "B")] * 3  # every answer looked at

@@ -97,3 +97,13 @@ def test_what_a_piece_returned_is_checked_where_it_was_declared():
     assert output_devices(plan, g.devices(), ("a", "b", "c")) == [("double", "meta", "a"), ("count", "cpu", "c")]
     assert output_devices(plan, g.devices(), "not a tuple") == []  # (the node's own check already failed)
     assert [p.devices for p in pieces(piece)] == [{}, {"double": "meta"}, {}, {"count": "cpu"}]
+
+
+def test_a_map_runs_each_input_whole_when_the_graph_allows():
+    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Join())
+    whole = compile_program(g, keys(), CPU2, whole=True)
+    assert isinstance(whole, Piece) and str(whole) == "[tokenize >> (upper | count) >> join]"
+    limited = Graph.somatize(AddOne() >> OneCopyCounter() >> Double())
+    assert str(compile_program(limited, keys(), CPU2, whole=True)) == "[add_one] >> [one_copy_counter] >> [double]"
+    two_gpus = Graph.somatize(AddOne().on("cuda:0") >> Double().on("cuda:1"))
+    assert str(compile_program(two_gpus, keys(), GPU2, whole=True)) == "[add_one] >> [double]"

@@ -44,7 +44,8 @@ class Flow:
 class Job:
     """One input for one piece: queued here, then outstanding at a worker."""
 
-    __slots__ = ("id", "flow", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns", "traced")
+    __slots__ = ("id", "flow", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns", "behind",
+                 "traced")
 
     def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then):
         self.id = job_id
@@ -56,6 +57,7 @@ class Job:
         self.then = then  # called with (ok, value) when the job is over
         self.slot = None
         self.sent_at = 0.0
+        self.behind = 0  # jobs already at its worker when it was sent (its wait there, unseen)
         self.sent_ns = 0  # when traced
         self.traced = flow.trace is not None
 

@@ -64,7 +64,8 @@ class Local(Traced):
         self._pool: WorkerPool | None = None
         self._scheduler: Scheduler | None = None
         self._closed = False
-        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (placement version, program)
+        # graph → (placement version, its program for run, its program for map)
+        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._programs_lock = threading.Lock()
         self._registry = NodeRegistry()
 
@@ -144,34 +145,42 @@ class Local(Traced):
                 trace.span("run", "host", start, time.monotonic_ns(), pid, tid, {"input": None})
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
-        """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool (SPEC 7.4)."""
-        scheduler, program = self._ready(g)
-        return map_outputs(_Flows(scheduler, program, self, timeout), xs, window=window, ordered=ordered,
+        """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool (SPEC 7.4).
+
+        With at least as many inputs in flight as workers, each input runs whole on one worker
+        when the graph allows (see program.compile_program); with fewer, a wave's branches
+        spread over workers as in `run`.
+        """
+        scheduler, program = self._ready(g, whole=window is None or window >= self.n_workers)
+        return map_outputs(_Flows(scheduler, g, program, self, timeout), xs, window=window, ordered=ordered,
                            progress=progress, timeout=timeout)
 
-    def _ready(self, g):
+    def _ready(self, g, whole: bool = False):
         if self._pool is None:
             self.start()
         if self._closed:
             raise SomaError("this soma.Local is closed; make a new one")
-        program = self._program(g)
+        program = self._program(g, whole)
         if self._registry.has_dead:
             dead = self._registry.take_dead()
             self._scheduler.forget(dead)
             self._pool.forget(dead)
         return self._scheduler, program
 
-    def _program(self, g):
-        """Compiled once per graph and placement (placing after a run compiles again)."""
+    def _program(self, g, whole: bool = False):
+        """Compiled once per graph, placement and kind (placing after a run compiles again)."""
         version = g._placement.version
         found = self._programs.get(g)
-        if found is not None and found[0] == version:
-            return found[1]
+        if found is not None and found[0] == version and found[1 + whole] is not None:
+            return found[1 + whole]
         with self._programs_lock:
-            program = compile_program(g, self._registry.key_of, self.worker_devices)
+            program = compile_program(g, self._registry.key_of, self.worker_devices, whole)
             for node_id in g.nodes():  # pickled now: a copy is made from the node as it was when first sent
                 self._registry.code(node_id, self._registry.key_of(g.node(node_id)))
-            self._programs[g] = (version, program)
+            found = self._programs.get(g)
+            programs = list(found) if found is not None and found[0] == version else [version, None, None]
+            programs[1 + whole] = program
+            self._programs[g] = tuple(programs)
         return program
 
     def _trace_started(self, trace: Trace) -> None:
@@ -185,13 +194,14 @@ class Local(Traced):
 class _Flows(Inflight):
     """Local's in-flight set for map: flows on the scheduler, their outcomes in one queue."""
 
-    def __init__(self, scheduler: Scheduler, program, local: Local, timeout):
+    def __init__(self, scheduler: Scheduler, g, program, local: Local, timeout):
         self.scheduler, self.program, self.local, self.timeout = scheduler, program, local, timeout
+        self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
         self.sink = queue.SimpleQueue()
         self.flows: dict = {}
 
     def parallelism(self) -> int:
-        return self.scheduler.parallelism()
+        return self.scheduler.parallelism(self.program)
 
     def start(self, items: list) -> None:
         self.flows.update(self.scheduler.start(self.program, items, self.sink, self.local._trace))

@@ -10,7 +10,8 @@ A program is the plan tree itself with some subtrees replaced by `Piece`s:
 * The host walks the `Seq`s and `Wave`s around the pieces: a wave's pieces go
   out together (to different workers when there are enough) and the host joins
   their outputs.
-* A piece is as large as it can be, and is cut
+* A piece is as large as it can be (for `map`, the whole plan when it may be:
+  see compile_program), and is cut
   - at top-level waves, so their branches can use several workers;
   - where the CUDA device changes (a worker is pinned to one device);
   - around a node whose class limits its `copies`: that node is a piece of its
@@ -75,17 +76,27 @@ class Piece(Plan):
         return f"[{self.plan}]"
 
 
-def compile_program(g, key_of, worker_devices: list[str]) -> Plan:
+def compile_program(g, key_of, worker_devices: list[str], whole: bool = False) -> Plan:
     """The program for graph `g` under its current placement.
 
     `key_of(node)` gives a node's key (its identity across graphs and runs);
     `worker_devices` are the devices the pool's workers are pinned to.
+
+    `whole`: one piece for the whole plan when it can run on one worker (no node
+    limits its copies, at most one CUDA device). That is `map`'s program: with many
+    inputs in flight every worker is busy anyway, so each input runs whole where it
+    lands and its values between nodes never cross the host; a single `run` spreads
+    a wave's branches over workers instead, for they are all the parallelism it has.
     """
     devices = g.devices()
     check_placement(devices, worker_devices)
     keys = {nid: key_of(g._catalog[nid]) for nid in g.nodes()}
     limits = {nid: copies_of(nid, g._catalog[nid]) for nid in g.nodes()}
-    return _Compiler(keys, devices, limits).top(g.plan())
+    compiler = _Compiler(keys, devices, limits)
+    plan = g.plan()
+    if whole and compiler.whole(plan) and all(limit is None for limit in limits.values()):
+        return compiler.piece(plan)
+    return compiler.top(plan)
 
 
 def copies_of(node_id: str, node) -> int | None:

@@ -30,7 +30,7 @@ import time
 from collections import deque
 
 from ..errors import NodeError, PostconditionError, RunTimeout, SomaError, WorkerDied
-from ..plan import last_step
+from ..plan import Seq, last_step
 from ..postcondition import find_misplaced
 from .flows import Flow, Job, Walker
 from .pool import CANCELLED, START_FAILURES, Undecodable
@@ -54,9 +54,8 @@ class Scheduler:
         self.held = [0] * len(worker_devices)  # copies held per worker
         self.flows: set = set()
         self.closed_with = None  # the error every flow gets once the pool is closed
-        self.service_s = None  # EMA of a job's time in a worker
-        self.round_trip_s = None  # EMA of a job's time from send to outcome
-        self.depth = MAX_DEPTH  # jobs per worker in flight at most (see _measure)
+        self.service_s: dict = {}  # piece id → EMA of one job's time in a worker
+        self.latency_s = None  # EMA of a job's way to a worker and back, less its time there (see _measure)
         self.walker = Walker(pool.get_store, self._enqueue)
 
     # -- starting inputs ---------------------------------------------------------------------------------
@@ -125,21 +124,25 @@ class Scheduler:
             elif state == "starting":
                 usable.append(slot)
                 starting.add(slot)
-        depth = self.depth
-        if not usable or all(self.load[s] >= depth for s in usable):
+        if not usable or all(self.load[s] >= MAX_DEPTH for s in usable):
             self._fail_unplaceable()
             return
         batches: dict[int, list] = {}
         waiting: deque = deque()
+        depths: dict = {}
         while self.queue:
             job = self.queue.popleft()
             if job.flow.finished:
                 continue
+            depth = depths.get(job.piece.id)
+            if depth is None:
+                depth = depths[job.piece.id] = self.depth(job.piece)
             slot = self._choose(job.piece, usable, depth)
             if slot is None:
                 waiting.append(job)
                 continue
             job.slot = slot
+            job.behind = self.load[slot]
             self.load[slot] += 1
             self.outstanding[job.id] = job
             batches.setdefault(slot, []).append(job)
@@ -158,8 +161,14 @@ class Scheduler:
             job.sent_at = now
             if job.traced:
                 job.sent_ns = time.monotonic_ns()
-        # False: it died on the way; the listener reports it, and these jobs, as WorkerDied.
-        self.pool.send(slot, jobs)
+        try:
+            # False: it died on the way; the listener reports it, and these jobs, as WorkerDied.
+            self.pool.send(slot, jobs)
+        except Exception as err:  # never leave an input waiting forever on soma's own mistake
+            for job in jobs:
+                if self.outstanding.pop(job.id, None) is not None:
+                    self.load[slot] -= 1
+                self._finish(job.flow, False, _internal(err, f"sending node `{job.piece.entry}` to a worker"))
         for job in jobs:
             job.keep = None  # counted as sent (or its worker is gone): the copies may go
 
@@ -210,13 +219,28 @@ class Scheduler:
                     node=job.piece.entry))
 
 
-    def parallelism(self) -> int:
-        """How many inputs this pool works on at once: map's default window is twice this."""
+    def depth(self, piece: Piece) -> int:
+        """Jobs of `piece` worth having in flight per worker: enough that the worker runs the next ones
+        while the last outcomes travel. 2 (one running, one waiting) for jobs that take longer than a
+        round trip; up to MAX_DEPTH for jobs of microseconds. MAX_DEPTH until measured."""
+        service = self.service_s.get(piece.id)
+        if service is None or self.latency_s is None:
+            return MAX_DEPTH
+        return max(2, min(MAX_DEPTH, int(self.latency_s / max(service, 1e-6)) + 1))
+
+    def parallelism(self, program=None) -> int:
+        """How many inputs of `program` this pool works on at once: map's default window is twice this.
+
+        One per worker until its pieces are measured; more when a piece's jobs take less time
+        than the way to a worker and back (then a worker should hold several).
+        """
         with self.lock:
-            if self.service_s is None or self.round_trip_s is None:
+            pieces = _pieces(program) if program is not None else []
+            services = [self.service_s.get(p.id) for p in pieces]
+            if not services or None in services or self.latency_s is None:
                 return len(self.load)
-            per_worker = max(1, min(MAX_DEPTH, int(self.round_trip_s / max(self.service_s, 1e-6))))
-            return len(self.load) * per_worker
+            per_worker = int(self.latency_s / max(max(services), 1e-6))
+            return len(self.load) * max(1, min(MAX_DEPTH, per_worker))
 
     # -- what the listener reports ------------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -234,7 +258,6 @@ class Scheduler:
     def on_outcomes(self, slot: int, worker, outcomes: list) -> None:
         now = time.monotonic()
         with self.lock:
-            measured = service = trip = 0
             for unit, ok, value, spans, seconds, decode in outcomes:
                 job = self.outstanding.pop(unit, None)
                 if job is None or job.slot != slot:
@@ -243,31 +266,29 @@ class Scheduler:
                 if value is CANCELLED or job.flow.finished:
                     job.flow.jobs.discard(job)
                     continue
-                measured += 1
-                service += seconds
-                trip += now - job.sent_at
-                if spans is not None and job.flow.trace is not None:
-                    self._record(job, worker, spans, decode)
-                if ok:
-                    value, ok = self._arrived(job, value, worker)
-                self._end_job(job, ok, value)
-            if measured:
-                self._measure(service / measured, trip / measured)
+                self._measure(job, seconds, now)
+                try:
+                    if spans is not None and job.flow.trace is not None:
+                        self._record(job, worker, spans, decode)
+                    if ok:
+                        value, ok = self._arrived(job, value, worker)
+                    self._end_job(job, ok, value)
+                except Exception as err:  # never leave an input waiting forever on soma's own mistake
+                    self._finish(job.flow, False, _internal(err, "handling an outcome"))
             self._pump()
 
-    def _measure(self, service_s: float, round_trip_s: float) -> None:
-        """Learn how long a job takes in a worker and from send to outcome, to size the depth.
+    def _measure(self, job: Job, service_s: float, now: float) -> None:
+        """Learn how long a piece's jobs take in a worker, and how long the way there and back takes.
 
-        Jobs per worker worth having in flight: 2 for inputs that take longer than a round
-        trip (the next one waits at the worker while the last one's outcome travels), more
-        for tiny ones, up to MAX_DEPTH.
+        The way is measured only on jobs that found their worker idle: the time one spends
+        queued behind others is not latency, and counting it would let the depth feed on itself.
         """
-        if self.service_s is None:
-            self.service_s, self.round_trip_s = service_s, round_trip_s
-        else:
-            self.service_s += EMA * (service_s - self.service_s)
-            self.round_trip_s += EMA * (round_trip_s - self.round_trip_s)
-        self.depth = max(2, min(MAX_DEPTH, int(self.round_trip_s / max(self.service_s, 1e-6)) + 1))
+        piece = job.piece.id
+        known = self.service_s.get(piece)
+        self.service_s[piece] = service_s if known is None else known + EMA * (service_s - known)
+        if job.behind == 0:
+            latency = max(0.0, now - job.sent_at - service_s)
+            self.latency_s = latency if self.latency_s is None else self.latency_s + EMA * (latency - self.latency_s)
 
     def _arrived(self, job: Job, value, worker):
         """The host's look at what arrived: it decoded, and the postcondition holds after the crossing."""
@@ -418,3 +439,17 @@ class Scheduler:
             trace.interval(f"job {job.piece}", "host", job.sent_ns, start, pid, f"job-{job.id}",
                            {"input": index, "worker": worker.id})
 
+
+def _internal(err: BaseException, doing: str) -> SomaError:
+    """soma's own failure while it was `doing` something for an input: said, never a silent hang."""
+    failure = SomaError(f"soma failed while {doing}: {type(err).__name__}: {err} (a bug in soma: please report it, "
+                        f"with this message)")
+    failure.__cause__ = err
+    return failure
+
+
+def _pieces(program) -> list:
+    if isinstance(program, Piece):
+        return [program]
+    children = program.items if isinstance(program, Seq) else program.branches
+    return [piece for child in children for piece in _pieces(child)]
