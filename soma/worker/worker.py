@@ -250,7 +250,7 @@ class Worker:
             for _ in range(min(wanted - free, MAX_THREADS - self.serving)):
                 self.serving += 1
                 threading.Thread(target=self.serve_forever, name="soma-serving", daemon=True).start()
-            if self.idle and (self.runnable or waking):
+            if self.runnable or (waking and self.idle):
                 self.cv.notify(len(self.runnable) + 1)
         return mine
 
