@@ -18,14 +18,10 @@ from ..device import Device
 from ..errors import DeviceError, SomaError
 from ..mapping import Inflight, map_outputs
 from ..trace import Trace, Traced
-from .pool import PUMP_S, WorkerPool
+from .pool import WorkerPool
 from .program import compile_program
 from .registry import NodeRegistry
 from .scheduler import Scheduler
-
-
-# A caller receives its own outcome for this long before leaving it to the pool's listener.
-LEAD_S = PUMP_S / 2
 
 
 class Local(Traced):
@@ -127,8 +123,7 @@ class Local(Traced):
         flow = scheduler.start(program, [(None, x)], sink, trace)[None]
         try:
             try:
-                self._pool.receive_until(lambda: not sink.empty(), LEAD_S if timeout is None else min(LEAD_S, timeout))
-                _, ok, value = sink.get(timeout=timeout)
+                _, ok, value = self._pool.await_item(sink, timeout)
             except queue.Empty:
                 err = scheduler.expire(flow, timeout)
                 try:  # it may have ended while it was being stopped: then its outcome is there
@@ -207,17 +202,17 @@ class _Flows(Inflight):
         self.flows.update(self.scheduler.start(self.program, items, self.sink, self.local._trace))
 
     def wait(self, timeout):
-        sink = self.sink
-        self.local._pool.receive_until(lambda: not sink.empty(), LEAD_S if timeout is None else min(LEAD_S, timeout))
         try:
-            got = [self.sink.get(timeout=timeout)]
+            got = [self.local._pool.await_item(self.sink, timeout)]
         except queue.Empty:
             return []
         while True:
             try:
-                got.append(self.sink.get_nowait())
+                item = self.sink.get_nowait()
             except queue.Empty:
                 break
+            if type(item) is tuple:  # (a stray "receive now" token is not an outcome)
+                got.append(item)
         for index, _, _ in got:
             self.flows.pop(index, None)
         return got

@@ -18,6 +18,7 @@ itself), never a context terminated under their feet.
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -33,8 +34,10 @@ from .leases import LeaseBook
 from .procs import spawn
 
 PUMP_S = 0.05  # the listener looks at the worker processes this often
+LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
 START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
 CANCELLED = object()  # the outcome of a unit the worker dropped because the host cancelled it
+_LEAD = object()  # put in a waiting caller's sink: "nobody is receiving: you do"
 
 
 class Undecodable:
@@ -78,6 +81,8 @@ class WorkerPool:
         self._recv_lock = threading.Lock()  # whoever holds it may use the results socket
         self._leading = False  # a caller holds it to receive its own outcome
         self._quiet = threading.Condition()  # the listener sleeps on it meanwhile
+        self._waiters: deque = deque()  # callers asleep on their sinks, who could receive next
+        self._waiters_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it at once
         os.set_blocking(self._wake_w, False)
         self._listener = None
@@ -308,13 +313,44 @@ class WorkerPool:
             with self._recv_lock:
                 self._results.close(0)
 
-    def receive_until(self, done, seconds: float) -> None:
-        """Receive on this (caller's) thread until `done()` or `seconds` pass, if nobody else is receiving.
+    def await_item(self, sink, timeout: float | None):
+        """The next item put in `sink` (queue.Empty after `timeout` seconds), received on this thread.
 
-        A caller that receives its own outcome wakes straight from the socket: no hand-off
-        from the listener. It leads for at most `seconds` (< PUMP_S), drains what is queued
-        (the socket's descriptor signals new arrivals only), and wakes the listener when
-        work is still out there.
+        A caller waiting for its outcome receives it straight from the socket while nobody
+        else is receiving (one thread hand-off fewer per run). Otherwise it sleeps on its
+        sink until its outcome comes, or until the receiver hands it the receiving: leader
+        and followers, with the listener for when no caller waits.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter = _Waiter(sink)
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise queue.Empty
+            self._lead(lambda: not sink.empty(), LEAD_S if remaining is None else min(LEAD_S, remaining))
+            waiter.handed = False
+            with self._waiters_lock:
+                self._waiters.append(waiter)
+            try:
+                item = sink.get(timeout=remaining)
+            except queue.Empty:
+                item = None
+            with self._waiters_lock:
+                if not waiter.handed:
+                    self._waiters.remove(waiter)
+            if item is _LEAD:
+                continue
+            if waiter.handed:  # handed the receiving as its outcome came: take it and pass it on
+                self._lead(lambda: True, 0.0)
+            if item is not None:
+                return item
+
+    def _lead(self, done, seconds: float) -> None:
+        """Receive on this thread until `done()` or `seconds` pass, if nobody else is receiving; then
+        hand the receiving to a waiting caller, or wake the listener, when work is still out there.
+
+        It drains what is queued before it lets go: the socket's descriptor signals new
+        arrivals only, so whoever receives next must not find old ones it was never told of.
         """
         if not self._recv_lock.acquire(blocking=False):
             return
@@ -333,8 +369,15 @@ class WorkerPool:
             self._leading = False
             self._recv_lock.release()
         if self.events.busy():
-            with self._quiet:
-                self._quiet.notify()
+            with self._waiters_lock:
+                waiter = self._waiters.popleft() if self._waiters else None
+                if waiter is not None:
+                    waiter.handed = True
+            if waiter is not None:
+                waiter.sink.put(_LEAD)
+            else:
+                with self._quiet:
+                    self._quiet.notify()
 
     def _drain(self) -> None:
         """Handle every frame queued now (receive lock held)."""
@@ -467,6 +510,14 @@ class WorkerPool:
                 self._spawn(worker.slot)
             self._changed.notify_all()
         self.events.on_lost(worker.slot, worker, ended, running)
+
+
+class _Waiter:
+    __slots__ = ("sink", "handed")
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.handed = False  # a leader has put _LEAD in its sink
 
 
 class _Gone:
