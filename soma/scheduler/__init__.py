@@ -18,8 +18,9 @@ How one `run(g, x)` flows (the worker's side is drawn in `soma.worker`):
       │                                                                      units in order: decode,
       │                                                                      run (soma.execute),
       │                                                                      encode, flush
-      │   receive_until: the caller    ◀── PULL ◀── Result [outcomes, releases] ◀──────── PUSH
-      │   receives its own outcome (the listener thread does, when no caller is waiting)
+      │   await_item: the caller       ◀── PULL ◀── Result [outcomes, releases] ◀──────── PUSH
+      │   receives its own outcome while nobody else does (a waiting caller, or the
+      │   listener thread when no caller waits, receives for the others)
       │   pool: authenticate, decode outputs (map segments), count leases (leases.py)
       │   Scheduler.on_outcomes: the postcondition on what arrived, then the job's continuation:
       │   the next piece (another Job), a wave's join, or the flow's end: (index, ok, value) → sink
