@@ -2,11 +2,12 @@
 
     scheduler ── send(slot, units) ─▶ Task ── ROUTER ──▶ worker   any thread, under one lock; ships
                                                                   the code and pieces that worker lacks
-    scheduler ◀── outcomes(slot, ...) ◀─ listener ◀─ PULL ◀─ Result ─ worker
-                  ready(slot), lost(slot, ...)   the listener thread owns the PULL socket: it decodes
-                                                 outputs (mapping segments, counting leases), and every
-                                                 PUMP_S looks at the processes: a dead one is reported
-                                                 and replaced
+    scheduler ◀── outcomes(slot, ...) ◀─ receiver ◀─ PULL ◀─ Result ─ worker
+                  ready(slot), lost(slot, ...)   the receiver (a waiting caller, or the listener
+                                                 thread: receiving.py) decodes outputs (mapping
+                                                 segments, counting leases); every PUMP_S the
+                                                 listener looks at the processes: a dead one is
+                                                 reported and replaced
 
 Sockets belong to the threads that use them: the PULL socket to whoever holds
 `_recv_lock` (the listener, or a caller receiving its own outcome for a moment),
@@ -18,7 +19,6 @@ itself), never a context terminated under their feet.
 from __future__ import annotations
 
 import os
-import queue
 import shutil
 import tempfile
 import threading
@@ -32,12 +32,10 @@ from ..protocol import Hello, Result, Stop, Task
 from ..shm import pool_prefix, unlink_all
 from .leases import LeaseBook
 from .procs import spawn
+from .receiving import PUMP_S, Receiving
 
-PUMP_S = 0.05  # the listener looks at the worker processes this often
-LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
 START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
 CANCELLED = object()  # the outcome of a unit the worker dropped because the host cancelled it
-_LEAD = object()  # put in a waiting caller's sink: "nobody is receiving: you do"
 
 
 class Undecodable:
@@ -49,7 +47,7 @@ class Undecodable:
         self.error = error
 
 
-class WorkerPool:
+class WorkerPool(Receiving):
     """Worker processes and the sockets to them. `events` hears what happens (the scheduler):
 
     `on_ready(slot)`, `on_outcomes(slot, worker, [(unit id, ok, value, spans, seconds, decode span)])`,
@@ -78,11 +76,7 @@ class WorkerPool:
         self._store = None
         self._host_released: deque = deque()
         self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()  # whoever holds it may use the results socket
-        self._leading = False  # a caller holds it to receive its own outcome
-        self._quiet = threading.Condition()  # the listener sleeps on it meanwhile
-        self._waiters: deque = deque()  # callers asleep on their sinks, who could receive next
-        self._waiters_lock = threading.Lock()
+        self._init_receiving()
         self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it at once
         os.set_blocking(self._wake_w, False)
         self._listener = None
@@ -271,123 +265,6 @@ class WorkerPool:
         if worker is not None:
             self._retire(worker, reason)
 
-    # -- receiving: the listener thread, or a caller waiting for its own outcome ------------------------
-    def _listen(self) -> None:
-        """The pool's receiver whenever no caller is: wake on the socket's descriptor, drain, watch workers.
-
-        While a caller receives for itself (receive_until), the listener keeps off the socket
-        and sleeps: two threads woken by every message would cost a context switch each on
-        a machine whose cores the workers need.
-        """
-        import select
-
-        self.listener_tid = threading.get_native_id()
-        poller = select.poll()
-        poller.register(self._results.get(self._zmq.FD), select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        last_check = 0.0
-        try:
-            while not self.closing:
-                if self._leading:
-                    with self._quiet:
-                        if self._leading:
-                            self._quiet.wait(PUMP_S)
-                else:
-                    poller.poll(int(PUMP_S * 1000))  # the descriptor says "look again", not "a message is there"
-                if self._recv_lock.acquire(blocking=False):
-                    try:
-                        if not self.closing:
-                            self._drain()
-                            now = time.monotonic()
-                            if now - last_check >= PUMP_S:
-                                last_check = now
-                                self._check_workers()
-                    finally:
-                        self._recv_lock.release()
-                self.settle()
-                self.flush_frees()
-        except Exception as err:  # the pool cannot work without its listener: say so loudly
-            warn("soma.local", "soma: the pool's listener stopped: %s: %s", type(err).__name__, err)
-            raise
-        finally:
-            with self._recv_lock:
-                self._results.close(0)
-
-    def await_item(self, sink, timeout: float | None):
-        """The next item put in `sink` (queue.Empty after `timeout` seconds), received on this thread.
-
-        A caller waiting for its outcome receives it straight from the socket while nobody
-        else is receiving (one thread hand-off fewer per run). Otherwise it sleeps on its
-        sink until its outcome comes, or until the receiver hands it the receiving: leader
-        and followers, with the listener for when no caller waits.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiter = _Waiter(sink)
-        while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise queue.Empty
-            self._lead(lambda: not sink.empty(), LEAD_S if remaining is None else min(LEAD_S, remaining))
-            waiter.handed = False
-            with self._waiters_lock:
-                self._waiters.append(waiter)
-            try:
-                item = sink.get(timeout=remaining)
-            except queue.Empty:
-                item = None
-            with self._waiters_lock:
-                if not waiter.handed:
-                    self._waiters.remove(waiter)
-            if item is _LEAD:
-                continue
-            if waiter.handed:  # handed the receiving as its outcome came: take it and pass it on
-                self._lead(lambda: True, 0.0)
-            if item is not None:
-                return item
-
-    def _lead(self, done, seconds: float) -> None:
-        """Receive on this thread until `done()` or `seconds` pass, if nobody else is receiving; then
-        hand the receiving to a waiting caller, or wake the listener, when work is still out there.
-
-        It drains what is queued before it lets go: the socket's descriptor signals new
-        arrivals only, so whoever receives next must not find old ones it was never told of.
-        """
-        if not self._recv_lock.acquire(blocking=False):
-            return
-        self._leading = True
-        try:
-            if self.closing:
-                return
-            deadline = time.monotonic() + seconds
-            wait_ms = max(1, int(seconds * 1000))  # one receive timeout: changing it costs a call each time
-            while not done() and time.monotonic() < deadline:
-                frame = self._receiver.wait(wait_ms)
-                if frame is not None:
-                    self._handle(frame)
-            self._drain()
-        finally:
-            self._leading = False
-            self._recv_lock.release()
-        if self.events.busy():
-            with self._waiters_lock:
-                waiter = self._waiters.popleft() if self._waiters else None
-                if waiter is not None:
-                    waiter.handed = True
-            if waiter is not None:
-                waiter.sink.put(_LEAD)
-            else:
-                with self._quiet:
-                    self._quiet.notify()
-
-    def _drain(self) -> None:
-        """Handle every frame queued now (receive lock held)."""
-        receiver = self._receiver
-        while receiver.ready():
-            frame = receiver.now()
-            if frame is None:
-                break
-            self._handle(frame)
-
     def _handle(self, frame: bytes) -> None:
         message = protocol.parse(self.secret, frame, "a worker")
         if message is None:
@@ -510,14 +387,6 @@ class WorkerPool:
                 self._spawn(worker.slot)
             self._changed.notify_all()
         self.events.on_lost(worker.slot, worker, ended, running)
-
-
-class _Waiter:
-    __slots__ = ("sink", "handed")
-
-    def __init__(self, sink):
-        self.sink = sink
-        self.handed = False  # a leader has put _LEAD in its sink
 
 
 class _Gone:

@@ -20,6 +20,7 @@ from ..plan import last_step
 from ..protocol import Cancel, Free, Outcome, Result, Stop, Task
 from ..shm import ShmFull, unlink_all
 from ..status import StatusPage
+from .imports import AfterImport
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 WATCHDOG_S = 0.5
@@ -453,7 +454,7 @@ class Worker:
         if "torch" in sys.modules:
             self.setup_torch()
         else:
-            sys.meta_path.insert(0, _AfterImport("torch", self.setup_torch))
+            sys.meta_path.insert(0, AfterImport("torch", self.setup_torch))
 
     def on_thread(self) -> None:
         """First thing on every thread that runs nodes: CUDA's current device is per thread."""
@@ -489,39 +490,3 @@ class Worker:
             return torch.empty(size, dtype=dtype)  # travels inline anyway
         storage = self.get_store().allocate(nbytes)
         return torch.empty(0, dtype=dtype).set_(storage, 0, size)
-
-
-class _AfterImport:
-    """A meta-path finder that runs `then()` right after module `name` has been executed, once."""
-
-    def __init__(self, name: str, then):
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # find the real spec without us, and never again
-        import importlib.util
-
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _ThenLoader(spec.loader, self.then)
-        return spec
-
-
-class _ThenLoader:
-    """The module's own loader, with `then()` after it has executed the module."""
-
-    def __init__(self, loader, then):
-        self.loader, self.then = loader, then
-
-    def __getattr__(self, name):  # everything else (resource readers, is_package, ...) is the real loader's
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        self.then()
