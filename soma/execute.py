@@ -195,6 +195,7 @@ class Runner:
         self.remote = remote
         self.on_thread = on_thread
         self._caught = BaseException if remote else Exception
+        self._guards: dict = {}  # node id → its node's guard, found once
 
     def run(self, plan: Plan, x, state: RunState | None = None, spans: list | None = None):
         """Run `plan` on `x`. With `spans`, append `[node, start ns, end ns, thread id, outcome]` per node."""
@@ -228,7 +229,9 @@ class Runner:
         node = self.nodes[node_id]
         device = self.devices.get(node_id)
         ctx = Ctx(node_id, device, self.worker, self.allocate)
-        guard = guard_of(node)
+        guard = self._guards.get(node_id)
+        if guard is None:
+            guard = self._guards[node_id] = guard_of(node)
         state.enter(node_id)
         start = time.monotonic_ns() if spans is not None else 0
         outcome = "ok"

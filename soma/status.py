@@ -13,11 +13,14 @@ never takes half a line, and threads never wait for each other.
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import weakref
 
 SLOT = 128
 SLOTS = 64
+_HEAD = struct.Struct("<IH")  # seq, length
+_SEQ = struct.Struct("<I")
 
 
 class StatusPage:
@@ -64,11 +67,10 @@ class StatusPage:
     def _put(self, slot: int, data: bytes) -> None:
         base = slot * SLOT
         seq = self._seqs[slot] + 1
-        self._map[base:base + 4] = seq.to_bytes(4, "little")
-        self._map[base + 4:base + 6] = len(data).to_bytes(2, "little")
+        _HEAD.pack_into(self._map, base, seq, len(data))  # odd: being written
         self._map[base + 6:base + 6 + len(data)] = data
         self._seqs[slot] = seq + 1
-        self._map[base:base + 4] = (seq + 1).to_bytes(4, "little")
+        _SEQ.pack_into(self._map, base, seq + 1)
 
     # -- reader side (the host) ---------------------------------------------------------------------
     def read(self) -> list[tuple[int, str]]:

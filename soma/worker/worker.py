@@ -220,11 +220,12 @@ class Worker:
                 self.forget(task.forget)
             if task.frees:
                 self.free(task.frees)
-            with self.load_lock:
-                # Registered while this thread still receives: a later unit that counts on this code
-                # (the host sends it once per worker) may run on another thread before this one gets to it.
-                self.blobs.update(task.code)
-                self.specs.update(task.pieces)
+            if task.code or task.pieces:
+                with self.load_lock:
+                    # Registered while this thread still receives: a later unit that counts on this code
+                    # (the host sends it once per worker) may run on another thread before it gets here.
+                    self.blobs.update(task.code)
+                    self.specs.update(task.pieces)
         except Exception as err:  # an authentic but malformed message must not take the worker down
             warn("soma.worker", "soma worker %s: dropped a malformed Task: %s: %s", self.id, type(err).__name__, err)
             return None
@@ -313,7 +314,8 @@ class Worker:
             x = self.decode(unit.payload, entry)
             value = runner.run(plan, x, RunState(self, unit.id), spans)
             del x
-            status.enter(unit.id, producer)
+            if producer != entry:
+                status.enter(unit.id, producer)
             body = self.encode(value, producer)
             ok = True
         except NodeError as err:
