@@ -92,7 +92,8 @@ class Worker:
         self.torch_ready = False
         self.torch_lock = threading.Lock()
         self.local = threading.local()
-        self.preload_torch = args.preload_torch or self.device.startswith("cuda")
+        self.cuda = self.device.startswith("cuda")
+        self.preload_torch = args.preload_torch or self.cuda
 
     # -- life --------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -310,6 +311,7 @@ class Worker:
             plan, steps = self.plan(unit.piece)
             entry, producer = next(plan.steps()), last_step(plan)
             status.enter(unit.id, entry)
+            self.on_thread()  # a cuda:N worker's current device is per thread: this one's too
             runner = self.runner(unit.piece, plan, steps)
             x = self.decode(unit.payload, entry)
             value = runner.run(plan, x, RunState(self, unit.id), spans)
@@ -460,7 +462,7 @@ class Worker:
 
     def on_thread(self) -> None:
         """First thing on every thread that runs nodes: CUDA's current device is per thread."""
-        if self.device.startswith("cuda") and not getattr(self.local, "pinned", False):
+        if self.cuda and not getattr(self.local, "pinned", False):
             import torch
 
             torch.cuda.set_device(int(self.device.split(":")[1]))
