@@ -48,6 +48,7 @@ class Scheduler:
         self.queue: deque = deque()  # jobs waiting for a worker
         self.outstanding: dict[int, Job] = {}  # job id → job sent to a worker
         self.load = [0] * len(worker_devices)  # jobs outstanding per worker (sent, or parked)
+        self.lanes: dict = {}  # (slot, piece id) → that piece's jobs outstanding at that worker
         self.parked: list = [[] for _ in worker_devices]  # jobs for a worker that has not said hello yet
         self.pumping = False
         self.holders: dict[int, set] = {}  # node key → slots holding a copy
@@ -55,7 +56,8 @@ class Scheduler:
         self.flows: set = set()
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.service_s: dict = {}  # piece id → EMA of one job's time in a worker
-        self.latency_s = None  # EMA of a job's way to a worker and back, less its time there (see _measure)
+        self.latency_s: dict = {}  # piece id → EMA of its jobs' way to a worker and back, less their time there
+        self.first_seen: set = set()  # pieces whose first job's outcome has come
         self.walker = Walker(pool.get_store, self._enqueue)
 
     # -- starting inputs ---------------------------------------------------------------------------------
@@ -141,10 +143,7 @@ class Scheduler:
             if slot is None:
                 waiting.append(job)
                 continue
-            job.slot = slot
-            job.behind = self.load[slot]
-            self.load[slot] += 1
-            self.outstanding[job.id] = job
+            self._take(job, slot)
             batches.setdefault(slot, []).append(job)
         self.queue = waiting
         for slot, jobs in batches.items():
@@ -166,19 +165,43 @@ class Scheduler:
             self.pool.send(slot, jobs)
         except Exception as err:  # never leave an input waiting forever on soma's own mistake
             for job in jobs:
-                if self.outstanding.pop(job.id, None) is not None:
-                    self.load[slot] -= 1
+                if job.id in self.outstanding:
+                    self._give_back(job)
                 self._finish(job.flow, False, _internal(err, f"sending node `{job.piece.entry}` to a worker"))
         for job in jobs:
             job.keep = None  # counted as sent (or its worker is gone): the copies may go
 
+    def _take(self, job: Job, slot: int) -> None:
+        """`job` goes to the worker of `slot` (lock held)."""
+        lane = (slot, job.piece.id)
+        job.slot = slot
+        job.behind = self.lanes.get(lane, 0)  # the piece's jobs it will wait behind there
+        self.lanes[lane] = job.behind + 1
+        self.load[slot] += 1
+        self.outstanding[job.id] = job
+
+    def _give_back(self, job: Job) -> None:
+        """`job` is no longer at its worker (its outcome came, or the worker is gone): lock held."""
+        del self.outstanding[job.id]
+        lane = (job.slot, job.piece.id)
+        left = self.lanes[lane] - 1
+        if left:
+            self.lanes[lane] = left
+        else:
+            del self.lanes[lane]
+        self.load[job.slot] -= 1
+
     def _choose(self, piece: Piece, usable: list, depth: int):
+        """A worker for a job of `piece`, or None: its jobs of this piece run one after another
+        (a lane), so at most `depth` of them wait there; other pieces' jobs run beside them."""
         best, best_rank = None, None
         keys = piece.keys.values()
         holders = self.holders
+        lanes = self.lanes
         for slot in usable:
             load = self.load[slot]
-            if load >= depth or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda):
+            if (load >= MAX_DEPTH or lanes.get((slot, piece.id), 0) >= depth
+                    or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda)):
                 continue
             holds = 0
             for key in keys:
@@ -224,23 +247,25 @@ class Scheduler:
         while the last outcomes travel. 2 (one running, one waiting) for jobs that take longer than a
         round trip; up to MAX_DEPTH for jobs of microseconds. MAX_DEPTH until measured."""
         service = self.service_s.get(piece.id)
-        if service is None or self.latency_s is None:
+        latency = self.latency_s.get(piece.id)
+        if service is None or latency is None:
             return MAX_DEPTH
-        return max(2, min(MAX_DEPTH, int(self.latency_s / max(service, 1e-6)) + 1))
+        return max(2, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
 
     def parallelism(self, program=None) -> int:
         """How many inputs of `program` this pool works on at once: map's default window is twice this.
 
-        One per worker until its pieces are measured; more when a piece's jobs take less time
-        than the way to a worker and back (then a worker should hold several).
+        One per worker until its pieces are measured; then as many per worker as the slowest
+        piece's depth (2 for jobs longer than the way to a worker and back: one running, one
+        waiting; more for jobs of microseconds). A window of exactly one round per worker
+        would leave a worker idle whenever the input the caller waits for, to keep order,
+        is the slow one.
         """
         with self.lock:
             pieces = _pieces(program) if program is not None else []
-            services = [self.service_s.get(p.id) for p in pieces]
-            if not services or None in services or self.latency_s is None:
+            if not pieces or any(p.id not in self.service_s or p.id not in self.latency_s for p in pieces):
                 return len(self.load)
-            per_worker = int(self.latency_s / max(max(services), 1e-6))
-            return len(self.load) * max(1, min(MAX_DEPTH, per_worker))
+            return len(self.load) * min(self.depth(p) for p in pieces)
 
     # -- what the listener reports ------------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -259,10 +284,10 @@ class Scheduler:
         now = time.monotonic()
         with self.lock:
             for unit, ok, value, spans, seconds, decode in outcomes:
-                job = self.outstanding.pop(unit, None)
+                job = self.outstanding.get(unit)
                 if job is None or job.slot != slot:
                     continue
-                self.load[slot] -= 1
+                self._give_back(job)
                 if value is CANCELLED or job.flow.finished:
                     job.flow.jobs.discard(job)
                     continue
@@ -285,10 +310,14 @@ class Scheduler:
         """
         piece = job.piece.id
         known = self.service_s.get(piece)
+        if known is None and piece not in self.first_seen:
+            self.first_seen.add(piece)  # a piece's first job loads its code and runs setup: not its pace
+            return
         self.service_s[piece] = service_s if known is None else known + EMA * (service_s - known)
         if job.behind == 0:
             latency = max(0.0, now - job.sent_at - service_s)
-            self.latency_s = latency if self.latency_s is None else self.latency_s + EMA * (latency - self.latency_s)
+            known = self.latency_s.get(piece)
+            self.latency_s[piece] = latency if known is None else known + EMA * (latency - known)
 
     def _arrived(self, job: Job, value, worker):
         """The host's look at what arrived: it decoded, and the postcondition holds after the crossing."""
@@ -329,8 +358,7 @@ class Scheduler:
             self.parked[slot] = []
             requeued = []
             for job in lost:
-                del self.outstanding[job.id]
-                self.load[slot] -= 1
+                self._give_back(job)
                 if job.flow.finished:
                     job.flow.jobs.discard(job)
                     continue

@@ -264,7 +264,12 @@ class Worker:
 
     # -- running a lane ------------------------------------------------------------------------------
     def run_lane(self, lane: Lane, receiving: bool = False) -> None:
-        """Run the lane's units in order until it is empty; outcomes of short units travel together."""
+        """Run the lane's units in order until it is empty.
+
+        An outcome goes out as soon as its unit is done, unless units are short: then
+        outcomes wait for one another, at most FLUSH_S, and travel together (one
+        message and one wake-up for many). An outcome never waits for a long unit.
+        """
         outcomes: list = []
         first_at = 0.0
         while True:
@@ -279,13 +284,14 @@ class Worker:
                 if cancelled:
                     self.cancelled.discard(unit.id)
             if cancelled:
-                outcomes.append(Outcome(unit.id, False, {"kind": "cancelled"}, None, 0.0))
+                outcome = Outcome(unit.id, False, {"kind": "cancelled"}, None, 0.0)
             else:
-                outcomes.append(self.run_unit(unit))
+                outcome = self.run_unit(unit)
             now = time.monotonic()
-            if len(outcomes) == 1:
+            if not outcomes:
                 first_at = now
-            if now - first_at >= FLUSH_S:
+            outcomes.append(outcome)
+            if outcome.seconds >= FLUSH_S or now - first_at >= FLUSH_S:
                 self.flush(outcomes)
                 outcomes = []
         if outcomes:
