@@ -450,17 +450,12 @@ class Worker:
             if self.torch_ready:
                 return
             torch.set_num_threads(self.threads)
-            if self.device.startswith("cuda"):
+            if self.cuda:
                 torch.cuda.set_device(int(self.device.split(":")[1]))
             self.torch_ready = True
 
     def when_torch_imports(self) -> None:
-        """Run setup_torch as part of the first `import torch` in this process, whoever imports it.
-
-        torch reads OMP_NUM_THREADS at import but caps it at the cores, and a node may import
-        torch inside its forward: only a hook on the import itself makes the very first
-        torch operation run with the threads the pool asked for.
-        """
+        """Run setup_torch as part of the first `import torch` in this process (see imports.py for why)."""
         if "torch" in sys.modules:
             self.setup_torch()
         else:
