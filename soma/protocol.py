@@ -51,7 +51,6 @@ SECRET_ENV = "SOMA_SECRET"
 MAC_SIZE = 16
 
 HELLO, TASK, RESULT, FREE, CANCEL, STOP = range(1, 7)
-KIND_NAMES = {HELLO: "Hello", TASK: "Task", RESULT: "Result", FREE: "Free", CANCEL: "Cancel", STOP: "Stop"}
 
 
 # -- the messages ----------------------------------------------------------------------------------

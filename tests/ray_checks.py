@@ -81,6 +81,14 @@ class SlowOn(Node):
         return Done((x, os.getpid()))
 
 
+class SleepInput(Node):
+    """Sleeps as many seconds as its input says, and returns it."""
+
+    def forward(self, x, ctx):
+        time.sleep(x)
+        return Done(x)
+
+
 class OneCopyMarkThenSleep(Node):
     """One copy: on input 2 (the first node adds one to 1) it writes `marker`, then sleeps a long time."""
 
@@ -278,8 +286,9 @@ def _one_copy_timeout(cluster) -> dict:
     marker = str(Path(folder, "running"))
     one = OneCopyMarkThenSleep(marker)
     slow = Graph.somatize(AddOne() >> one)  # input 1: the one copy marks, then sleeps
-    behind = Graph.somatize(Sleep(5) >> one)  # its call to the one copy waits 5 s for `sleep`
+    behind = Graph.somatize(SleepInput().named("sleep") >> one)  # on 5: its call to the one copy waits 5 s
     out: dict = {"one_copy_before": cluster.run(slow, 0)}
+    cluster.run(behind, 0)  # `sleep` has its actor before the timed run: starting one may take the 1.5 s
     box: dict = {}
 
     def timed_out():
@@ -294,7 +303,7 @@ def _one_copy_timeout(cluster) -> dict:
     while not os.path.exists(marker) and time.monotonic() < deadline:
         time.sleep(0.02)  # polling a condition, with a deadline
     try:  # times out first: `sleep` runs, and its call to the one copy (busy with input 1) waits
-        cluster.run(behind, 0, timeout=1.5)
+        cluster.run(behind, 5, timeout=1.5)
     except Exception as err:
         out["behind_error"] = _error(err) | {"nodes": list(err.nodes), "waiting": list(err.waiting)}
     thread.join(DEADLINE_S)

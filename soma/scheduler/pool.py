@@ -12,8 +12,8 @@
 Sockets belong to the threads that use them: the PULL socket to whoever holds
 `_recv_lock` (the listener, or a caller receiving its own outcome for a moment),
 the ROUTER to whoever holds `_send_lock`. `close()` is a message to them (a flag
-read within PUMP_S, set under the send lock; the listener closes its socket
-itself), never a context terminated under their feet.
+set under the send lock, and a byte on a pipe that wakes the listener; the
+listener closes its socket itself), never a context terminated under their feet.
 """
 
 from __future__ import annotations

@@ -75,9 +75,7 @@ class Scheduler:
             try:
                 self.walker.walk(program, x, flow, self._ender(flow), jobs, {})
             except NodeError as err:
-                with self.lock:
-                    for job in [j for j in jobs if j.flow is flow]:
-                        jobs.remove(job)
+                jobs[:] = [job for job in jobs if job.flow is not flow]  # (a wave's branches before it)
                 flow.finished = True
                 sink.put((index, False, err))
         with self.lock:
@@ -299,7 +297,7 @@ class Scheduler:
                         value, ok = self._arrived(job, value, worker)
                     self._end_job(job, ok, value)
                 except Exception as err:  # never leave an input waiting forever on soma's own mistake
-                    self._finish(job.flow, False, _internal(err, "handling an outcome"))
+                    self._finish(job.flow, False, _internal(err, f"handling the outcome of node `{job.piece.entry}`"))
             self._pump()
 
     def _measure(self, job: Job, service_s: float, now: float) -> None:

@@ -34,10 +34,9 @@ MAX_THREADS = 64  # serving threads: one per piece running at once, and one rece
 class Lane:
     """The units of one piece waiting in this worker: run in arrival order, by one thread at a time."""
 
-    __slots__ = ("piece", "units", "busy")
+    __slots__ = ("units", "busy")
 
-    def __init__(self, piece: int):
-        self.piece = piece
+    def __init__(self):
         self.units: deque = deque()
         self.busy = False  # a thread is running its units
 
@@ -235,7 +234,7 @@ class Worker:
             for unit in task.units:
                 lane = self.lanes.get(unit.piece)
                 if lane is None:
-                    lane = self.lanes[unit.piece] = Lane(unit.piece)
+                    lane = self.lanes[unit.piece] = Lane()
                 lane.units.append(unit)
                 if not lane.busy:
                     lane.busy = True
