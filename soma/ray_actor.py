@@ -3,6 +3,8 @@
     driver: copies[i].call.remote(x)                 x: an upstream node's ObjectRef, or the run's input
             copies[i].call_with.remote(meta, *args)  a wave's join, checks, a timeout or a trace;
                                                      meta: (token, shape, checks, trace tag)
+            copies[i].call_many / call_many_with      a map's batch: several inputs in one call, one
+                                                     return each (`num_returns`), each run as above
             (Ray resolves ObjectRef args in the actor: the values never pass through the driver)
     actor:  a failure among the args?  → pass it on, untouched (the first one, in branch order)
             producers' values where they declared?  (the postcondition on what arrives)
@@ -16,7 +18,7 @@ banner. A `Failed` carries soma's own error (class, text, remote traceback and
 cause, as `Local` carries them), every later node passes it on without running,
 and the driver raises exactly that error.
 
-The control methods (`hello`, `clock`, `running_token`, `take_spans`) are called
+The control methods (`hello`, `clock`, `running_token`, `calls_taken`, `take_spans`) are called
 in a concurrency group of their own (`ray_copies.control`), so a busy copy answers
 which input it is running (a timeout) or what time it is (a trace) at once, also
 while one of the driver's calls to it still waits for its input (measured with
@@ -147,6 +149,7 @@ class NodeCopy:
         self.broken: Failed | None = None  # this copy could not be made: every call answers with why
         self.running = None  # the token of the input running now (timed inputs only); read by `running_token`
         self.spans: list = []  # (trace tag, spans) of traced inputs, until the driver takes them
+        self.calls = 0  # Ray calls that ran inputs (a batch is one): `calls_taken` tells the driver
         node = None
         try:
             arrange_cuda(node_id, device)
@@ -164,6 +167,7 @@ class NodeCopy:
     def call(self, x):
         """Run the node on one input: the common call (a whole input, nothing to check, no timeout, not
         traced), with exactly the one arg a hand-written actor would take (every arg costs Ray a serialization)."""
+        self.calls += 1
         return self.run((x,), None, 0, (), None)
 
     def call_with(self, meta, *args):
@@ -171,7 +175,25 @@ class NodeCopy:
 
         `meta`: (the input's token or None, the input's shape, the checks, the trace tag or None).
         """
+        self.calls += 1
         return self.run(args, *meta)
+
+    def call_many(self, *xs):
+        """`call` for several inputs in one Ray call (a map's batch): one output per input, each its own
+        return (the driver asks for `num_returns=len(xs)`), a failure in its own place, the others' values
+        beside it. The calls a batch saves cost Ray ~400 µs of this actor's CPU and ~350 µs of the driver's."""
+        self.calls += 1
+        return tuple([self.run((x,), None, 0, (), None) for x in xs])
+
+    def call_many_with(self, metas, *args):
+        """`call_with` for several inputs in one Ray call: `metas[i]` is (how many of `args` are input i's,
+        its shape, its checks, its trace tag); inputs with a timeout are never batched (no token)."""
+        self.calls += 1
+        outputs, start = [], 0
+        for count, shape, checks, trace_tag in metas:
+            outputs.append(self.run(args[start:start + count], None, shape, checks, trace_tag))
+            start += count
+        return tuple(outputs)
 
     def run(self, args: tuple, token, shape, checks, trace_tag):
         """The value, or a `Failed` (see the module's drawing)."""
@@ -211,6 +233,10 @@ class NodeCopy:
 
     def running_token(self):
         return self.running
+
+    def calls_taken(self) -> int:
+        """How many calls brought inputs here (a batch of several inputs counts once)."""
+        return self.calls
 
     def take_spans(self) -> list:
         spans, self.spans = self.spans, []

@@ -22,7 +22,8 @@ import sys
 class Copy:
     """One actor holding one copy of a node; `load` counts the inputs routed to it and not yet finished."""
 
-    __slots__ = ("actor", "actor_id", "hello", "pid", "ray_node", "load", "ready", "offset_ns", "owner", "stopped")
+    __slots__ = ("actor", "actor_id", "hello", "pid", "ray_node", "load", "ready", "offset_ns", "owner", "stopped",
+                 "methods")
 
     def __init__(self, actor, hello_ref, owner: "NodeCopies"):
         self.actor = actor
@@ -35,6 +36,14 @@ class Copy:
         self.offset_ns: int | None = None  # this actor's clock minus the driver's (traces); None: not measured
         self.owner = owner
         self.stopped: str | None = None  # why soma stopped it on purpose (the other inputs it held hear this)
+        self.methods: dict = {}  # (method, k) → that method with `num_returns=k`: a batch's call
+
+    def batched(self, method: str, k: int):
+        """`method` of this actor returning `k` values, one ref each (made once per size: Ray's `options`)."""
+        bound = self.methods.get((method, k))
+        if bound is None:
+            bound = self.methods[(method, k)] = getattr(self.actor, method).options(num_returns=k)
+        return bound
 
     def describe(self) -> str:
         pid = f"pid {self.pid}" if self.pid is not None else "pid not known yet"
@@ -54,8 +63,9 @@ class NodeCopies:
         self.copies: list[Copy] = []
         self.on_start = None  # called with each new Copy (the runner indexes actors by id)
 
-    def pick(self) -> Copy:
-        """The copy that takes the next input (see the module's drawing); its load is counted."""
+    def pick(self, inputs: int = 1) -> Copy:
+        """The copy that takes the next input, or batch of `inputs` (see the module's drawing); its load is
+        counted."""
         live = self.copies
         if not live:
             best = self.start_copy()
@@ -64,7 +74,7 @@ class NodeCopies:
             best = min(ready or live[:1], key=_load)
             if best.load > 0 and len(self.copies) < self.limit and len(ready) == len(self.copies):
                 self.start_copy()  # every copy is busy: one more, for the inputs after this one
-        best.load += 1
+        best.load += inputs
         return best
 
     def start_copy(self) -> Copy:

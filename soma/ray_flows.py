@@ -1,4 +1,4 @@
-"""One input through a graph on Ray: the driver walks the plan once and submits every node's call at once.
+"""One input (or a map's batch) through a graph on Ray: the driver walks the plan once, submits every call at once.
 
     plan:   tokenize >> (encoder | other) >> join
     flow:   r1 = tokenize#1.call(x)
@@ -17,6 +17,12 @@ wave's output is a tuple, nested waves nest) and the *checks* (for each arg from
 a placed node: where that node declared its output would be), so the consuming
 actor can check the postcondition on what arrives. The driver does the same for
 the run's output (`outcome`).
+
+A map's batch (docs/ray.md, "Batches") walks the plan once for all its inputs:
+each node's copy gets one call for the batch, with one return per input.
+
+    batch:  [a1, a2] = add#1.call_many(x1, x2)        (num_returns=2)
+            [d1, d2] = double#2.call_many(a1, a2)      the driver waits for d1 and d2 together
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ class Flow:
     """One input on its way: its calls (in submission order, which is a topological order) and its output."""
 
     __slots__ = ("index", "token", "timed", "trace", "trace_tag", "started_ns", "tasks", "out", "leaves", "refs",
-                 "pending", "over")
+                 "pending", "over", "batch")
 
     def __init__(self, index, token: int, timed: bool, trace):
         self.index = index  # its position in a map; None for run
@@ -73,54 +79,82 @@ class Flow:
         self.refs: list = []
         self.pending = 0  # map: refs of `refs` not ready yet
         self.over = False  # its copies' loads were given back
+        self.batch: list = [self]  # the inputs submitted with it, itself included: they share every call
 
 
-def submit(program: Program, x, flow: Flow, put) -> None:
-    """Submit every call of one input (the runner holds its lock: copies are picked here)."""
-    if carries_autograd(x):
-        raise grad_crossing(program.entry_nodes[0], "its input is")
-    out = _walk(program, program.plan, Out(put(x) if program.shares_input else x, None), flow)
-    flow.out = out
-    _collect(out, flow.leaves)
-    flow.refs = [leaf.ref for leaf in flow.leaves]
-    flow.pending = len(flow.refs)
+def submit_batch(program: Program, xs: list, flows: list, put) -> None:
+    """Submit every call of one input, or of a map's batch of inputs: one Ray call per node for all of them
+    (the runner holds its lock: copies are picked here). One input: `call` (exactly the one arg a
+    hand-written actor takes). Several: `call_many`, one return per input, so each input still has its own
+    ref at every node, and downstream calls, failures, checks and spans stay per input.
+    """
+    for x in xs:
+        if carries_autograd(x):
+            raise grad_crossing(program.entry_nodes[0], "its input is")
+    first = [Out(put(x) if program.shares_input else x, None) for x in xs]
+    outs = _walk(program, program.plan, first, flows)
+    for flow, out in zip(flows, outs):
+        flow.batch = flows
+        flow.out = out
+        _collect(out, flow.leaves)
+        flow.refs = [leaf.ref for leaf in flow.leaves]
+        flow.pending = len(flow.refs)
 
 
-def _walk(program: Program, plan: Plan, value, flow: Flow):
+def _walk(program: Program, plan: Plan, values: list, flows: list) -> list:
+    """Each input's value after `plan` (a list, one per flow), every call submitted on the way."""
     kind = type(plan)
     if kind is Step:
-        return _call(program, plan.id, value, flow)
+        return _call(program, plan.id, values, flows)
     if kind is Seq:
         for item in plan.items:
-            value = _walk(program, item, value, flow)
-        return value
-    return tuple(_walk(program, branch, value, flow) for branch in plan.branches)
+            values = _walk(program, item, values, flows)
+        return values
+    branches = [_walk(program, branch, values, flows) for branch in plan.branches]
+    return [tuple(outs) for outs in zip(*branches)]
 
 
-def _call(program: Program, node_id: str, value, flow: Flow) -> Out:
-    args: list = []
-    checks: list = []
-    shape = _flatten(value, args, checks, program.devices)
-    copy = program.stages[node_id].pick()
-    if shape == 0 and not checks and flow.trace_tag is None and not flow.timed:
-        ref = copy.actor.call.remote(args[0])
+def _call(program: Program, node_id: str, values: list, flows: list) -> list:
+    args: list = []  # every input's args, one after the other
+    metas: list = []  # per input: (how many args, shape, checks, trace tag)
+    simple = True  # one whole input each, nothing to check, no timeout, not traced: the one-arg call
+    for value, flow in zip(values, flows):
+        start, checks = len(args), []
+        shape = _flatten(value, args, checks, program.devices, start)
+        metas.append((len(args) - start, shape, tuple(checks), flow.trace_tag))
+        simple = simple and shape == 0 and not checks and flow.trace_tag is None and not flow.timed
+    copy = program.stages[node_id].pick(len(flows))
+    if len(flows) == 1:
+        if simple:
+            refs = [copy.actor.call.remote(args[0])]
+        else:
+            _, shape, checks, trace_tag = metas[0]
+            refs = [copy.actor.call_with.remote((flows[0].token if flows[0].timed else None, shape, checks,
+                                                trace_tag), *args)]
+    elif simple:
+        refs = copy.batched("call_many", len(flows)).remote(*args)
     else:
-        meta = (flow.token if flow.timed else None, shape, tuple(checks), flow.trace_tag)
-        ref = copy.actor.call_with.remote(meta, *args)
-    flow.tasks.append((node_id, copy, ref))
-    return Out(ref, node_id)
+        refs = copy.batched("call_many_with", len(flows)).remote(tuple(metas), *args)
+    outs = []
+    for flow, ref in zip(flows, refs):
+        flow.tasks.append((node_id, copy, ref))
+        outs.append(Out(ref, node_id))
+    return outs
 
 
-def _flatten(value, args: list, checks: list, devices: dict):
-    """Refs as top-level args (Ray resolves only those), and the shape that puts them back together."""
+def _flatten(value, args: list, checks: list, devices: dict, start: int = 0):
+    """Refs as top-level args (Ray resolves only those), and the shape that puts them back together.
+
+    Positions count from `start`: an input's own args, wherever they sit among a batch's.
+    """
     if type(value) is Out:
-        position = len(args)
+        position = len(args) - start
         args.append(value.ref)
         declared = devices.get(value.producer) if value.producer is not None else None
         if declared is not None:
             checks.append((position, value.producer, declared))
         return position
-    return tuple(_flatten(item, args, checks, devices) for item in value)
+    return tuple(_flatten(item, args, checks, devices, start) for item in value)
 
 
 def _collect(tree, leaves: list) -> None:

@@ -7,11 +7,12 @@
                 then that session is used, and left running at close()
     run(g, x)   program (once per graph and placement: the copies of each node, PlacementError
                 here, before anything is submitted)
-                → ray_flows.submit: every node's call at once, values actor to actor as ObjectRefs
+                → ray_flows.submit_batch: every node's call at once, values actor to actor as ObjectRefs
                 → wait for the output's refs → ray_flows.outcome: soma's error, or the output
                   (a Ray error on the way → WorkerDied or NodeError: never Ray's own classes)
     map(g, xs)  soma.mapping.map_outputs over `_RayFlows`: `window` inputs in flight, spread over
-                the copies of each node (ray_copies: a new copy when every copy is busy)
+                the copies of each node (ray_copies: a new copy when every copy is busy), in batches
+                that share one call per node (window 4, two copies: two inputs a call; docs/ray.md)
     trace(p)    the actors keep the spans of traced inputs; the block's end collects them, each
                 actor's clock brought onto the driver's
 
@@ -34,10 +35,11 @@ from .mapping import Inflight, map_outputs
 from .ray_copies import control
 from .ray_devices import actor_options, checked_options, demand_error, hosting_error, requested_resources
 from .ray_faults import UNANSWERED, abandon, ask, expire, translate
-from .ray_flows import Flow, Program, outcome, release, submit
+from .ray_flows import Flow, Program, outcome, release, submit_batch
 from .trace import Trace, Traced
 
 SPANS_ANSWER_S = 10.0  # how long the end of a trace block waits for each actor's spans
+MAX_BATCH = 8  # the most inputs of a map that share one call per node
 
 
 def _import_ray():
@@ -146,7 +148,7 @@ class Ray(Traced):
         program = self._ready(g)
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
-        flow = self._submit(program, x, None, timeout is not None)
+        [flow] = self._submit(program, [(None, x)], timeout is not None)
         try:
             return self._await(flow, program, timeout)
         finally:
@@ -160,7 +162,8 @@ class Ray(Traced):
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
         """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (SPEC 7.4)."""
         program = self._ready(g)
-        return map_outputs(_RayFlows(self, program, timeout, ordered), xs, window=window, ordered=ordered,
+        batch = _batch_size(program, window or 2 * self._cpus, timeout)
+        return map_outputs(_RayFlows(self, program, timeout, ordered, batch), xs, window=window, ordered=ordered,
                            progress=progress, timeout=timeout)
 
     def _ready(self, g) -> Program:
@@ -222,17 +225,19 @@ class Ray(Traced):
             for key in [k for k in self._copies if k[0] in dead]:
                 self._copies.pop(key).close()
 
-    def _submit(self, program: Program, x, index, timed: bool) -> Flow:
-        flow = Flow(index, next(self._tokens), timed, self._trace)
+    def _submit(self, program: Program, items: list, timed: bool) -> list:
+        """Submit the inputs `items` ((index, x) pairs) together: one call per node for all of them."""
+        flows = [Flow(index, next(self._tokens), timed, self._trace) for index, _ in items]
         with self._lock:
             if self._closed:
                 raise SomaError("this soma.Ray is closed; make a new one")
             try:
-                submit(program, x, flow, self._ray.put)
+                submit_batch(program, [x for _, x in items], flows, self._ray.put)
             except BaseException:
-                release(flow)
+                for flow in flows:
+                    release(flow)
                 raise
-        return flow
+        return flows
 
     def _await(self, flow: Flow, program: Program, timeout):
         """The input's output, or soma's error for it; `RunTimeout` once `timeout` has passed."""
@@ -332,29 +337,56 @@ class Ray(Traced):
             return [copy for node_copies in self._copies.values() for copy in node_copies.copies]
 
 
-class _RayFlows(Inflight):
-    """Ray's in-flight set for map: every input's calls submitted at once, their output refs waited on together."""
+def _batch_size(program: Program, window: int, timeout) -> int:
+    """How many of a map's inputs share one call per node (docs/ray.md, "Batches").
 
-    def __init__(self, runner: Ray, program: Program, timeout, ordered: bool):
+    The window spread over the copies of the node that has the most (window 4, two copies: two calls of
+    two inputs), at most MAX_BATCH. A call costs Ray ~400 µs of the actor's CPU and ~350 µs of the
+    driver's whatever it carries, so fewer calls are the cheapest inputs; a batch's outputs come back
+    together, so the cap bounds how long its first output waits for the others. Inputs with a timeout
+    go one per call: stopping or cancelling one must not touch another's call.
+    """
+    if timeout is not None:
+        return 1
+    spread = max(copies.limit for copies in program.stages.values())
+    return max(1, min(MAX_BATCH, -(-window // spread)))
+
+
+class _RayFlows(Inflight):
+    """Ray's in-flight set for map: inputs submitted in batches (every node's call shared by a batch, one
+    ref per input), a batch's outputs fetched together, each input's outcome its own."""
+
+    def __init__(self, runner: Ray, program: Program, timeout, ordered: bool, batch: int):
         self.runner, self.program, self.timeout, self.ordered = runner, program, timeout, ordered
+        self.batch = batch  # inputs per batch (at most)
         self.flows: dict = {}  # index → Flow, oldest first (inputs start in index order)
-        self.by_ref: dict = {}  # an output ref not ready yet → its Flow (unordered maps)
+        self.by_ref: dict = {}  # an output ref of a batch's first input, not ready yet → that input (unordered)
         self.refused: list = []  # (index, False, error) for inputs that could not even be submitted
 
     def parallelism(self) -> int:
         return self.runner._cpus
 
     def start(self, items: list) -> None:
-        for index, x in items:
-            try:
-                flow = self.runner._submit(self.program, x, index, self.timeout is not None)
-            except NodeError as err:  # an input that cannot travel (autograd): its own error, in its place
-                self.refused.append((index, False, err))
-                continue
-            self.flows[index] = flow
-            if not self.ordered:
-                for ref in flow.refs:
-                    self.by_ref[ref] = flow
+        size = self.batch
+        for first in range(0, len(items), size):
+            self._start(items[first:first + size])
+
+    def _start(self, items: list) -> None:
+        try:
+            flows = self.runner._submit(self.program, items, self.timeout is not None)
+        except NodeError as err:  # an input that cannot travel (autograd): its own error, in its place
+            if len(items) > 1:  # nothing of the batch was submitted: each on its own, so only that one fails
+                for item in items:
+                    self._start([item])
+                return
+            self.refused.append((items[0][0], False, err))
+            return
+        for flow in flows:
+            self.flows[flow.index] = flow
+        if not self.ordered:
+            lead = flows[0]  # a batch's inputs share every call: they are ready when its first one is
+            for ref in lead.refs:
+                self.by_ref[ref] = lead
 
     def wait(self, timeout):
         if self.refused:
@@ -364,36 +396,54 @@ class _RayFlows(Inflight):
             return []
         if self.ordered:
             # In order, only the oldest input can be handed out next, and map takes no new input before it
-            # is (its window counts what is not handed out yet): wait for that one alone, one ray.get.
-            return self._conclude(next(iter(self.flows.values())), timeout)
+            # is (its window counts what is not handed out yet): wait for that one's batch alone, one ray.get.
+            return self._conclude(next(iter(self.flows.values())).batch, timeout)
         # One at a time: with a window of a few inputs, asking again for whatever else is ready costs more
         # than it gathers (map_outputs calls back at once while outputs are there).
         ready, _ = self.runner._ray.wait(list(self.by_ref), num_returns=1, timeout=timeout)
         finished = []
         for ref in ready:
-            flow = self.by_ref.pop(ref)
-            flow.pending -= 1
-            if flow.pending == 0:
-                finished += self._conclude(flow, None)
+            lead = self.by_ref.pop(ref)
+            lead.pending -= 1
+            if lead.pending == 0:
+                finished += self._conclude(lead.batch, None)
         return finished
 
-    def _conclude(self, flow: Flow, timeout) -> list:
-        """[(index, ok, value)] for a finished input; [] when `timeout` passed before it finished."""
+    def _conclude(self, batch: list, timeout) -> list:
+        """[(index, ok, value)] for each input of a finished batch (one `ray.get` for all of them); [] when
+        `timeout` passed before it finished."""
+        runner, ray = self.runner, self.runner._ray
         try:
-            value = self.runner._collect(flow, self.program, timeout)
-        except self.runner._ray.exceptions.GetTimeoutError:
+            values = ray.get([ref for flow in batch for ref in flow.refs], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
             return []
-        except SomaError as err:
-            self._over(flow, type(err).__name__)
-            return [(flow.index, False, err)]
-        self._over(flow, "ok")
-        return [(flow.index, True, value)]
+        except ray.exceptions.RayError as err:  # an actor died, or Ray could not carry a value
+            if len(batch) == 1:
+                return [self._over(batch[0], False, runner._translate(batch[0], err))]
+            return [self._settled(flow, None) for flow in batch]  # each input's own error (or value)
+        finished, start = [], 0
+        for flow in batch:
+            end = start + len(flow.refs)
+            finished.append(self._settled(flow, values[start:end]))
+            start = end
+        return finished
 
-    def _over(self, flow: Flow, verdict: str) -> None:
+    def _settled(self, flow: Flow, values) -> tuple:
+        """(index, ok, value) for one input, from its refs' values (None: fetch them, and meet Ray's error)."""
+        try:
+            if values is None:
+                value = self.runner._collect(flow, self.program, None)
+            else:
+                value = outcome(flow, values, self.program.devices)
+        except SomaError as err:
+            return self._over(flow, False, err)
+        return self._over(flow, True, value)
+
+    def _over(self, flow: Flow, ok: bool, value) -> tuple:
         del self.flows[flow.index]
         with self.runner._lock:
-            release(flow, verdict)
-
+            release(flow, "ok" if ok else type(value).__name__)
+        return flow.index, ok, value
     def expire(self, index: int) -> BaseException:
         flow = self.flows.pop(index)
         for ref in flow.refs:

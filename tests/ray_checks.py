@@ -32,8 +32,8 @@ import ray  # noqa: E402
 import soma  # noqa: E402
 from soma import Done, Executor, Graph, Node  # noqa: E402
 from tests.nodes import (  # noqa: E402
-    AddOne, Boom, Count, Fill, Identity, Join, MarkThenSleep, Obeys, OneCopyCounter, Pid, PlusOne, RequiresGradOutput,
-    ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, Sleep, Tokenize, Upper,
+    AddOne, Boom, Count, Double, Fill, Identity, Join, MarkThenSleep, Obeys, OneCopyCounter, Pid, PlusOne,
+    RequiresGradOutput, ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, Sleep, Tokenize, Upper,
 )
 
 DEADLINE_S = 60.0
@@ -104,6 +104,22 @@ class OneCopyMarkThenSleep(Node):
         return Done((x, os.getpid()))
 
 
+class TwoCopies(Node):
+    """Adds one, except on `bad` (raises ValueError) and on `fatal` (ends its process); at most two copies."""
+
+    copies = 2
+
+    def __init__(self, bad=None, fatal=None):
+        self.bad, self.fatal = bad, fatal
+
+    def forward(self, x, ctx):
+        if x == self.bad:
+            raise ValueError(f"bad input {x!r}")
+        if x == self.fatal:
+            os._exit(3)
+        return Done(x + 1)
+
+
 class RayNodeId(Node):
     """Appends (its id, the Ray node id it runs on, its pid) to its input list."""
 
@@ -171,6 +187,67 @@ def map_spreads_over_actors(cluster):
             break
     outputs.close()
     return {"pids": sorted(pids), "inputs": taken, "driver_pid": os.getpid()}
+
+
+def map_batches(cluster):
+    """A map of 24 inputs, window 4, over nodes of two copies: its inputs share calls (two per call), and
+    each input still has its own outcome: a value, its own NodeError, or WorkerDied when its call's actor died."""
+    from soma.ray_runner import _RayFlows
+
+    xs = list(range(24))
+    g = Graph.somatize(TwoCopies().named("add") >> Double())
+    out: dict = {"executor": [Executor().run(g, x) for x in xs], "inputs": len(xs)}
+    out["ordered"] = list(cluster.map(g, xs, window=4))
+    out["calls_ordered"] = _calls(cluster, "add"), _calls(cluster, "double")
+    out["unordered"] = list(cluster.map(g, xs, window=4, ordered=False))
+    out["calls_both"] = _calls(cluster, "add"), _calls(cluster, "double")
+    out["copies"] = len(_copies(cluster, "add"))
+
+    failing = Graph.somatize(TwoCopies(bad=11).named("fails") >> Double())
+    for ordered in (True, False):
+        seen = []
+        try:
+            for y in cluster.map(failing, xs, window=4, ordered=ordered):
+                seen.append(y)
+        except Exception as err:
+            out[f"failed_{ordered}"] = _error(err) | {"index": err.index, "before": seen}
+    out["failed_calls"] = _calls(cluster, "fails")
+    out["failing_batch"] = _one_batch(_RayFlows, cluster, failing, [10, 11])  # 11 fails, 10 beside it
+
+    dying = Graph.somatize(TwoCopies(fatal=9).named("dies"))
+    seen = []
+    try:
+        for y in cluster.map(dying, xs, window=4):
+            seen.append(y)
+    except Exception as err:
+        out["died"] = _error(err) | {"index": err.index, "worker": err.worker, "before": seen}
+    out["dying_batch"] = _one_batch(_RayFlows, cluster, dying, [8, 9])  # 9 kills the actor running both
+    out["after_run"] = cluster.run(dying, 1)
+    out["after_map"] = list(cluster.map(dying, [0, 1, 2, 3, 4, 5], window=4))
+    return out
+
+
+def _one_batch(flows_class, cluster, g, xs) -> list:
+    """What map's in-flight set reports for each input of one batch (the inputs of `xs` share each call)."""
+    flows = flows_class(cluster, cluster._ready(g), None, True, len(xs))
+    flows.start(list(enumerate(xs, start=xs[0])))
+    outcomes = []
+    deadline = time.monotonic() + DEADLINE_S
+    while flows.flows and time.monotonic() < deadline:
+        outcomes += flows.wait(1.0)
+    flows.close()
+    return [[index, ok, value if ok else _error(value) | {"worker": getattr(value, "worker", None)}]
+            for index, ok, value in sorted(outcomes, key=lambda o: o[0])]
+
+
+def _copies(cluster, node_id: str) -> list:
+    return [copy for key, copies in cluster._copies.items() if key[1] == node_id for copy in copies.copies]
+
+
+def _calls(cluster, node_id: str) -> int:
+    """How many Ray calls brought inputs to the live copies of a node (a batch is one call)."""
+    return sum(ray.get([copy.actor.calls_taken.options(concurrency_group="control").remote()
+                        for copy in _copies(cluster, node_id)], timeout=DEADLINE_S))
 
 
 def node_error(cluster):
@@ -385,7 +462,7 @@ def no_ray_errors_leak(cluster):
     return {"mros": kinds}
 
 
-SESSION_CHECKS = [same_answers, wave_overlap, copies_one_keeps_state, map_spreads_over_actors, node_error,
+SESSION_CHECKS = [same_answers, wave_overlap, copies_one_keeps_state, map_spreads_over_actors, map_batches, node_error,
                   postcondition, tensors, actor_dies, timeout, dropped_nodes_stop_their_actors, placement, cuda0,
                   no_ray_errors_leak]
 

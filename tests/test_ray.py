@@ -117,6 +117,38 @@ def test_ray_map_spreads_a_stateless_node_over_several_actors(observed):
     assert seen["driver_pid"] not in seen["pids"]
 
 
+def test_ray_map_sends_inputs_in_batches_each_with_its_own_outcome(observed):
+    seen = check(observed, "map_batches")
+    n = seen["inputs"]
+    # (a) the Executor's answers, in order and as they finish
+    assert seen["ordered"] == seen["executor"]
+    assert sorted(seen["unordered"]) == sorted(seen["executor"])
+    # (c) batches: both nodes of the chain took fewer calls than inputs (window 4 over 2 copies: 2 per call)
+    assert seen["copies"] == 2
+    assert all(0 < calls < n for calls in seen["calls_ordered"]), seen["calls_ordered"]
+    assert all(0 < calls < 2 * n for calls in seen["calls_both"]), seen["calls_both"]
+    # (b) one input fails: exactly its error, with its index, after every earlier output (SPEC 7.4) ...
+    for ordered in (True, False):
+        failed = seen[f"failed_{ordered}"]
+        assert (failed["type"], failed["node"], failed["index"]) == ("NodeError", "fails", 11), failed
+        assert failed["message"] == "node `fails` failed: ValueError: bad input 11"
+        assert sorted(failed["before"]) == seen["executor"][:11]
+    assert seen["failed_calls"] < 2 * 12  # the two maps ran inputs 0..11 at least: in batches there too
+    # ... and inside its batch the other input's value comes back beside the failure
+    (ten, ten_ok, ten_value), (eleven, eleven_ok, eleven_error) = seen["failing_batch"]
+    assert (ten, ten_ok, ten_value) == (10, True, 22)
+    assert (eleven, eleven_ok, eleven_error["type"], eleven_error["node"]) == (11, False, "NodeError", "fails")
+    # (d) an actor dies in a batch: WorkerDied naming the node, for every input of that batch; runs go on
+    died = seen["died"]
+    assert (died["type"], died["node"]) == ("WorkerDied", "dies") and died["index"] <= 9, died
+    assert "its worker process has died" in died["message"] and died["worker"] in died["message"]
+    assert died["before"] == [x + 1 for x in range(died["index"])]
+    assert [index for index, _, _ in seen["dying_batch"]] == [8, 9]
+    for _, ok, err in seen["dying_batch"]:
+        assert not ok and (err["type"], err["node"]) == ("WorkerDied", "dies") and err["worker"] in err["message"]
+    assert seen["after_run"] == 2 and seen["after_map"] == [1, 2, 3, 4, 5, 6]
+
+
 def test_ray_node_error_carries_the_remote_traceback_and_cause(observed):
     seen = check(observed, "node_error")
     run = seen["run"]
