@@ -17,7 +17,8 @@ values it receives. Contenders alternate round by round (benchmarks/README.md).
   Target: soma / actors <= 1.2.
 * map: N inputs through a one-node graph (tiny: returns its input + 1; 2ms: burns
   2 ms first), window 4, in input order and as they finish.
-    soma     list(cluster.map(g, xs, window=4, ordered=...)) (the node's copies: 2 here)
+    soma     list(cluster.map(g, xs, window=4, ordered=...)) (the node's copies: 2 here; soma sends
+             the inputs in batches, one call for two inputs: docs/ray.md "Batches")
     pool     hand-written: as many actors, round-robin, ray.wait for the next, under
              map's own rule (at most 4 inputs taken and not yet handed out)
   Target: soma's inputs/s / pool's >= 1.0.
