@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
 
 import msgpack
 
@@ -78,7 +79,14 @@ class Encoder:
         self._copies: list = []
 
     def pack(self, value) -> bytes:
+        local = _local
         try:
+            if local.encoder is None:  # the thread's Packer is free (a value inside a value packs on its own)
+                local.encoder = self
+                try:
+                    return local.packer.pack(value)
+                finally:
+                    local.encoder = None
             return msgpack.packb(value, default=self._default, strict_types=True, use_bin_type=True)
         except (OverflowError, ValueError):
             # msgpack refuses ints beyond 64 bits and very deep nesting: pickle the whole value.
@@ -140,6 +148,22 @@ class Encoder:
             stride, offset = list(t.stride()), 0
         self.shared.append(name)
         return [T_SHM, dtype, list(t.shape), stride, offset, t.requires_grad, name, seg_bytes]
+
+
+class _ThreadPacker(threading.local):
+    """One Packer per thread, reused: making one costs more than packing a small value. Its
+    `default` hands what msgpack cannot pack to the Encoder packing on this thread now."""
+
+    def __init__(self):
+        self.encoder = None
+        self.packer = msgpack.Packer(default=_default_of_thread, strict_types=True, use_bin_type=True)
+
+
+def _default_of_thread(obj):
+    return _local.encoder._default(obj)
+
+
+_local = _ThreadPacker()
 
 
 _PICKLER = None

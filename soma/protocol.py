@@ -29,6 +29,7 @@ same `NodeError` on the host (`error_body` / `error_from`).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import NamedTuple
 
@@ -110,9 +111,19 @@ class Stop(NamedTuple):
 _KIND_OF = {Hello: HELLO, Task: TASK, Result: RESULT, Free: FREE, Cancel: CANCEL, Stop: STOP}
 
 
+class _ThreadPacker(threading.local):
+    """A Packer per thread, reused: making one costs more than packing a small message."""
+
+    def __init__(self):
+        self.packer = msgpack.Packer(use_bin_type=True)
+
+
+_local = _ThreadPacker()
+
+
 def pack(secret: bytes, message) -> bytes:
     """One sealed frame for a message record (NamedTuples pack as msgpack arrays, as they are)."""
-    body = msgpack.packb([_KIND_OF[type(message)], *message], use_bin_type=True)
+    body = _local.packer.pack([_KIND_OF[type(message)], *message])
     return mac(secret, body) + body
 
 
@@ -150,7 +161,15 @@ def parse(secret: bytes, frame: bytes, origin: str):
 
 
 def mac(secret: bytes, body: bytes) -> bytes:
-    return blake2b(body, key=secret, digest_size=MAC_SIZE).digest()
+    keyed = _keyed.get(secret)
+    if keyed is None:
+        keyed = _keyed[secret] = blake2b(key=secret, digest_size=MAC_SIZE)
+    h = keyed.copy()  # a copy of the keyed state: cheaper than keying a new hash for every frame
+    h.update(body)
+    return h.digest()
+
+
+_keyed: dict = {}  # secret → a hash keyed with it, never updated (a pool has one secret)
 
 
 class _DropLog:

@@ -27,14 +27,14 @@ class Flow:
 
     __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "end")
 
-    def __init__(self, index, sink, trace):
+    def __init__(self, index, sink, trace, end):
         self.index = index
         self.sink = sink  # receives (index, ok, value) once
         self.trace = trace  # the runner's Trace when this input is traced, else None
         self.finished = False
         self.jobs: set = set()  # its jobs queued or outstanding
         self.started_ns = time.monotonic_ns() if trace is not None else 0
-        self.end = None  # end(flow, ok, value): what ends it (the scheduler's)
+        self.end = end  # end(flow, ok, value): what ends it (the scheduler's)
 
     def __call__(self, ok, value) -> None:
         """The flow as the last continuation of its program's walk."""
@@ -139,5 +139,5 @@ class Walker:
             raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
         except ShmFull as err:
             raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
-        found = encoded[id(x)] = (payload, list(encoder.shared), encoder)
+        found = encoded[id(x)] = (payload, encoder.shared, encoder)
         return found

@@ -81,6 +81,8 @@ class WorkerPool(Receiving):
         os.set_blocking(self._wake_w, False)
         self._listener = None
         self.listener_tid = 0
+        self._snapshot = None  # see slots(): None when it must be taken again
+        self._by_pid: dict = {}  # pid → the worker process, while it is in the pool
         self._zctx = None
 
     # -- life ------------------------------------------------------------------------------------
@@ -129,6 +131,8 @@ class WorkerPool(Receiving):
                        secret=self.secret, prefix=self.prefix, threads=self.threads,
                        arena=self.arena, preload_torch=self.preload_torch)
         self.workers[slot] = worker
+        self._by_pid[worker.pid] = worker
+        self._snapshot = None
         return worker
 
     def close(self) -> None:
@@ -173,6 +177,22 @@ class WorkerPool(Receiving):
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # -- what the scheduler asks ------------------------------------------------------------------
+    def slots(self) -> tuple:
+        """`(ready, starting, dead)`: the slots in each state, for the scheduler's every pump.
+
+        A snapshot, taken again after any hello, death or start, and at least every
+        PUMP_S / 10 (a death nobody has noticed yet is found within that).
+        """
+        snapshot = self._snapshot
+        if snapshot is None or time.monotonic() - snapshot[3] > PUMP_S / 10:
+            by_state: dict = {"ready": [], "starting": [], "dead": [], "broken": []}
+            for slot in range(len(self.workers)):
+                by_state[self.state(slot)].append(slot)
+            snapshot = by_state["ready"], by_state["starting"], by_state["dead"], time.monotonic()
+            if not snapshot[1] and not snapshot[2]:
+                self._snapshot = snapshot  # (a pool with a worker starting or dead asks every time: it changes)
+        return snapshot[0], snapshot[1], snapshot[2]
+
     def state(self, slot: int) -> str:
         """"ready", "starting" (spawned, no hello yet), "dead" (not yet retired), or "broken"."""
         if self.broken(slot):
@@ -199,15 +219,18 @@ class WorkerPool(Receiving):
             if self.closing or worker is None or worker.retired:
                 return False
             code, pieces = {}, {}
+            sent = worker.pieces
             for unit in units:
                 piece = unit.piece
-                if piece.id in worker.pieces or piece.id in pieces:
+                if piece.id in sent or piece.id in pieces:
                     continue  # its spec went there, and its nodes' code with it
                 pieces[piece.id] = piece.spec
                 for node_id, key in piece.keys.items():
                     if key not in worker.loaded and key not in code:
                         code[key] = self.registry.code(node_id, key)
-            forget, worker.forget = worker.forget, []
+            forget = worker.forget
+            if forget:
+                worker.forget = []
             for unit in units:
                 for name in unit.shared:
                     self._book.lent(name, worker.pid)
@@ -217,8 +240,9 @@ class WorkerPool(Receiving):
                         self._book.take_frees(worker.pid), forget)
             if not self._send(worker, protocol.pack(self.secret, task)):
                 return False
-            worker.pieces.update(pieces)
-            worker.loaded.update(code)
+            if pieces:
+                sent.update(pieces)
+                worker.loaded.update(code)
             return True
 
     def cancel(self, slot: int, unit_ids: list) -> None:
@@ -286,13 +310,14 @@ class WorkerPool(Receiving):
                 with self._changed:
                     worker.ready.set()
                     self._start_failures[worker.slot] = 0
+                    self._snapshot = None
                     self._changed.notify_all()
                 self.events.on_ready(worker.slot)
                 return
 
     def _on_result(self, result: Result) -> None:
-        worker = next((w for w in self.workers if w is not None and w.pid == result.pid), None)
-        if worker is None:
+        worker = self._by_pid.get(result.pid)
+        if worker is None or worker.retired:
             # A worker already retired: its outputs are dropped, but the segments they name must still
             # be counted and settled.
             worker = _Gone(result.pid)
@@ -377,6 +402,8 @@ class WorkerPool(Receiving):
             running = worker.running()
             worker.kill()
             worker.retired = True
+            self._snapshot = None
+            self._by_pid.pop(worker.pid, None)
             ended = reason or worker.how_it_ended()
             if not worker.ready.is_set():
                 self._start_failures[worker.slot] += 1

@@ -106,6 +106,11 @@ class Receiving:
             if remaining is not None and remaining <= 0:
                 raise queue.Empty
             self._lead(lambda: not sink.empty(), LEAD_S if remaining is None else min(LEAD_S, remaining))
+            if not sink.empty():  # it came while this thread received: no need to wait in line
+                item = sink.get_nowait()
+                if item is _LEAD:  # (a hand-off that arrived after the last outcome: stale)
+                    continue
+                return item
             waiter.handed = False
             with self._waiters_lock:
                 self._waiters.append(waiter)

@@ -69,11 +69,12 @@ class Scheduler:
         """
         flows = {}
         jobs: list = []
+        walk, end = self.walker.walk, self._finish
         for index, x in items:
-            flow = Flow(index, sink, trace)
+            flow = Flow(index, sink, trace, end)
             flows[index] = flow
             try:
-                self.walker.walk(program, x, flow, self._ender(flow), jobs, {})
+                walk(program, x, flow, flow, jobs, {})  # the flow is its program's last continuation
             except NodeError as err:
                 jobs[:] = [job for job in jobs if job.flow is not flow]  # (a wave's branches before it)
                 flow.finished = True
@@ -112,38 +113,41 @@ class Scheduler:
             self.pumping = False
 
     def _pump_queue(self) -> None:
-        usable, starting = [], set()
-        state_of = self.pool.state
-        for slot in range(len(self.load)):
-            state = state_of(slot)
-            if state == "dead" and self.load[slot] == 0:
+        ready, starting, dead = self.pool.slots()
+        usable = ready + starting if starting or dead else ready  # (the pool's list: never changed here)
+        for slot in dead:
+            if self.load[slot] == 0:
                 self.pool.retire(slot)  # died while idle: replace it now, nothing to drain or fail
-                state = "starting"
-            if state == "ready":
                 usable.append(slot)
-            elif state == "starting":
-                usable.append(slot)
-                starting.add(slot)
-        if not usable or all(self.load[s] >= MAX_DEPTH for s in usable):
+                starting = [*starting, slot]
+        load = self.load
+        for slot in usable:
+            if load[slot] < MAX_DEPTH:
+                break
+        else:  # no worker (or every one full): nothing to hand out
             self._fail_unplaceable()
             return
         batches: dict[int, list] = {}
-        waiting: deque = deque()
+        queue, waiting = self.queue, deque()
+        self.queue = waiting
         depths: dict = {}
-        while self.queue:
-            job = self.queue.popleft()
+        for job in queue:
             if job.flow.finished:
                 continue
-            depth = depths.get(job.piece.id)
+            piece = job.piece
+            depth = depths.get(piece.id)
             if depth is None:
-                depth = depths[job.piece.id] = self.depth(job.piece)
-            slot = self._choose(job.piece, usable, depth)
+                depth = depths[piece.id] = self.depth(piece)
+            slot = self._choose(piece, usable, depth)
             if slot is None:
                 waiting.append(job)
                 continue
             self._take(job, slot)
-            batches.setdefault(slot, []).append(job)
-        self.queue = waiting
+            batch = batches.get(slot)
+            if batch is None:
+                batches[slot] = [job]
+            else:
+                batch.append(job)
         for slot, jobs in batches.items():
             if slot in starting:
                 self.parked[slot].extend(jobs)
@@ -438,11 +442,6 @@ class Scheduler:
                                 {"input": flow.index, "outcome": outcome})
         if ok is not None:
             flow.sink.put((flow.index, ok, value))
-
-    def _ender(self, flow: Flow):
-        """The continuation at the end of a program: the flow's outcome goes to its sink."""
-        flow.end = self._finish
-        return flow
 
     def forget(self, keys: list) -> None:
         with self.lock:

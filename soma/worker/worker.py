@@ -41,6 +41,18 @@ class Lane:
         self.busy = False  # a thread is running its units
 
 
+class Loaded:
+    """A piece this worker can run: its plan, a Runner over its nodes' copies here, its first and last node."""
+
+    __slots__ = ("entry", "plan", "producer", "runner")
+
+    def __init__(self, plan, runner: Runner, entry: str, producer: str):
+        self.plan = plan
+        self.runner = runner
+        self.entry = entry  # named on the status page while its input is decoded
+        self.producer = producer  # ... and while its output is encoded
+
+
 class Worker:
     def __init__(self, args, secret: bytes):
         self.id = args.id
@@ -68,7 +80,8 @@ class Worker:
         self.receiver = transport.Receiver(self.inbox)
         self.send_lock = threading.Lock()
         # Who does what (all under `cv`): one thread receives; threads take runnable lanes.
-        self.cv = threading.Condition()
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)  # (`with self.lock` where nobody waits: one call, not three)
         self.receiving = None  # the thread that receives now
         self.receiver_busy_since = None  # when that thread went off to run units itself
         self.runnable: deque = deque()  # lanes with units and nobody running them
@@ -83,7 +96,7 @@ class Worker:
         self.blobs: dict[int, bytes] = {}  # node key → code received and not loaded yet
         self.nodes: dict[int, object] = {}  # node key → the node object (its copy lives here)
         self.specs: dict[int, bytes] = {}  # piece id → spec
-        self.pieces: dict[int, tuple] = {}  # piece id → (plan, steps, runner), once its nodes are loaded
+        self.pieces: dict[int, Loaded] = {}  # piece id → the piece, once its nodes are loaded
         self.load_lock = threading.Lock()
         self.status = StatusPage(args.status, create=True)
         self.store = None
@@ -177,7 +190,7 @@ class Worker:
                         self.idle -= 1
             if lane is not None:
                 self.run_lane(lane)
-                with self.cv:
+                with self.lock:
                     self.running -= 1
                 continue
             message = self.receive()
@@ -186,7 +199,7 @@ class Worker:
             lane = self.handle(message)
             if lane is not None:
                 self.run_lane(lane, receiving=True)
-                with self.cv:
+                with self.lock:
                     self.running -= 1
 
     def receive(self):
@@ -200,7 +213,7 @@ class Worker:
         if isinstance(message, Free):
             self.free(message.frees)
         elif isinstance(message, Cancel):
-            with self.cv:
+            with self.lock:
                 # Only what still waits in a lane can be dropped (a Cancel comes after its Task, on the
                 # same socket): the rest has started or is done, and its id need not be kept.
                 wanted = set(message.units)
@@ -230,7 +243,7 @@ class Worker:
             warn("soma.worker", "soma worker %s: dropped a malformed Task: %s: %s", self.id, type(err).__name__, err)
             return None
         now = time.monotonic()
-        with self.cv:
+        with self.lock:
             for unit in task.units:
                 lane = self.lanes.get(unit.piece)
                 if lane is None:
@@ -272,7 +285,7 @@ class Worker:
         outcomes: list = []
         first_at = 0.0
         while True:
-            with self.cv:
+            with self.lock:
                 if not lane.units:
                     lane.busy = False
                     if receiving and self.receiving is threading.current_thread():
@@ -313,13 +326,19 @@ class Worker:
         entry = producer = "?"
         status = self.status
         try:
-            plan, steps = self.plan(unit.piece)
-            entry, producer = next(plan.steps()), last_step(plan)
-            status.enter(unit.id, entry)
-            self.on_thread()  # a cuda:N worker's current device is per thread: this one's too
-            runner = self.runner(unit.piece, plan, steps)
+            piece = self.pieces.get(unit.piece)
+            if piece is None:
+                plan, steps = self.plan(unit.piece)
+                entry, producer = next(plan.steps()), last_step(plan)
+                status.enter(unit.id, entry)
+                piece = self.load(unit.piece, plan, steps, entry, producer)
+            else:
+                entry, producer = piece.entry, piece.producer
+                status.enter(unit.id, entry)
+            if self.cuda:
+                self.on_thread()  # a cuda:N worker's current device is per thread: this one's too
             x = self.decode(unit.payload, entry)
-            value = runner.run(plan, x, RunState(self, unit.id), spans)
+            value = piece.runner.run(piece.plan, x, RunState(self, unit.id), spans)
             del x
             if producer != entry:
                 status.enter(unit.id, producer)
@@ -365,26 +384,21 @@ class Worker:
     # -- pieces and nodes ------------------------------------------------------------------------------
     def plan(self, piece_id: int) -> tuple:
         """`(plan, {node id: (key, device)})` of a piece the host has described."""
-        found = self.pieces.get(piece_id)
-        if found is not None:
-            return found[0], found[1]
         spec = self.specs.get(piece_id)
         if spec is None:
             raise NodeError.failed("?", f"worker {self.id} was sent an input for piece {piece_id} it was never "
                                         f"told about (a bug in soma: please report it)")
         return protocol.parse_piece(spec)
 
-    def runner(self, piece_id: int, plan, steps: dict) -> Runner:
-        """The piece's Runner over this worker's copies of its nodes, loading their code the first time."""
-        found = self.pieces.get(piece_id)
-        if found is not None:
-            return found[2]
+    def load(self, piece_id: int, plan, steps: dict, entry: str, producer: str) -> Loaded:
+        """The piece with a Runner over this worker's copies of its nodes, loading their code the first time."""
+        self.on_thread()  # (a node's code may touch CUDA as it loads)
         nodes = {node_id: self.node(node_id, key) for node_id, (key, _) in steps.items()}
         devices = {node_id: device for node_id, (_, device) in steps.items() if device}
         runner = Runner(nodes, devices, worker=self.id, allocate=self.allocate, remote=True,
                         on_thread=self.on_thread)
-        self.pieces[piece_id] = (plan, steps, runner)
-        return runner
+        piece = self.pieces[piece_id] = Loaded(plan, runner, entry, producer)
+        return piece
 
     def node(self, node_id: str, key: int):
         node = self.nodes.get(key)
@@ -428,7 +442,7 @@ class Worker:
                 if any(key in gone for key, _ in steps.values()):
                     del self.specs[piece_id]
                     self.pieces.pop(piece_id, None)
-        with self.cv:
+        with self.lock:
             for piece_id in [p for p, lane in self.lanes.items() if not lane.busy and not lane.units]:
                 if piece_id not in self.specs:
                     del self.lanes[piece_id]
