@@ -82,6 +82,7 @@ class WorkerPool(Receiving):
         self._listener = None
         self.listener_tid = 0
         self._snapshot = None  # see slots(): None when it must be taken again
+        self._changes = 0
         self._by_pid: dict = {}  # pid → the worker process, while it is in the pool
         self._zctx = None
 
@@ -132,7 +133,7 @@ class WorkerPool(Receiving):
                        arena=self.arena, preload_torch=self.preload_torch)
         self.workers[slot] = worker
         self._by_pid[worker.pid] = worker
-        self._snapshot = None
+        self._changed_slots()
         return worker
 
     def close(self) -> None:
@@ -185,13 +186,23 @@ class WorkerPool(Receiving):
         """
         snapshot = self._snapshot
         if snapshot is None or time.monotonic() - snapshot[3] > PUMP_S / 10:
+            changes = self._changes
             by_state: dict = {"ready": [], "starting": [], "dead": [], "broken": []}
             for slot in range(len(self.workers)):
                 by_state[self.state(slot)].append(slot)
             snapshot = by_state["ready"], by_state["starting"], by_state["dead"], time.monotonic()
+            # Kept only when every worker is ready (one starting or dead is asked about every time) and
+            # nothing changed while it was taken (a hello or a death on the listener meanwhile).
             if not snapshot[1] and not snapshot[2]:
-                self._snapshot = snapshot  # (a pool with a worker starting or dead asks every time: it changes)
+                with self._state_lock:  # (the lock every change is made under)
+                    if changes == self._changes:
+                        self._snapshot = snapshot
         return snapshot[0], snapshot[1], snapshot[2]
+
+    def _changed_slots(self) -> None:
+        """A worker started, said hello or died: the next `slots()` looks again."""
+        self._changes += 1
+        self._snapshot = None
 
     def state(self, slot: int) -> str:
         """"ready", "starting" (spawned, no hello yet), "dead" (not yet retired), or "broken"."""
@@ -310,7 +321,7 @@ class WorkerPool(Receiving):
                 with self._changed:
                     worker.ready.set()
                     self._start_failures[worker.slot] = 0
-                    self._snapshot = None
+                    self._changed_slots()
                     self._changed.notify_all()
                 self.events.on_ready(worker.slot)
                 return
@@ -402,7 +413,7 @@ class WorkerPool(Receiving):
             running = worker.running()
             worker.kill()
             worker.retired = True
-            self._snapshot = None
+            self._changed_slots()
             self._by_pid.pop(worker.pid, None)
             ended = reason or worker.how_it_ended()
             if not worker.ready.is_set():
