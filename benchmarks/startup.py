@@ -20,6 +20,12 @@ as Local does by default when its host uses torch; the pool's children do not).
 Contenders alternate, one child at a time. Each child checks the answers it gets
 and exits with status 1 naming its contender when one is wrong; this run then
 fails with that message.
+
+Bytecode: soma's modules are compiled first (`compileall`, what `pip install`
+does), as the standard library the pool's children import is. Without it, every
+worker compiles soma from source at each start: an editable install under
+PYTHONDONTWRITEBYTECODE=1 (this machine's default) never writes the .pyc files,
+and that costs Local ~45 ms of its start on 2 cores (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -65,11 +71,23 @@ def measure(suite: h.Suite, with_torch: bool) -> None:
                     vs="procpool_both")
 
 
+def compile_soma() -> str:
+    """Compile soma's modules to bytecode where they are (as `pip install` does); say what happened."""
+    import compileall
+    import importlib.util
+
+    spec = importlib.util.find_spec("soma")
+    root = list(spec.submodule_search_locations)[0]
+    if compileall.compile_dir(root, quiet=2):
+        return f"soma's bytecode compiled in {root}"
+    return f"soma's bytecode could NOT be written in {root}: its workers compile it at every start"
+
+
 def main(argv=None) -> list[dict]:
     args = h.parse_args(argv, __doc__)
     suite = h.Suite(NAME, args)
     settings = [False] if args.smoke else [False, True]
-    print(f"{NAME}: {h.versions()}; mode {suite.mode}")
+    print(f"{NAME}: {h.versions()}; mode {suite.mode}; {compile_soma()}")
     for with_torch in settings:
         measure(suite, with_torch)
         print(f"  host_has_torch={with_torch} done", flush=True)
