@@ -35,6 +35,34 @@ def test_unsendable_values_say_which_type():
         codec.Encoder(lambda create: None).pack([Unpicklable()])
 
 
+def test_a_failed_encoding_leaves_nothing_in_the_next_one():
+    """Each thread reuses one Packer: a value that fails half-way must not leak its bytes into the next."""
+    from tests.nodes import Unpicklable
+
+    with pytest.raises(codec.Unsendable):
+        codec.Encoder(lambda create: None).pack([1, "two", (3, [Unpicklable()])])
+    assert roundtrip([4, ("five", (6,))]) == [4, ("five", (6,))]
+
+
+def test_threads_encode_at_once_without_mixing_values():
+    import threading
+
+    failures = []
+
+    def encode_many(tag):
+        for i in range(2000):
+            value = [tag, i, (tag, str(i), (i,))]
+            if roundtrip(value) != value:
+                failures.append((tag, i))
+
+    threads = [threading.Thread(target=encode_many, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not failures and not any(t.is_alive() for t in threads)
+
+
 def test_small_tensors_travel_inline_and_meta_tensors_as_shapes():
     torch = pytest.importorskip("torch")
     t = torch.arange(6, dtype=torch.int16).reshape(2, 3)
