@@ -17,20 +17,12 @@ import time
 from .errors import RunTimeout
 from .execute import RunState, Runner
 from .mapping import Inflight, map_outputs
-from .trace import Trace, Traced
+from .runner import RunnerBase
+from .trace import Trace
 
 
-class Executor(Traced):
+class Executor(RunnerBase):
     """The in-process runner: `Executor().run(g, x)`, `Executor().map(g, xs)`."""
-
-    def __enter__(self) -> "Executor":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Nothing to release: an Executor keeps no threads or processes between runs."""
 
     def run(self, g, x, *, timeout: float | None = None):
         """Run graph `g` on input `x` and return its output.

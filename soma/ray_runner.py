@@ -36,7 +36,8 @@ from .ray_copies import control
 from .ray_devices import actor_options, checked_options, demand_error, hosting_error, requested_resources
 from .ray_faults import UNANSWERED, abandon, ask, expire, translate
 from .ray_flows import Flow, Program, outcome, release, submit_batch
-from .trace import Trace, Traced
+from .runner import RunnerBase
+from .trace import Trace
 
 SPANS_ANSWER_S = 10.0  # how long the end of a trace block waits for each actor's spans
 MAX_BATCH = 8  # the most inputs of a map that share one call per node
@@ -68,7 +69,7 @@ def _actor_class(ray):
     return cls
 
 
-class Ray(Traced):
+class Ray(RunnerBase):
     """Runs graphs on a Ray cluster: each copy of a node is a Ray actor.
 
         with soma.Ray() as cluster: y = cluster.run(g, x)
@@ -104,12 +105,6 @@ class Ray(Traced):
         self._registry = NodeRegistry()
 
     # -- life ----------------------------------------------------------------------------------
-    def __enter__(self) -> "Ray":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def start(self) -> "Ray":
         """Connect to Ray (starting a local one when `address` is None and Ray is not initialised here)."""
         ray = self._ray

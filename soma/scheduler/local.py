@@ -17,14 +17,15 @@ import weakref
 from ..device import Device
 from ..errors import DeviceError, SomaError
 from ..mapping import Inflight, map_outputs
-from ..trace import Trace, Traced
+from ..runner import RunnerBase
+from ..trace import Trace
 from .pool import WorkerPool
 from .program import compile_program
 from .registry import NodeRegistry
 from .scheduler import Scheduler
 
 
-class Local(Traced):
+class Local(RunnerBase):
     """Runs graphs on worker processes on this machine.
 
         with soma.Local(workers=4) as local:
@@ -66,12 +67,6 @@ class Local(Traced):
         self._registry = NodeRegistry()
 
     # -- life ------------------------------------------------------------------------------------
-    def __enter__(self) -> "Local":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def start(self) -> "Local":
         """Start the workers (in parallel) and wait until each has said hello."""
         with self._start_lock:
