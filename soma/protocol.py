@@ -163,6 +163,8 @@ def parse(secret: bytes, frame: bytes, origin: str):
 def mac(secret: bytes, body: bytes) -> bytes:
     keyed = _keyed.get(secret)
     if keyed is None:
+        if len(_keyed) >= _KEYED_MAX:  # (a process that makes many pools must not keep every secret)
+            _keyed.clear()
         keyed = _keyed[secret] = blake2b(key=secret, digest_size=MAC_SIZE)
     h = keyed.copy()  # a copy of the keyed state: cheaper than keying a new hash for every frame
     h.update(body)
@@ -170,6 +172,7 @@ def mac(secret: bytes, body: bytes) -> bytes:
 
 
 _keyed: dict = {}  # secret → a hash keyed with it, never updated (a pool has one secret)
+_KEYED_MAX = 16
 
 
 class _DropLog:

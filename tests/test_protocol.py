@@ -95,3 +95,15 @@ def test_error_bodies_rebuild_the_same_error():
     full = protocol.error_from(protocol.error_body(SharedMemoryFull.reserving("enc", 1 << 20, "its output")))
     assert type(full) is SharedMemoryFull and "1.0 MiB in /dev/shm for its output" in str(full)
     assert pickle.loads(pickle.dumps(back)).node == "enc"
+
+
+def test_many_pools_secrets_are_not_all_kept_and_each_still_seals():
+    """The MAC starts from a cached keyed hash per secret; a process that makes many pools keeps few."""
+    import os
+
+    secrets = [os.urandom(32) for _ in range(100)]
+    frames = [protocol.pack(secret, protocol.Free([["seg", i]])) for i, secret in enumerate(secrets)]
+    for i, (secret, frame) in enumerate(zip(secrets, frames)):
+        assert protocol.parse(secret, frame, "test") == protocol.Free([["seg", i]])
+        assert protocol.parse(secrets[i - 1], frame, "test") is None  # another pool's secret never opens it
+    assert len(protocol._keyed) <= protocol._KEYED_MAX
