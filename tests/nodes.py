@@ -467,6 +467,16 @@ class SetupCounter(Node):
         return Done((os.getpid(), self.setups, self.calls))
 
 
+class SetupSees(Node):
+    """Returns what its setup's ctx said: (node, device, worker is given), seen from the copy itself."""
+
+    def setup(self, ctx):
+        self.seen = (ctx.node, ctx.device, ctx.worker is not None)
+
+    def forward(self, x, ctx):
+        return Done(self.seen)
+
+
 class OneCopyCounter(Node):
     """A counter whose state must live in exactly one place: returns (its count, its pid)."""
 

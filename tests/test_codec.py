@@ -3,6 +3,7 @@
 import pytest
 
 from soma import codec
+from tests.conftest import in_threads
 
 
 def roundtrip(value):
@@ -45,22 +46,11 @@ def test_a_failed_encoding_leaves_nothing_in_the_next_one():
 
 
 def test_threads_encode_at_once_without_mixing_values():
-    import threading
-
-    failures = []
-
     def encode_many(tag):
-        for i in range(2000):
-            value = [tag, i, (tag, str(i), (i,))]
-            if roundtrip(value) != value:
-                failures.append((tag, i))
+        values = [[tag, i, (tag, str(i), (i,))] for i in range(2000)]
+        return [roundtrip(value) == value for value in values]
 
-    threads = [threading.Thread(target=encode_many, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not failures and not any(t.is_alive() for t in threads)
+    assert all(all(same) for same in in_threads(encode_many, 4, seconds=30))
 
 
 def test_small_tensors_travel_inline_and_meta_tensors_as_shapes():

@@ -7,6 +7,7 @@ import pytest
 
 import soma
 from soma import Done, Executor, Graph, Node, NodeError, Opaque, RunTimeout
+from tests.conftest import in_threads
 from tests.nodes import (
     AddOne, Boom, Count, Double, Identity, Join, ReturnsList, SeeCtx, SetEvent, Sleep, ThreadId,
     Tokenize, Upper, WaitBarrier, WrapOpaque, thread_token,
@@ -148,16 +149,7 @@ def test_timeout_not_reached_returns_the_value():
 
 def test_concurrent_runs_of_one_graph():
     g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
-    results = {}
-
-    def go(i):
-        results[i] = [Executor().run(g, k) for k in range(50)]
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = in_threads(lambda i: [Executor().run(g, k) for k in range(50)], 4)
     assert all(results[i] == [((k + 1) * 2, k + 1) for k in range(50)] for i in range(4))
 
 

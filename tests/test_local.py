@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
@@ -11,7 +10,7 @@ import pytest
 
 import soma
 from soma import Executor, Graph, NodeError, PlacementError, PostconditionError
-from tests.conftest import ROOT, shm_names
+from tests.conftest import ROOT, in_threads, shm_names
 from tests.nodes import (
     AddOne, Boom, Burn, Count, Counter, Double, HoldsLock, Identity, Join, Obeys, Pid, ReturnsList,
     ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, SeeCtx, Tokenize, TouchFile, Tracked, Upper, WhereAmI, burn,
@@ -180,20 +179,11 @@ def test_node_code_that_cannot_load_in_the_worker(local, tmp_path):
 def test_concurrent_runs_from_four_threads(local):
     g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
     g2 = Graph.somatize(Tokenize() >> (Upper() | Count()))
-    errors, results = [], {}
 
     def go(i):
-        try:
-            results[i] = [(local.run(g, k), local.run(g2, "a b")) for k in range(40)]
-        except BaseException as exc:
-            errors.append(exc)
+        return [(local.run(g, k), local.run(g2, "a b")) for k in range(40)]
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(100)
-    assert not errors
+    results = in_threads(go, 4, seconds=100)
     for i in range(4):
         assert results[i] == [(((k + 1) * 2, k + 1), (["A", "B"], 2)) for k in range(40)]
 

@@ -6,7 +6,6 @@ reused while somebody still sees it shows up as a wrong value, never as an error
 
 import os
 import signal
-import threading
 
 import pytest
 
@@ -14,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from soma import Graph, WorkerDied  # noqa: E402
 from soma.codec import INLINE_LIMIT  # noqa: E402
+from tests.conftest import in_threads  # noqa: E402
 from tests.nodes import Die, Fill, Identity, PlusOne  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,27 +61,13 @@ def test_results_of_a_wave_and_a_join_stay_intact(local, size, through_ctx):
 
 def test_results_held_by_several_threads_at_once(local):
     graphs = [Graph.somatize(Fill(numel("256KiB"), through_ctx)) for through_ctx in (False, True)]
-    graphs.append(Graph.somatize(Fill(numel("4MiB")) | Fill(numel("64KiB".replace("64KiB", "small-segment")))))
-    held: dict = {}
-    errors = []
+    graphs.append(Graph.somatize(Fill(numel("4MiB")) | Fill(numel("small-segment"))))
 
     def go(k):
-        try:
-            mine = []
-            for i in range(20):
-                value = k * 1000 + i
-                mine.append((value, local.run(graphs[i % len(graphs)], value)))
-            held[k] = mine
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        return [(value, local.run(graphs[i % len(graphs)], value)) for i in range(20) for value in [k * 1000 + i]]
 
-    threads = [threading.Thread(target=go, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors
-    for mine in held.values():
+    held = in_threads(go, 4)
+    for mine in held:
         for value, out in mine:
             for t in out if isinstance(out, tuple) else (out,):
                 assert all_equal(t, value), value

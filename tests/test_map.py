@@ -4,13 +4,13 @@ import itertools
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 import soma
 from soma import Graph, NodeError, RunTimeout, WorkerDied
+from tests.conftest import in_threads
 from tests.nodes import (
     AddOne, AppendLine, Double, FailOn, Identity, Join, NotReentrant, OneCopyCounter, OneCopySleep, PidAfter,
     SetupCounter, Sleep,
@@ -155,23 +155,14 @@ def test_a_slow_input_times_out_with_its_index(runner):
 
 def test_no_node_object_runs_two_inputs_at_once(runner):
     g = Graph.somatize(NotReentrant(0.005))
-    errors = []
 
-    def go():
-        try:
-            for _ in runner.map(g, range(20)):
-                pass
-            for i in range(10):
-                runner.run(g, i)
-        except BaseException as exc:
-            errors.append(exc)
+    def go(_):
+        for _ in runner.map(g, range(20)):
+            pass
+        for i in range(10):
+            runner.run(g, i)
 
-    threads = [threading.Thread(target=go) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors[0]
+    in_threads(go, 3)  # (NotReentrant raises if a second input enters while one runs)
 
 
 # -- what a pool of workers adds ------------------------------------------------------------------------
@@ -203,12 +194,7 @@ def test_setup_runs_once_per_copy_in_its_process(local):
 def test_concurrent_runs_of_one_graph_use_the_whole_pool(local):
     g = Graph.somatize(PidAfter(0.3))
     local.run(g, 0)
-    got = []
-    threads = [threading.Thread(target=lambda: got.append(local.run(g, 0))) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    got = in_threads(lambda _: local.run(g, 0), 2, seconds=30)
     assert sorted(got) == sorted(local.pids())
 
 

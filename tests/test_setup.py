@@ -7,7 +7,7 @@ import pytest
 import soma
 from soma import Graph, NodeError
 from tests.conftest import cuda_available
-from tests.nodes import MakesOnDevice, SetupCounter, SetupFailsOnce
+from tests.nodes import MakesOnDevice, SetupCounter, SetupFailsOnce, SetupSees
 
 
 @pytest.fixture(params=["executor", "local"], scope="module")
@@ -31,6 +31,9 @@ def test_setup_sees_its_nodes_ctx(runner):
     runner.run(Graph.somatize(node.named("counted").on("meta")), 0)
     if isinstance(runner, soma.Executor):  # in a worker the copy's ctx is not visible from here
         assert node.setup_ctx == ("counted", "meta", None)
+    # ... so the copy reports it: the same node id and device everywhere, a worker only in Local
+    in_worker = not isinstance(runner, soma.Executor)
+    assert runner.run(Graph.somatize(SetupSees().named("seen").on("meta")), 0) == ("seen", "meta", in_worker)
 
 
 def test_a_setup_that_raises_is_the_nodes_error_and_is_tried_again(runner):

@@ -9,7 +9,8 @@ import pytest
 
 import soma
 from soma import Graph, NodeError, SomaError
-from tests.nodes import AddOne, Boom, Double, Identity, Join, Rendezvous, Sleep
+from tests.conftest import wait_for
+from tests.nodes import AddOne, Boom, Double, Identity, Join, MarkThenSleep, Rendezvous
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,23 +89,26 @@ def test_nothing_is_recorded_outside_a_block(runner, tmp_path):
     path = tmp_path / "one.json"
     with runner.trace(path):
         runner.run(g, 2)
+    written = path.read_text()
     runner.run(g, 3)
+    list(runner.map(g, range(3)))
     _, _, nodes, _ = load(path)
     assert len(nodes) == 1 and runner._trace is None
-    with open(path) as f:
-        assert json.load(f) == load(path)[0]  # the file was not touched after the block
+    assert path.read_text() == written  # the file was not touched after the block
 
 
 def test_a_block_that_ends_while_other_threads_run_still_writes_valid_json(runner, tmp_path):
-    g = Graph.somatize(Sleep(0.3))
+    marker = str(tmp_path / "running")
+    g = Graph.somatize(MarkThenSleep(marker, 0.3))
     path = tmp_path / "busy.json"
     threads = [threading.Thread(target=lambda: list(runner.map(g, range(3)))) for _ in range(2)]
     with runner.trace(path):
         for t in threads:
             t.start()
-        time.sleep(0.05)
+        wait_for(lambda: os.path.exists(marker), what="a node running when the block ends")
     for t in threads:
         t.join(30)
+    assert not any(t.is_alive() for t in threads)
     doc, _, nodes, _ = load(path)
     assert isinstance(doc["traceEvents"], list)
     assert all(e["dur"] >= 0 for e in nodes)
