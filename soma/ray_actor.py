@@ -66,6 +66,11 @@ class Failed:
     def message(self) -> str:
         return self.body["message"] if self.body is not None else str(self.error)
 
+    @property
+    def node(self) -> str | None:
+        """The node that failed (None for an error that names none)."""
+        return self.body["node"] if self.body is not None else getattr(self.error, "node", None)
+
     def rebuild(self) -> SomaError:
         """The error itself, as the node's process raised it."""
         from .protocol import error_from
@@ -77,13 +82,21 @@ class Failed:
 
 
 def first_failure(values) -> Failed | None:
-    """The first `Failed` among a wave's outputs, noting the others on it (as a wave in one process does)."""
+    """The first `Failed` among a wave's outputs, noting the others on it (as a wave in one process does).
+
+    One failure upstream of a wave reaches its join once per branch (each branch passes it on): that is
+    one failure, as in one process, where the wave never ran. Only failures of other nodes are noted.
+    """
     failures = [v for v in values if type(v) is Failed]
     if not failures:
         return None
     first = failures[0]
+    seen = {(first.node, first.message)}
     for other in failures[1:]:
-        first.notes.append(f"another branch of the same wave also failed: {other.message}")
+        key = (other.node, other.message)
+        if key not in seen:
+            seen.add(key)
+            first.notes.append(f"another branch of the same wave also failed: {other.message}")
     return first
 
 

@@ -272,6 +272,16 @@ def node_error(cluster):
     except Exception as err:
         out["wave"] = _error(err)
         out["wave"]["notes"] = list(getattr(err, "__notes__", []))
+    # A failure upstream of a wave reaches the join (or the driver) through both branches: one failure,
+    # with the Executor's text and no note of "another branch"
+    for name, g in (("upstream_of_join", Boom() >> (Identity() | Identity()) >> Join()),
+                    ("upstream_of_last_wave", Boom() >> (Identity() | Identity()))):
+        g = Graph.somatize(g)
+        for runner in ("executor", "ray"):
+            try:
+                (Executor() if runner == "executor" else cluster).run(g, 1)
+            except Exception as err:
+                out[f"{name}_{runner}"] = _error(err) | {"notes": list(getattr(err, "__notes__", []))}
     try:  # Ray cannot pickle what the node returned: still soma's error, naming that node
         cluster.run(Graph.somatize(ReturnsUnpicklable() >> Identity()), 1)
     except Exception as err:

@@ -162,6 +162,11 @@ def test_ray_node_error_carries_the_remote_traceback_and_cause(observed):
     assert seen["wave"]["message"] == "node `boom` failed: ValueError: boom on 1"
     assert seen["wave"]["notes"] == ["another branch of the same wave also failed: node `boom_2` failed: "
                                      "ValueError: boom on 1"]
+    for name in ("upstream_of_join", "upstream_of_last_wave"):  # one failure, though both branches pass it on
+        ray_error, executor_error = seen[f"{name}_ray"], seen[f"{name}_executor"]
+        assert ray_error["message"] == executor_error["message"] == "node `boom` failed: ValueError: boom on 1"
+        assert ray_error["type"] == executor_error["type"] == "NodeError"
+        assert ray_error["notes"] == executor_error["notes"] == [], name
     unpicklable = seen["unpicklable"]
     assert unpicklable["type"] == "NodeError" and unpicklable["node"] == "returns_unpicklable"
     assert unpicklable["message"] == ("node `returns_unpicklable` failed: Ray could not carry its input or output: "
