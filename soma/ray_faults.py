@@ -18,7 +18,7 @@ import re
 
 from .errors import NodeError, RunTimeout, SomaError, WorkerDied
 from .ray_copies import control
-from .ray_flows import Flow, release
+from .ray_flows import Flow, first_line, release
 
 CONTROL_ANSWER_S = 2.0  # how long a timeout waits for the late actors to say what they run
 UNANSWERED = "soma: no answer"  # what `ask` reports for an actor that did not answer in time
@@ -46,14 +46,14 @@ def translate(ray, flow: Flow, err, drop) -> SomaError:
             node_id, copy, _ = task
             drop(copy)
             return WorkerDied(f"the output of node `{node_id}` was lost with the machine or process that held it "
-                              f"({copy.describe()}): {_first_line(err)}; run again",
+                              f"({copy.describe()}): {first_line(err)}; run again",
                               worker=copy.actor_id, pid=copy.pid, node=node_id)
     task = culprit(ray, flow)
     node_id = task[0] if task is not None else flow.tasks[0][0]
     cause = getattr(err, "cause", None)
     cause = cause if isinstance(cause, BaseException) else err
     failed = NodeError.failed(node_id, f"Ray could not carry its input or output: {type(cause).__name__}: "
-                                       f"{_first_line(cause)}", remote_traceback=str(err))
+                                       f"{first_line(cause)}", remote_traceback=str(err))
     if cause is not err:
         failed.__cause__ = cause
     return failed
@@ -150,14 +150,9 @@ def _death_reason(err) -> str:
     found = re.search(r"The actor (?:is dead|died) because (.+?)(?:\.\s|\.$|$)", text, re.S)
     if found:
         return found.group(1).strip()
-    return _first_line(err)
+    return first_line(err)
 
 
 def _pid_in(text: str) -> int | None:
     found = re.search(r"\bpid: (\d+)", text)
     return int(found.group(1)) if found else None
-
-
-def _first_line(err) -> str:
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(err).__name__

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 
-from .errors import PostconditionError
+from .errors import NodeError, PostconditionError
 from .plan import Plan, Seq, Step
 from .postcondition import find_misplaced
 from .ray_actor import carries_autograd, first_failure, grad_crossing
@@ -88,10 +88,17 @@ def submit_batch(program: Program, xs: list, flows: list, put) -> None:
     hand-written actor takes). Several: `call_many`, one return per input, so each input still has its own
     ref at every node, and downstream calls, failures, checks and spans stay per input.
     """
+    entry = program.entry_nodes[0]
     for x in xs:
         if carries_autograd(x):
-            raise grad_crossing(program.entry_nodes[0], "its input is")
-    first = [Out(put(x) if program.shares_input else x, None) for x in xs]
+            raise grad_crossing(entry, "its input is")
+    if program.shares_input:
+        try:
+            first = [Out(put(x), None) for x in xs]
+        except Exception as err:
+            raise unsendable(entry, err) from None
+    else:
+        first = [Out(x, None) for x in xs]  # sent with the entry node's call (see `_call`)
     outs = _walk(program, program.plan, first, flows)
     for flow, out in zip(flows, outs):
         flow.batch = flows
@@ -124,22 +131,43 @@ def _call(program: Program, node_id: str, values: list, flows: list) -> list:
         metas.append((len(args) - start, shape, tuple(checks), flow.trace_tag))
         simple = simple and shape == 0 and not checks and flow.trace_tag is None and not flow.timed
     copy = program.stages[node_id].pick(len(flows))
-    if len(flows) == 1:
-        if simple:
-            refs = [copy.actor.call.remote(args[0])]
+    try:
+        if len(flows) == 1:
+            if simple:
+                refs = [copy.actor.call.remote(args[0])]
+            else:
+                _, shape, checks, trace_tag = metas[0]
+                refs = [copy.actor.call_with.remote((flows[0].token if flows[0].timed else None, shape, checks,
+                                                    trace_tag), *args)]
+        elif simple:
+            refs = copy.batched("call_many", len(flows)).remote(*args)
         else:
-            _, shape, checks, trace_tag = metas[0]
-            refs = [copy.actor.call_with.remote((flows[0].token if flows[0].timed else None, shape, checks,
-                                                trace_tag), *args)]
-    elif simple:
-        refs = copy.batched("call_many", len(flows)).remote(*args)
-    else:
-        refs = copy.batched("call_many_with", len(flows)).remote(tuple(metas), *args)
+            refs = copy.batched("call_many_with", len(flows)).remote(tuple(metas), *args)
+    except Exception as err:
+        copy.load -= len(flows)  # nothing was sent
+        if program.shares_input or node_id != program.entry_nodes[0]:
+            raise  # only the entry node's call carries the input itself; the others carry refs
+        raise unsendable(node_id, err) from None
     outs = []
     for flow, ref in zip(flows, refs):
         flow.tasks.append((node_id, copy, ref))
         outs.append(Out(ref, node_id))
     return outs
+
+
+def unsendable(entry: str, err: Exception) -> NodeError:
+    """The error for an input Ray cannot serialize (in `ray.put` or a call's args), naming the entry node,
+    in Local's words. Ray wraps a pickling TypeError in its own ("Could not serialize ...", with a report of
+    several lines): the pickling error itself is what the caller needs."""
+    cause = err.__cause__ if isinstance(err, TypeError) and err.__cause__ is not None else err
+    return NodeError.failed(entry, f"its input cannot be sent to a Ray actor: {type(cause).__name__}: "
+                                   f"{first_line(cause)}")
+
+
+def first_line(err) -> str:
+    """The first line of an error's text (Ray's run on for lines), or its class when it has none."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def _flatten(value, args: list, checks: list, devices: dict, start: int = 0):

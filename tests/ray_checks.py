@@ -33,7 +33,7 @@ import soma  # noqa: E402
 from soma import Done, Executor, Graph, Node  # noqa: E402
 from tests.nodes import (  # noqa: E402
     AddOne, Boom, Count, Double, Fill, Identity, Join, MarkThenSleep, Obeys, OneCopyCounter, Pid, PlusOne,
-    RequiresGradOutput, ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, Sleep, Tokenize, Upper,
+    RequiresGradOutput, ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, Sleep, Tokenize, Unpicklable, Upper,
 )
 
 DEADLINE_S = 60.0
@@ -227,10 +227,11 @@ def map_batches(cluster):
     return out
 
 
-def _one_batch(flows_class, cluster, g, xs) -> list:
-    """What map's in-flight set reports for each input of one batch (the inputs of `xs` share each call)."""
+def _one_batch(flows_class, cluster, g, xs, start=None) -> list:
+    """What map's in-flight set reports for each input of one batch (the inputs of `xs` share each call;
+    their indices count from `start`, by default from the first input)."""
     flows = flows_class(cluster, cluster._ready(g), None, True, len(xs))
-    flows.start(list(enumerate(xs, start=xs[0])))
+    flows.start(list(enumerate(xs, start=xs[0] if start is None else start)))
     outcomes = []
     deadline = time.monotonic() + DEADLINE_S
     while flows.flows and time.monotonic() < deadline:
@@ -287,6 +288,30 @@ def node_error(cluster):
     except Exception as err:
         out["unpicklable"] = _error(err)
     out["next_run"] = cluster.run(Graph.somatize(AddOne()), 1)
+    return out
+
+
+def unsendable_input(cluster):
+    """An input Ray cannot serialize: soma's NodeError naming the entry node, for run (one entry: the input
+    goes with its call; a wave first: it is put in the object store once) and, in its place, for map."""
+    from soma.ray_runner import _RayFlows
+
+    out = {}
+    one_entry = Graph.somatize(AddOne() >> Double())
+    for name, g in (("run", one_entry), ("run_wave_first", Graph.somatize((AddOne() | Double()) >> Join()))):
+        try:
+            cluster.run(g, {"bad": Unpicklable()})
+        except Exception as err:
+            out[name] = _error(err)
+    seen = []
+    try:
+        for y in cluster.map(one_entry, [1, 2, Unpicklable(), 4], window=4):
+            seen.append(y)
+    except Exception as err:
+        out["map"] = _error(err) | {"index": err.index, "before": seen}
+    out["batch"] = _one_batch(_RayFlows, cluster, one_entry, [1, Unpicklable(), 3], start=0)
+    out["load_after"] = sum(copy.load for copies in cluster._copies.values() for copy in copies.copies)
+    out["next_run"] = cluster.run(one_entry, 1)
     return out
 
 
@@ -473,7 +498,7 @@ def no_ray_errors_leak(cluster):
 
 
 SESSION_CHECKS = [same_answers, wave_overlap, copies_one_keeps_state, map_spreads_over_actors, map_batches, node_error,
-                  postcondition, tensors, actor_dies, timeout, dropped_nodes_stop_their_actors, placement, cuda0,
+                  unsendable_input, postcondition, tensors, actor_dies, timeout, dropped_nodes_stop_their_actors, placement, cuda0,
                   no_ray_errors_leak]
 
 

@@ -174,6 +174,22 @@ def test_ray_node_error_carries_the_remote_traceback_and_cause(observed):
     assert seen["next_run"] == 2
 
 
+def test_ray_an_input_ray_cannot_serialize_is_a_node_error_naming_the_entry_node_in_its_place(observed):
+    seen = check(observed, "unsendable_input")
+    why = "TypeError: Unpicklable refuses to be pickled"
+    assert seen["run"]["type"] == "NodeError" and seen["run"]["node"] == "add_one"
+    assert seen["run"]["message"] == f"node `add_one` failed: its input cannot be sent to a Ray actor: {why}"
+    assert seen["run_wave_first"]["message"] == seen["run"]["message"]  # put in the object store: the same words
+    mapped = seen["map"]
+    assert (mapped["type"], mapped["node"], mapped["index"], mapped["before"]) == ("NodeError", "add_one", 2, [4, 6])
+    assert mapped["message"] == seen["run"]["message"]
+    (zero, zero_ok, zero_value), (one, one_ok, one_error), (two, two_ok, two_value) = seen["batch"]
+    assert (zero, zero_ok, zero_value, two, two_ok, two_value) == (0, True, 4, 2, True, 8)  # the others are fine
+    assert (one, one_ok, one_error["node"], one_error["message"]) == (1, False, "add_one", seen["run"]["message"])
+    assert seen["load_after"] == 0  # a refused input leaves no load on the copy it was meant for
+    assert seen["next_run"] == 4
+
+
 def test_ray_postcondition_has_the_exact_text_where_the_node_ran_and_where_values_arrive(observed):
     seen = check(observed, "postcondition")
     meta = seen["declared_meta"]
