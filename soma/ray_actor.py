@@ -229,7 +229,7 @@ class NodeCopy:
         finally:
             self.running = None
             if spans is not None:
-                self.spans.append((trace_tag[0], spans))
+                self.spans.append((trace_tag, spans))
         if carries_autograd(value):
             return Failed(grad_crossing(self.node_id, "it returned"))
         return value

@@ -71,7 +71,10 @@ class Flow:
         self.token = token  # unique per runner: which input an actor is running now (when timed)
         self.timed = timed  # it has a timeout: its calls carry the token, so a late one can be found
         self.trace = trace  # the runner's Trace when this input is traced, else None
-        self.trace_tag = (index,) if trace is not None else None  # what the actors file its spans under
+        # What the actors file its spans under: its index, and its trace block (the block's start), so a block
+        # collects only its own inputs' spans, not those of an input that was still running when an earlier
+        # block ended.
+        self.trace_tag = (index, trace.start_ns) if trace is not None else None
         self.started_ns = time.monotonic_ns() if trace is not None else 0
         self.tasks: list = []  # (node id, Copy, ref)
         self.out = None  # tree of Out: one, or tuples of them (a plan ending in a wave)

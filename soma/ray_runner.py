@@ -292,8 +292,13 @@ class Ray(RunnerBase):
     def _collect_spans(self, trace: Trace) -> None:
         copies = self._all_copies()
         for copy, taken in zip(copies, ask(self._ray, [c.actor for c in copies], "take_spans", SPANS_ANSWER_S)):
-            if taken == UNANSWERED or not taken:
+            if taken == UNANSWERED:
                 continue  # dead, or stuck: its spans are lost with it
+            # Only this block's inputs: one still running when an earlier block ended filed its spans after
+            # that block took them (they belong to no open block: dropped, as a span after its block's end).
+            taken = [(index, spans) for (index, block), spans in taken if block == trace.start_ns]
+            if not taken:
+                continue
             if not copy.ready:
                 copy.owner.learn(copy)
             owner = copy.owner

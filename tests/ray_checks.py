@@ -443,6 +443,26 @@ def traced(cluster, folder):
             "reported": reported, "driver_pid": os.getpid()}
 
 
+def trace_blocks(cluster, folder):
+    """A traced map's input still running when its block ends: the next block has none of its spans."""
+    g = Graph.somatize(SleepInput())
+    first, second = Path(folder, "first.json"), Path(folder, "second.json")
+    with cluster.trace(first):
+        outputs = cluster.map(g, [0, 1.0], window=2, ordered=False)
+        early = next(outputs)  # input 0; input 1 sleeps on past the block's end
+    with cluster.trace(second):
+        during = cluster.run(g, 0)
+        late = list(outputs)  # input 1 ends in this block: its spans reach its actor after the first one's end
+    return {"outputs": [early, during, late],
+            "first": _node_events(first), "second": _node_events(second)}
+
+
+def _node_events(path) -> list:
+    doc = json.loads(Path(path).read_text())
+    return [{"input": e["args"]["input"], "ts": e["ts"]} for e in doc["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") == "node"]
+
+
 def dropped_nodes_stop_their_actors(cluster):
     """A node the caller lets go can never run again: its actors are stopped at the next run."""
     import gc
@@ -621,8 +641,9 @@ def main(out_path: str, only: list) -> None:
                       _temp_dir=folder) as cluster:
             for check in checks:
                 results[check.__name__] = _recorded(check.__name__, lambda: check(cluster))
-            if not only or "traced" in only:
-                results["traced"] = _recorded("traced", lambda: traced(cluster, folder))
+            for check in (traced, trace_blocks):
+                if not only or check.__name__ in only:
+                    results[check.__name__] = _recorded(check.__name__, lambda: check(cluster, folder))
         results["session_shut_down"] = {"ok": True, "value": {"initialized_after_close": ray.is_initialized()}}
         if not only or "two_machines" in only:
             results["two_machines"] = _recorded("two_machines", lambda: two_machines(folder))
