@@ -38,7 +38,7 @@ from . import nodecode
 from .errors import NodeError, PostconditionError, SomaError, traceback_text
 from .execute import Runner, RunState
 from .plan import Step
-from .postcondition import find_misplaced
+from .postcondition import check_postcondition
 from .ray_devices import cuda_index, cuda_visible_devices, machine_gpus
 from .values import Opaque
 
@@ -215,11 +215,12 @@ class NodeCopy:
             return failed  # upstream first: the error the driver raises is the earliest one
         if self.broken is not None:
             return self.broken
-        for position, producer, declared in checks:
-            actual = find_misplaced(args[position], declared)
-            if actual is not None:  # moved on the way: the producer checked it before it left
-                return Failed(PostconditionError(producer, declared, actual))
-        x = args[shape] if type(shape) is int else shaped(shape, args)
+        try:
+            for position, producer, declared in checks:  # moved on the way? The producer checked it before it left
+                check_postcondition(producer, declared, args[position])
+        except PostconditionError as err:
+            return Failed(err)
+        x = shaped(shape, args)
         spans = [] if trace_tag is not None else None
         self.running = token
         try:

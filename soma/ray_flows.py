@@ -30,9 +30,9 @@ from __future__ import annotations
 import os
 import time
 
-from .errors import NodeError, PostconditionError
+from .errors import NodeError
 from .plan import Plan, Seq, Step
-from .postcondition import find_misplaced
+from .postcondition import check_postcondition
 from .ray_actor import carries_autograd, first_failure, grad_crossing
 
 
@@ -181,7 +181,7 @@ def _flatten(value, args: list, checks: list, devices: dict, start: int = 0):
     if type(value) is Out:
         position = len(args) - start
         args.append(value.ref)
-        declared = devices.get(value.producer) if value.producer is not None else None
+        declared = devices.get(value.producer)  # None for the run's input (no producer) and unplaced nodes
         if declared is not None:
             checks.append((position, value.producer, declared))
         return position
@@ -205,11 +205,7 @@ def outcome(flow: Flow, values: list, devices: dict):
     if failed is not None:
         raise failed.rebuild()
     for leaf, value in zip(flow.leaves, values):
-        declared = devices.get(leaf.producer)
-        if declared is not None:
-            actual = find_misplaced(value, declared)
-            if actual is not None:
-                raise PostconditionError(leaf.producer, declared, actual)
+        check_postcondition(leaf.producer, devices.get(leaf.producer), value)
     it = iter(values)
     return _rebuild(flow.out, it)
 
