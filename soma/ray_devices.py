@@ -20,6 +20,7 @@ its `ctx.device` never touches them.
 
 from __future__ import annotations
 
+from .device import Device
 from .errors import PlacementError
 
 NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -27,9 +28,10 @@ NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 def cuda_index(device: str | None) -> int | None:
     """N for `cuda:N`, None for anything else (cpu, meta, unplaced)."""
-    if device is None or not device.startswith("cuda:"):
+    if device is None:
         return None
-    return int(device.split(":", 1)[1])
+    parsed = Device.parse(device)
+    return parsed.index if parsed.kind == "cuda" else None
 
 
 def actor_options(node_id: str, device: str | None, extra: dict | None) -> dict:

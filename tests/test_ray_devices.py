@@ -12,14 +12,20 @@ import pytest
 
 from soma import PlacementError
 from soma.ray_devices import (
-    NOSET_CUDA, actor_options, checked_options, cuda_visible_devices, demand_error, hosting_error, machine_gpus,
-    requested_resources,
+    NOSET_CUDA, actor_options, checked_options, cuda_index, cuda_visible_devices, demand_error, hosting_error,
+    machine_gpus, requested_resources,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- the CUDA order ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, index", [("cuda:0", 0), ("cuda:12", 12), ("cpu", None), ("meta", None),
+                                           (None, None)])
+def test_cuda_index_is_n_for_cuda_n_and_none_for_anything_else(device, index):
+    assert cuda_index(device) == index
+
 
 @pytest.mark.parametrize("index, reserved, machine, expected", [
     (0, ["2"], ["0", "1", "2", "3"], "2"),             # cuda:0 is the reserved GPU, nothing else is visible
