@@ -33,7 +33,7 @@ class Copy:
         self.ray_node: str | None = None
         self.load = 0
         self.ready = False
-        self.offset_ns: int | None = None  # this actor's clock minus the driver's (traces); None: not measured
+        self.offset_ns: int | None = None  # the driver's clock minus this actor's (traces); None: not measured
         self.owner = owner
         self.stopped: str | None = None  # why soma stopped it on purpose (the other inputs it held hear this)
         self.methods: dict = {}  # (method, k) → that method with `num_returns=k`: a batch's call
@@ -61,7 +61,6 @@ class NodeCopies:
         self.code_ref = code_ref
         self.limit = limit
         self.copies: list[Copy] = []
-        self.on_start = None  # called with each new Copy (the runner indexes actors by id)
 
     def pick(self, inputs: int = 1) -> Copy:
         """The copy that takes the next input, or batch of `inputs` (see the module's drawing); its load is
@@ -81,8 +80,6 @@ class NodeCopies:
         actor = self.actor_class.remote(self.node_id, self.device, self.code_ref, list(sys.path))
         copy = Copy(actor, control(actor, "hello"), self)
         self.copies.append(copy)
-        if self.on_start is not None:
-            self.on_start(copy)
         return copy
 
     def has_said_hello(self, copy: Copy) -> bool:

@@ -83,9 +83,7 @@ def expire(ray, flow: Flow, timeout: float, lock, drop) -> RunTimeout:
     Only an input with a timeout carries its token, which each actor reports from its control
     group ("which input are you running?") even while busy.
     """
-    refs = [t[2] for t in flow.tasks]
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-    done = set(done)
+    done = _finished(ray, flow)
     late = [t for t in flow.tasks if t[2] not in done]
     asked: dict = {}  # actor id → Copy: the late calls' copies that are up
     with lock:
@@ -133,15 +131,20 @@ def ask(ray, actors: list, method: str, answer_s: float) -> list:
 
 def abandon(ray, flow: Flow, lock) -> None:
     """Nobody waits for this input any more (a map that ended early): cancel what has not started."""
-    refs = [t[2] for t in flow.tasks]
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-    done = set(done)
-    for ref in refs:
+    done = _finished(ray, flow)
+    for _, _, ref in flow.tasks:
         if ref not in done:
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
     with lock:
         release(flow, "cancelled")
+
+
+def _finished(ray, flow: Flow) -> set:
+    """The refs of the input's calls that are ready now (never waits, fetches nothing)."""
+    refs = [t[2] for t in flow.tasks]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    return set(done)
 
 
 def _death_reason(err) -> str:
