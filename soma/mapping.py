@@ -69,7 +69,7 @@ def _outputs(inflight: Inflight, source, window, ordered, report, timeout):
         while True:
             # 1. Take inputs while there is room; in chunks, so a deep window ships in batches.
             if not exhausted and failure is None:
-                limit = window or 2 * max(1, inflight.parallelism())
+                limit = window or default_window(inflight.parallelism())
                 in_window = taken - yielded
                 if in_window == 0 or in_window <= limit - max(1, limit // 4):
                     items = []
@@ -148,6 +148,11 @@ def _outputs(inflight: Inflight, source, window, ordered, report, timeout):
     finally:
         inflight.close()
         report(None)
+
+
+def default_window(parallelism: int) -> int:
+    """The window of a `map` given none: twice the inputs the runner can work on at once (SPEC 7.4)."""
+    return 2 * max(1, parallelism)
 
 
 def _indexed(err: BaseException, index: int) -> BaseException:

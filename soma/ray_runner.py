@@ -31,7 +31,7 @@ import time
 import weakref
 
 from .errors import NodeError, RunTimeout, SomaError
-from .mapping import Inflight, map_outputs
+from .mapping import Inflight, default_window, map_outputs
 from .ray_copies import control
 from .ray_devices import actor_options, checked_options, demand_error, hosting_error, requested_resources
 from .ray_faults import UNANSWERED, abandon, ask, expire, translate
@@ -98,7 +98,8 @@ class Ray(RunnerBase):
         self._driver_node = None
         self._actor_cls = None
         self._copies: dict = {}  # (node key, node id, device) → NodeCopies
-        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → {placement: Program}
+        # graph → (its placement's version, the Program compiled for it)
+        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._tokens = itertools.count(1)
         from .scheduler.registry import NodeRegistry
 
@@ -142,22 +143,18 @@ class Ray(RunnerBase):
         """Run graph `g` on input `x` on the cluster and return its output."""
         program = self._ready(g)
         trace = self._trace
-        start = time.monotonic_ns() if trace is not None else 0
-        [flow] = self._submit(program, [(None, x)], timeout is not None)
-        try:
-            return self._await(flow, program, timeout)
-        finally:
-            with self._lock:
-                release(flow)
-            if trace is not None:
-                pid, tid = os.getpid(), threading.get_native_id()
-                trace.thread(pid, tid, threading.current_thread().name)
-                trace.span("run", "host", start, time.monotonic_ns(), pid, tid, {"input": None})
+        with trace.host_step("run", input=None) if trace is not None else contextlib.nullcontext():
+            [flow] = self._submit(program, [(None, x)], timeout is not None)
+            try:
+                return self._await(flow, program, timeout)
+            finally:
+                with self._lock:
+                    release(flow)
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
         """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (SPEC 7.4)."""
         program = self._ready(g)
-        batch = _batch_size(program, window or 2 * self._cpus, timeout)
+        batch = _batch_size(program, window or default_window(self._cpus), timeout)
         return map_outputs(_RayFlows(self, program, timeout, ordered, batch), xs, window=window, ordered=ordered,
                            progress=progress, timeout=timeout)
 
@@ -167,14 +164,14 @@ class Ray(RunnerBase):
         with self._lock:
             if self._closed:
                 raise SomaError("this soma.Ray is closed; make a new one")
-            self._forget_dead_nodes()
-            key = tuple(g.devices().items())
-            per_graph = self._programs.get(g)
-            if per_graph is None:
-                per_graph = self._programs[g] = {}
-            program = per_graph.get(key)
-            if program is None:
-                program = per_graph[key] = self._compile(g)
+            if self._registry.has_dead:
+                self._forget_dead_nodes()
+            version = g._placement.version  # bumped by every `place`: compiled again after one
+            found = self._programs.get(g)
+            if found is not None and found[0] == version:
+                return found[1]
+            program = self._compile(g)
+            self._programs[g] = (version, program)
             return program
 
     def _compile(self, g) -> Program:
