@@ -307,9 +307,10 @@ class MarkThenSleep(Node):
         self.path, self.seconds = path, seconds
 
     def forward(self, x, ctx):
-        with open(self.path + ".tmp", "w") as f:
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"  # (copies may write at once)
+        with open(tmp, "w") as f:
             f.write(str(os.getpid()))
-        os.replace(self.path + ".tmp", self.path)  # whole or absent, never half-written
+        os.replace(tmp, self.path)  # whole or absent, never half-written
         time.sleep(self.seconds)
         return Done(x)
 

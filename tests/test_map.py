@@ -175,6 +175,27 @@ def test_a_node_with_one_copy_sees_every_input_in_order_in_one_process(local):
     assert more == (0, [0, 1, 2])
 
 
+@pytest.mark.parametrize("window", [2, 5])
+def test_a_caller_slower_than_the_timeout_gets_every_output_that_came_in_time(local, window):
+    """The timeout is each input's, not the caller's: an output that came while the caller was busy is an
+    output, even once its deadline has passed (it waited in the map's queue, not in a worker)."""
+    g = Graph.somatize(AddOne())
+    local.run(g, 0)  # (warm: its inputs then finish at once, long before the caller asks for them)
+    got = []
+    for y in local.map(g, range(5), window=window, timeout=0.5):
+        got.append(y)
+        time.sleep(0.6)  # the caller's own work, longer than any input's timeout
+    assert got == [1, 2, 3, 4, 5]
+
+
+def test_a_timeout_names_the_node_still_running_not_a_finished_branch(local):
+    """A wave's branches run on threads of the worker; one that has finished is not running any more."""
+    g = Graph.somatize((Identity() | Identity().named("other")) >> Join() >> Sleep(5).named("slow"))
+    with pytest.raises(RunTimeout) as info:
+        list(local.map(g, [0, 1], window=2, timeout=1.0))  # window >= workers: each input whole on a worker
+    assert info.value.nodes == ("slow",), str(info.value)
+
+
 def test_a_stateless_node_is_copied_to_every_worker(local):
     pids = set(local.map(Graph.somatize(PidAfter(0.02)), range(40)))
     assert pids == set(local.pids())

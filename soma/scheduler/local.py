@@ -121,10 +121,10 @@ class Local(RunnerBase):
                 _, ok, value = self._pool.await_item(sink, timeout)
             except queue.Empty:
                 err = scheduler.expire(flow, timeout)
-                try:  # it may have ended while it was being stopped: then its outcome is there
-                    _, ok, value = sink.get_nowait()
-                except queue.Empty:
+                item = self._pool.take_nowait(sink)  # it may have ended while it was being stopped
+                if item is None:
                     raise err from None
+                _, ok, value = item
             if not ok:
                 raise value
             return value
@@ -201,13 +201,11 @@ class _Flows(Inflight):
             got = [self.local._pool.await_item(self.sink, timeout)]
         except queue.Empty:
             return []
-        while True:
-            try:
-                item = self.sink.get_nowait()
-            except queue.Empty:
-                break
-            if type(item) is tuple:  # (a stray "receive now" token is not an outcome)
-                got.append(item)
+        take = self.local._pool.take_nowait
+        item = take(self.sink)
+        while item is not None:
+            got.append(item)
+            item = take(self.sink)
         for index, _, _ in got:
             self.flows.pop(index, None)
         return got

@@ -104,18 +104,19 @@ class Receiving:
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise queue.Empty
+                item = self.take_nowait(sink)  # (its time is up, but its outcome may be there)
+                if item is None:
+                    raise queue.Empty
+                return item
             self._lead(lambda: not sink.empty(), LEAD_S if remaining is None else min(LEAD_S, remaining))
-            if not sink.empty():  # it came while this thread received: no need to wait in line
-                item = sink.get_nowait()
-                if item is _LEAD:  # (a hand-off that arrived after the last outcome: stale)
-                    continue
+            item = self.take_nowait(sink)  # it came while this thread received: no need to wait in line
+            if item is not None:
                 return item
             waiter.handed = False
             with self._waiters_lock:
                 self._waiters.append(waiter)
             try:
-                item = sink.get(timeout=remaining)
+                item = sink.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 item = None
             with self._waiters_lock:
@@ -127,6 +128,22 @@ class Receiving:
                 self._lead(lambda: True, 0.0)
             if item is not None:
                 return item
+
+    def take_nowait(self, sink):
+        """The next item in `sink` if there is one, else None; never a hand-off token.
+
+        A token found here came after its caller stopped waiting (its outcome, or its
+        time, came first): the hand-off is honoured (this thread drains what is queued
+        and passes the receiving on), so nobody is left thinking someone receives.
+        """
+        while True:
+            try:
+                item = sink.get_nowait()
+            except queue.Empty:
+                return None
+            if item is not _LEAD:
+                return item
+            self._lead(lambda: True, 0.0)
 
     def _lead(self, done, seconds: float) -> None:
         """Receive on this thread until `done()` or `seconds` pass, if nobody else is receiving; then
