@@ -5,7 +5,8 @@ How messages flow through a worker (the host is drawn in `soma.scheduler`):
     host ROUTER ──Task/Free/Cancel/Stop──▶ DEALER
                                              │ one serving thread receives (soma.protocol.parse)
                                              ▼
-                     accept(Task): register the node code and piece specs it carries; append
+                     accept(Task): register the node code and piece specs it carries (library.py:
+                                   code unpickled on first use, a piece's Runner built once); append
                                    each Unit to its piece's Lane (a lane keeps arrival order)
                                              │ the receiving thread runs the first runnable lane
                                              │ itself (no hand-off for a short unit); other runnable

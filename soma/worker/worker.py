@@ -16,11 +16,11 @@ from .. import codec, protocol, transport
 from .._log import warn
 from ..errors import NodeError, SharedMemoryFull, traceback_text
 from ..execute import RunState, Runner
-from ..plan import last_step
 from ..protocol import Cancel, Free, Outcome, Result, Stop, Task
 from ..shm import ShmFull, unlink_all
 from ..status import StatusPage
 from .imports import AfterImport
+from .library import Library
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 WATCHDOG_S = 0.5
@@ -39,18 +39,6 @@ class Lane:
     def __init__(self):
         self.units: deque = deque()
         self.busy = False  # a thread is running its units
-
-
-class Loaded:
-    """A piece this worker can run: its plan, a Runner over its nodes' copies here, its first and last node."""
-
-    __slots__ = ("entry", "plan", "producer", "runner")
-
-    def __init__(self, plan, runner: Runner, entry: str, producer: str):
-        self.plan = plan
-        self.runner = runner
-        self.entry = entry  # named on the status page while its input is decoded
-        self.producer = producer  # ... and while its output is encoded
 
 
 class Worker:
@@ -93,11 +81,7 @@ class Worker:
         self.stopping = threading.Event()
         self.cancelled: set = set()  # unit ids the host no longer wants (dropped unless started)
         # What this worker knows: node code, nodes, pieces.
-        self.blobs: dict[int, bytes] = {}  # node key → code received and not loaded yet
-        self.nodes: dict[int, object] = {}  # node key → the node object (its copy lives here)
-        self.specs: dict[int, bytes] = {}  # piece id → spec
-        self.pieces: dict[int, Loaded] = {}  # piece id → the piece, once its nodes are loaded
-        self.load_lock = threading.Lock()
+        self.library = Library(self.id, self.make_runner)
         self.status = StatusPage(args.status, create=True)
         self.store = None
         self.store_lock = threading.Lock()
@@ -164,6 +148,7 @@ class Worker:
         when the worker is idle, so an idle worker uses no CPU.
         """
         me = threading.current_thread()
+        self.local.serving = True  # (see leave: units run on this thread, not a wave's branches)
         while not self.stopping.is_set():
             lane = None
             with self.cv:
@@ -234,11 +219,9 @@ class Worker:
             if task.frees:
                 self.free(task.frees)
             if task.code or task.pieces:
-                with self.load_lock:
-                    # Registered while this thread still receives: a later unit that counts on this code
-                    # (the host sends it once per worker) may run on another thread before it gets here.
-                    self.blobs.update(task.code)
-                    self.specs.update(task.pieces)
+                # Registered while this thread still receives: a later unit that counts on this code
+                # (the host sends it once per worker) may run on another thread before it gets here.
+                self.library.register(task.code, task.pieces)
         except Exception as err:  # an authentic but malformed message must not take the worker down
             warn("soma.worker", "soma worker %s: dropped a malformed Task: %s: %s", self.id, type(err).__name__, err)
             return None
@@ -326,12 +309,12 @@ class Worker:
         entry = producer = "?"
         status = self.status
         try:
-            piece = self.pieces.get(unit.piece)
+            piece = self.library.pieces.get(unit.piece)
             if piece is None:
-                plan, steps = self.plan(unit.piece)
-                entry, producer = next(plan.steps()), last_step(plan)
+                plan, steps, entry, producer = self.library.describe(unit.piece)
                 status.enter(unit.id, entry)
-                piece = self.load(unit.piece, plan, steps, entry, producer)
+                self.on_thread()  # (a node's code may touch CUDA as it loads)
+                piece = self.library.load(unit.piece, plan, steps, entry, producer)
             else:
                 entry, producer = piece.entry, piece.producer
                 status.enter(unit.id, entry)
@@ -381,70 +364,16 @@ class Worker:
                 store.note_sent(name)  # before the encoder (and the copies it keeps alive) goes
         return data
 
-    # -- pieces and nodes ------------------------------------------------------------------------------
-    def plan(self, piece_id: int) -> tuple:
-        """`(plan, {node id: (key, device)})` of a piece the host has described."""
-        spec = self.specs.get(piece_id)
-        if spec is None:
-            raise NodeError.failed("?", f"worker {self.id} was sent an input for piece {piece_id} it was never "
-                                        f"told about (a bug in soma: please report it)")
-        return protocol.parse_piece(spec)
-
-    def load(self, piece_id: int, plan, steps: dict, entry: str, producer: str) -> Loaded:
-        """The piece with a Runner over this worker's copies of its nodes, loading their code the first time."""
-        self.on_thread()  # (a node's code may touch CUDA as it loads)
-        nodes = {node_id: self.node(node_id, key) for node_id, (key, _) in steps.items()}
-        devices = {node_id: device for node_id, (_, device) in steps.items() if device}
-        runner = Runner(nodes, devices, worker=self.id, allocate=self.allocate, remote=True,
-                        on_thread=self.on_thread)
-        piece = self.pieces[piece_id] = Loaded(plan, runner, entry, producer)
-        return piece
-
-    def node(self, node_id: str, key: int):
-        node = self.nodes.get(key)
-        if node is not None:
-            return node
-        with self.load_lock:  # once per node, however many lanes want it at the same moment
-            node = self.nodes.get(key)
-            if node is not None:
-                return node
-            blob = self.blobs.get(key)
-            if blob is None:
-                raise NodeError.failed(node_id, f"worker {self.id} was not sent its code (a bug in soma: "
-                                                f"please report it)")
-            node = self.unpickle(node_id, blob)  # a failure keeps the code: the next input tries again
-            self.nodes[key] = node
-            del self.blobs[key]
-        return node
-
-    def unpickle(self, node_id: str, blob: bytes):
-        from .. import nodecode
-
-        try:
-            return nodecode.loads(blob)
-        except Exception as err:
-            raise NodeError.failed(
-                node_id,
-                f"its code could not be loaded in worker {self.id}: {type(err).__name__}: {err} (workers start "
-                f"with the host's sys.path and working directory; define the node in a module they can import)",
-                remote_traceback=traceback_text(err),
-            ) from err
+    # -- pieces and nodes (the library's) ------------------------------------------------------------
+    def make_runner(self, nodes: dict, devices: dict) -> Runner:
+        return Runner(nodes, devices, worker=self.id, allocate=self.allocate, remote=True, on_thread=self.on_thread)
 
     def forget(self, keys: list) -> None:
-        """The host's copies of these nodes are gone: no graph can send them here again."""
-        with self.load_lock:
-            for key in keys:
-                self.nodes.pop(key, None)
-                self.blobs.pop(key, None)
-            gone = set(keys)
-            for piece_id, spec in list(self.specs.items()):
-                _, steps = protocol.parse_piece(spec)
-                if any(key in gone for key, _ in steps.values()):
-                    del self.specs[piece_id]
-                    self.pieces.pop(piece_id, None)
+        """The host's copies of these nodes are gone: drop them, their pieces, and those pieces' idle lanes."""
+        self.library.forget(keys)
         with self.lock:
             for piece_id in [p for p, lane in self.lanes.items() if not lane.busy and not lane.units]:
-                if piece_id not in self.specs:
+                if piece_id not in self.library.specs:
                     del self.lanes[piece_id]
 
     # -- what runs now, for the status page (RunState's observer) ----------------------------------
@@ -452,7 +381,10 @@ class Worker:
         self.status.enter(unit, node_id)
 
     def leave(self, unit: int, node_id: str) -> None:
-        pass  # the next node's name, or the unit's end (run_unit), overwrites it
+        # On a serving thread the next node's name, or the unit's end (run_unit), overwrites it; a wave's
+        # branch thread clears its slot, or a finished branch would be named as running until reused.
+        if not getattr(self.local, "serving", False):
+            self.status.leave()
 
     # -- torch, devices, shared memory -----------------------------------------------------------
     def setup_torch(self) -> None:
