@@ -29,13 +29,13 @@ same `NodeError` on the host (`error_body` / `error_from`).
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import NamedTuple
 
 import msgpack
 
 from ._log import warn
+from .codec import ThreadPacker
 from .errors import NodeError, PostconditionError, RemoteTraceback, SharedMemoryFull
 from .plan import Plan, Seq, Step, Wave
 
@@ -111,19 +111,12 @@ class Stop(NamedTuple):
 _KIND_OF = {Hello: HELLO, Task: TASK, Result: RESULT, Free: FREE, Cancel: CANCEL, Stop: STOP}
 
 
-class _ThreadPacker(threading.local):
-    """A Packer per thread, reused: making one costs more than packing a small message."""
-
-    def __init__(self):
-        self.packer = msgpack.Packer(use_bin_type=True)
-
-
-_local = _ThreadPacker()
+_local = ThreadPacker(use_bin_type=True)  # (see soma.codec: one Packer per thread)
 
 
 def pack(secret: bytes, message) -> bytes:
     """One sealed frame for a message record (NamedTuples pack as msgpack arrays, as they are)."""
-    body = _local.packer.pack([_KIND_OF[type(message)], *message])
+    body = _local.pack([_KIND_OF[type(message)], *message])
     return mac(secret, body) + body
 
 

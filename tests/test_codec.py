@@ -45,6 +45,14 @@ def test_a_failed_encoding_leaves_nothing_in_the_next_one():
     assert roundtrip([4, ("five", (6,))]) == [4, ("five", (6,))]
 
 
+def test_a_big_value_does_not_leave_its_buffer_in_the_threads_packer():
+    small = codec._local.packer
+    assert roundtrip(b"x" * 1000) == b"x" * 1000 and codec._local.packer is small  # reused
+    big = b"y" * (codec.ThreadPacker.KEEP_BYTES + 1)
+    assert roundtrip(big) == big and codec._local.packer is not small  # replaced: its buffer goes
+    assert roundtrip([1, (2,)]) == [1, (2,)]
+
+
 def test_threads_encode_at_once_without_mixing_values():
     def encode_many(tag):
         values = [[tag, i, (tag, str(i), (i,))] for i in range(2000)]
