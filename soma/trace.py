@@ -46,10 +46,13 @@ class Trace:
 
     # -- recording (from any thread) -------------------------------------------------------------
     def process(self, pid: int, name: str) -> None:
-        self._processes[pid] = name
+        with self._lock:
+            self._processes[pid] = name
 
     def thread(self, pid: int, tid: int, name: str) -> None:
-        self._threads.setdefault((pid, tid), name)
+        if (pid, tid) not in self._threads:
+            with self._lock:
+                self._threads.setdefault((pid, tid), name)
 
     def span(self, name: str, cat: str, start_ns: int, end_ns: int, pid: int, tid: int, args: dict) -> None:
         """A complete event; ignored once the block has ended (runs still in flight in other threads)."""
@@ -97,10 +100,11 @@ class Trace:
             self.open = False
             self.end_ns = time.monotonic_ns()
             events = list(self._events)
+            processes, threads = dict(self._processes), dict(self._threads)  # (others may still name theirs)
         meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
-                for pid, name in self._processes.items()]
+                for pid, name in processes.items()]
         meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-                 for (pid, tid), name in self._threads.items()]
+                 for (pid, tid), name in threads.items()]
         doc = {
             "traceEvents": meta + events,
             "displayTimeUnit": "ms",
