@@ -7,8 +7,10 @@ would be what `import ray` finds, for this benchmark and every other one.)
 
 It re-runs itself in a loopback-only network namespace (`unshare -n`) when the
 machine allows it, so the Ray it starts never binds the machine's address; one
-local Ray (`num_cpus` = cores) serves every question. Every contender checks the
-values it receives. Contenders alternate round by round (benchmarks/README.md).
+local Ray (`num_cpus` = cores) serves every question. Every contender's values
+are checked (`h.expect`: a wrong one ends the run with `FAILED: <contender> ...`);
+the tensors carry a fill of their own per call, so a stale one fails too.
+Contenders alternate round by round (benchmarks/README.md).
 
 * chain: one input through `AddOne >> Double >> AddOne`, per run.
     soma     soma.Ray().run(g, x)
@@ -27,7 +29,7 @@ values it receives. Contenders alternate round by round (benchmarks/README.md).
 * tensor: 256 MiB of float32 made in one actor and read (its last element) in another,
   time beyond the tensor's creation; and the parts that explain it, in this process:
   pickling it (what Ray does to a torch tensor), ray.put, ray.get of that ref.
-    actors   hand-written (make.remote() → read.remote(ref))     soma  MakeTimed >> LastOfTimed
+    actors   hand-written (make.remote() → read.remote(ref))     soma  make_timed >> last_of_timed
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import tempfile
 import time
 
 import _harness as h
-from _work import AddOne, Double
+from _work import AddOne, Double, chain3
 
 NAME = "soma_ray"
 IN_NAMESPACE = "SOMA_BENCH_LOOPBACK"
@@ -65,20 +67,18 @@ def rerun_on_loopback(argv: list[str]) -> None:
 
 # -- what the actors run (plain functions and nodes; by value from __main__ is fine for both) -------------
 
-def make_timed(numel: int):
-    """(a float32 tensor of `numel` ones, seconds to make it), measured where it is made."""
+def make_timed(spec):
+    """(a float32 tensor of `numel` elements equal to `fill`, seconds to make it), measured where it is made;
+    `spec` is `(numel, fill)`, one input (a soma node's)."""
     from _work import make_timed as made
 
-    return made(numel)
+    numel, fill = spec
+    return made(numel, None, fill)
 
 
 def last_of_timed(pair):
     tensor, seconds = pair
     return float(tensor.reshape(-1)[-1]), seconds
-
-
-def chain3(x):
-    return (x + 1) * 2 + 1
 
 
 def actor_classes(ray):
@@ -143,14 +143,14 @@ def chain(suite, ray, cluster, Stage, soma):
     stages = [Stage.remote(lambda x: x + 1), Stage.remote(lambda x: x * 2), Stage.remote(lambda x: x + 1)]
     runs = 10 if suite.mode == "smoke" else 200
 
-    def many(call):
+    def many(name, call):
         def go():
             for i in range(runs):
-                assert call(i) == chain3(i)
+                h.expect(name, call(i), chain3(i), f"input {i}")
         return go
 
-    samples = h.alternate({"soma": many(lambda i: cluster.run(g, i)),
-                           "actors": many(lambda i: hand_chain(stages, ray, i))},
+    samples = h.alternate({"soma": many("soma", lambda i: cluster.run(g, i)),
+                           "actors": many("actors", lambda i: hand_chain(stages, ray, i))},
                           repeat=suite.repeat(full=7, quick=3), warmup=1)
     params = {"question": "chain", "nodes": 3}
     for name in ("soma", "actors"):
@@ -167,13 +167,15 @@ def map_throughput(suite, ray, cluster, Stage, soma):
         expected = [x + 1 for x in xs]
         pool = [Stage.remote(func) for _ in range(cluster._cpus)]  # as many actors as soma's copies
         for ordered in (True, False):
-            def with_soma(g=g, ordered=ordered):
-                out = list(cluster.map(g, xs, window=WINDOW, ordered=ordered))
-                assert (out if ordered else sorted(out)) == expected
+            what = f"map, {kind}, {'ordered' if ordered else 'unordered (sorted)'}"
 
-            def with_pool(pool=pool, ordered=ordered):
+            def with_soma(g=g, ordered=ordered, what=what):
+                out = list(cluster.map(g, xs, window=WINDOW, ordered=ordered))
+                h.expect("soma", out if ordered else sorted(out), expected, what)
+
+            def with_pool(pool=pool, ordered=ordered, what=what):
                 out = hand_pool_map(pool, ray, xs, WINDOW, ordered)
-                assert (out if ordered else sorted(out)) == expected
+                h.expect("pool", out if ordered else sorted(out), expected, what)
 
             with_soma()  # soma starts its second copy once the first is busy: warm both before timing
             samples = h.alternate({"soma": with_soma, "pool": with_pool}, repeat=suite.repeat(full=9, quick=3),
@@ -193,14 +195,9 @@ def gil_wave(suite, cluster, soma):
     g = soma.Graph.somatize(Burn(n) | Burn(n) | Burn(n) | Burn(n))
     expected = (h.burn(n),) * 4
     executor = soma.Executor()
-
-    def check(call):
-        def go():
-            assert call() == expected
-        return go
-
-    contenders = {"executor": check(lambda: executor.run(g, None)), "ray": check(lambda: cluster.run(g, None))}
-    samples = h.alternate(contenders, repeat=suite.repeat(full=7, quick=3), warmup=1)
+    contenders = {"executor": lambda: executor.run(g, None), "ray": lambda: cluster.run(g, None)}
+    samples = h.alternate(contenders, repeat=suite.repeat(full=7, quick=3), warmup=1,
+                          check=lambda name, got: h.expect(name, got, expected, "the wave's outputs"))
     params = {"question": "gil_wave", "B": 4, "W_ms": width_ms}
     for name in ("executor", "ray"):
         suite.add(name, params, h.ms(samples[name]), "ms")
@@ -218,8 +215,8 @@ def tensor(suite, ray, cluster, soma):
 
     @ray.remote
     class Maker:
-        def make(self, numel):
-            return make_timed(numel)
+        def make(self, spec):
+            return make_timed(spec)
 
     @ray.remote
     class Reader:
@@ -229,24 +226,31 @@ def tensor(suite, ray, cluster, soma):
     make_actor, read_actor = Maker.remote(), Reader.remote()
     g = soma.Graph.somatize(soma.fn(make_timed, name="make") >> soma.fn(last_of_timed, name="read"))
 
-    def beyond_creation(call):
+    def beyond_creation(name, call):
         def go():
+            fill = h.next_fill()  # this call's own: a tensor of an earlier call holds another number
             start = time.perf_counter()
-            value, made_s = call()
+            value, made_s = call((numel, fill))
             elapsed = time.perf_counter() - start
-            assert value == 1.0
+            h.expect(name, value, fill, "the last element of the tensor made")
             return elapsed - made_s
         return go
 
-    local = torch.ones(numel)
+    def got_back():
+        seconds, value = h.timed(lambda: float(ray.get(put_ref)[-1]))
+        h.expect("ray.get", value, local_fill, "the last element of the tensor put")
+        return seconds
+
+    local_fill = h.next_fill()
+    local = torch.full((numel,), local_fill)
     put_ref = ray.put(local)
     contenders = {
-        "actors": beyond_creation(lambda: ray.get(read_actor.read.remote(make_actor.make.remote(numel)))),
-        "soma": beyond_creation(lambda: cluster.run(g, numel)),
-        "tasks": beyond_creation(lambda: ray.get(reader.remote(maker.remote(numel)))),
+        "actors": beyond_creation("actors", lambda spec: ray.get(read_actor.read.remote(make_actor.make.remote(spec)))),
+        "soma": beyond_creation("soma", lambda spec: cluster.run(g, spec)),
+        "tasks": beyond_creation("tasks", lambda spec: ray.get(reader.remote(maker.remote(spec)))),
         "pickle.dumps": lambda: h.timed(pickle.dumps, local)[0],
         "ray.put": lambda: h.timed(ray.put, local)[0],
-        "ray.get": lambda: h.timed(lambda: float(ray.get(put_ref)[-1]))[0],
+        "ray.get": got_back,
         "clone": lambda: h.timed(local.clone)[0],
     }
     samples = h.alternate(contenders, repeat=suite.repeat(full=5, quick=3), warmup=1, self_timed=True)
@@ -308,4 +312,4 @@ def print_summary(suite: h.Suite) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    h.cli(main)
