@@ -22,7 +22,7 @@ from ..trace import Trace
 from .pool import WorkerPool
 from .program import compile_program
 from .registry import NodeRegistry
-from .scheduler import Scheduler
+from .scheduler import Scheduler, pieces_of
 
 
 class Local(RunnerBase):
@@ -187,11 +187,12 @@ class _Flows(Inflight):
     def __init__(self, scheduler: Scheduler, g, program, local: Local, timeout):
         self.scheduler, self.program, self.local, self.timeout = scheduler, program, local, timeout
         self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
+        self.pieces = pieces_of(program)  # (asked for at every turn of the map: found once)
         self.sink = queue.SimpleQueue()
         self.flows: dict = {}
 
     def parallelism(self) -> int:
-        return self.scheduler.parallelism(self.program)
+        return self.scheduler.parallelism(self.pieces)
 
     def start(self, items: list) -> None:
         self.flows.update(self.scheduler.start(self.program, items, self.sink, self.local._trace))

@@ -187,10 +187,12 @@ class WorkerPool(Receiving):
         snapshot = self._snapshot
         if snapshot is None or time.monotonic() - snapshot[3] > PUMP_S / 10:
             changes = self._changes
-            by_state: dict = {"ready": [], "starting": [], "dead": [], "broken": []}
+            by_state: dict = {"ready": [], "starting": [], "dead": [], "broken": []}  # (broken: never used)
             for slot in range(len(self.workers)):
                 by_state[self.state(slot)].append(slot)
-            snapshot = by_state["ready"], by_state["starting"], by_state["dead"], time.monotonic()
+            # Tuples: the snapshot is shared by every pump until the next change.
+            snapshot = (tuple(by_state["ready"]), tuple(by_state["starting"]), tuple(by_state["dead"]),
+                        time.monotonic())
             # Kept only when every worker is ready (one starting or dead is asked about every time) and
             # nothing changed while it was taken (a hello or a death on the listener meanwhile).
             if not snapshot[1] and not snapshot[2]:

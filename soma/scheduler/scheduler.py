@@ -31,7 +31,7 @@ from collections import deque
 
 from ..errors import NodeError, PostconditionError, RunTimeout, SomaError, WorkerDied
 from ..plan import Seq, last_step
-from ..postcondition import find_misplaced
+from ..postcondition import check_postcondition
 from .flows import Flow, Job, Walker
 from .pool import CANCELLED, START_FAILURES, Undecodable
 from .program import Piece, output_devices
@@ -114,12 +114,12 @@ class Scheduler:
 
     def _pump_queue(self) -> None:
         ready, starting, dead = self.pool.slots()
-        usable = ready + starting if starting or dead else ready  # (the pool's list: never changed here)
+        usable = ready + starting if starting else ready
         for slot in dead:
             if self.load[slot] == 0:
                 self.pool.retire(slot)  # died while idle: replace it now, nothing to drain or fail
-                usable.append(slot)
-                starting = [*starting, slot]
+                usable += (slot,)
+                starting += (slot,)
         load = self.load
         for slot in usable:
             if load[slot] < MAX_DEPTH:
@@ -254,8 +254,9 @@ class Scheduler:
             return MAX_DEPTH
         return max(2, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
 
-    def parallelism(self, program=None) -> int:
-        """How many inputs of `program` this pool works on at once: map's default window is twice this.
+    def parallelism(self, pieces: list) -> int:
+        """How many inputs of a program (its `pieces`, see pieces_of) this pool works on at once: map's
+        default window is twice this.
 
         One per worker until its pieces are measured; then as many per worker as the slowest
         piece's depth (2 for jobs longer than the way to a worker and back: one running, one
@@ -264,7 +265,6 @@ class Scheduler:
         is the slow one.
         """
         with self.lock:
-            pieces = _pieces(program) if program is not None else []
             if not pieces or any(p.id not in self.service_s or p.id not in self.latency_s for p in pieces):
                 return len(self.load)
             return len(self.load) * min(self.depth(p) for p in pieces)
@@ -277,9 +277,18 @@ class Scheduler:
     def on_ready(self, slot: int) -> None:
         with self.lock:
             parked, self.parked[slot] = self.parked[slot], []
-            parked = [job for job in parked if job.id in self.outstanding]
-            if parked:
-                self._send(slot, parked)
+            wanted = []
+            for job in parked:
+                if job.id not in self.outstanding:
+                    continue
+                if job.flow.finished:  # cancelled or timed out while its worker started: never sent
+                    self._give_back(job)
+                    job.flow.jobs.discard(job)
+                    job.keep = None
+                    continue
+                wanted.append(job)
+            if wanted:
+                self._send(slot, wanted)
             self._pump()
 
     def on_outcomes(self, slot: int, worker, outcomes: list) -> None:
@@ -333,9 +342,9 @@ class Scheduler:
             start = time.monotonic_ns() if job.traced else 0
             try:
                 for node_id, declared, item in output_devices(piece.plan, piece.devices, value):
-                    actual = find_misplaced(item, declared)
-                    if actual is not None:
-                        return PostconditionError(node_id, declared, actual), False
+                    check_postcondition(node_id, declared, item)
+            except PostconditionError as err:
+                return err, False
             finally:
                 if job.traced and job.flow.trace is not None:
                     tid = threading.get_native_id()
@@ -414,9 +423,10 @@ class Scheduler:
             self._cancel_at_workers(flows)
 
     def _cancel_at_workers(self, flows) -> None:
+        flows = set(flows)
         by_slot: dict[int, list] = {}
         for job in self.outstanding.values():
-            if job.flow in flows:
+            if job.flow in flows and job not in self.parked[job.slot]:  # (parked ones are dropped at hello)
                 by_slot.setdefault(job.slot, []).append(job.id)
         for slot, ids in by_slot.items():
             self.pool.cancel(slot, ids)
@@ -473,8 +483,9 @@ def _internal(err: BaseException, doing: str) -> SomaError:
     return failure
 
 
-def _pieces(program) -> list:
+def pieces_of(program) -> list:
+    """Every Piece of a program, in order."""
     if isinstance(program, Piece):
         return [program]
     children = program.items if isinstance(program, Seq) else program.branches
-    return [piece for child in children for piece in _pieces(child)]
+    return [piece for child in children for piece in pieces_of(child)]

@@ -49,9 +49,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    secret_hex = os.environ.pop("SOMA_SECRET", "")
+    from ..protocol import SECRET_ENV  # (after --help: that needs none of the protocol's imports)
+
+    secret_hex = os.environ.pop(SECRET_ENV, "")
     if not secret_hex:
-        print("soma-worker: SOMA_SECRET is not set; soma.Local starts workers, see --help", file=sys.stderr)
+        print(f"soma-worker: {SECRET_ENV} is not set; soma.Local starts workers, see --help", file=sys.stderr)
         return 2
     host_path = os.environ.pop("SOMA_SYS_PATH", None)
     if host_path:
