@@ -111,10 +111,11 @@ class RunTimeout(SomaError, TimeoutError):
 
     @classmethod
     def after(cls, timeout: float, running: dict, waiting, then: str | None = None) -> "RunTimeout":
-        """soma's one wording: `running` maps each node still running to where ("worker w1", "Ray actor 3f2a"),
-        `waiting` the nodes that had not started, `then` what was done about the running ones."""
+        """soma's one wording: `running` maps each node still running to where ("worker w1", "Ray actor 3f2a";
+        None in-process), `waiting` the nodes that had not started, `then` what was done about the running ones."""
         text = f"run timed out after {timeout} s; still running: " + (
-            ", ".join(f"`{node}` (on {where})" for node, where in running.items()) or "none")
+            ", ".join(f"`{node}`" + (f" (on {where})" if where else "") for node, where in running.items())
+            or "none")
         if waiting:
             text += f"; waiting to run: {', '.join(f'`{n}`' for n in waiting)}"
         if then:

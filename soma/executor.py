@@ -71,11 +71,7 @@ def _with_timeout(runner: Runner, plan, x, state: RunState, spans, timeout: floa
     thread.join(timeout)
     if thread.is_alive():
         state.cancelled = True
-        nodes = state.running_now()
-        raise RunTimeout(
-            f"run timed out after {timeout} s; still running: {', '.join(f'`{n}`' for n in nodes) or 'none'}",
-            nodes=nodes,
-        )
+        raise RunTimeout.after(timeout, dict.fromkeys(state.running_now()), ())
     if "error" in box:
         raise box.pop("error")
     return box["value"]

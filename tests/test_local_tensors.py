@@ -154,3 +154,17 @@ def test_shared_memory_that_runs_out_is_an_error_naming_the_node(local, monkeypa
         local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))
     monkeypatch.undo()
     assert float(local.run(Graph.somatize(Identity()), torch.ones(BIG)).sum()) == BIG  # and nothing is lost
+
+
+def test_a_segment_that_cannot_be_made_for_an_input_is_an_error_naming_the_node(local, monkeypatch):
+    import errno
+
+    def no_files(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(local._pool.get_store(), "copy_in", no_files)  # the host's next copy into a segment
+    with pytest.raises(NodeError, match=r"^node `identity` failed: its input could not be put in shared memory: "
+                                        r"OSError: \[Errno 24\] Too many open files$"):
+        local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))
+    monkeypatch.undo()
+    assert float(local.run(Graph.somatize(Identity()), torch.ones(BIG)).sum()) == BIG  # and nothing is lost

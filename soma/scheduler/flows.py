@@ -139,5 +139,8 @@ class Walker:
             raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
         except ShmFull as err:
             raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
+        except OSError as err:  # a segment that could not be made or mapped (too many open files, ...)
+            raise NodeError.failed(entry, f"its input could not be put in shared memory: {type(err).__name__}: "
+                                          f"{err}") from err
         found = encoded[id(x)] = (payload, encoder.shared, encoder)
         return found

@@ -314,8 +314,8 @@ class WorkerPool(Receiving):
             else:
                 warn("soma.local", "soma: dropped a %s message a worker should not send", type(message).__name__)
         except Exception as err:  # authentic but malformed: drop it, never let it take the pool down
-            warn("soma.local", "soma: dropped a malformed %s message: %s: %s", type(message).__name__,
-                 type(err).__name__, err)
+            warn("soma.local", "soma: dropped a malformed %s message from worker pid %s: %s: %s",
+                 type(message).__name__, getattr(message, "pid", "?"), type(err).__name__, err)
 
     def _on_hello(self, hello: Hello) -> None:
         for worker in self.workers:
