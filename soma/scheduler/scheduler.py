@@ -131,15 +131,20 @@ class Scheduler:
         queue, waiting = self.queue, deque()
         self.queue = waiting
         depths: dict = {}
+        full: set = set()  # pieces no worker can take more of in this pump (loads only grow during it)
         for job in queue:
             if job.flow.finished:
                 continue
             piece = job.piece
+            if piece.id in full:
+                waiting.append(job)
+                continue
             depth = depths.get(piece.id)
             if depth is None:
                 depth = depths[piece.id] = self.depth(piece)
             slot = self._choose(piece, usable, depth)
             if slot is None:
+                full.add(piece.id)
                 waiting.append(job)
                 continue
             self._take(job, slot)
