@@ -229,7 +229,9 @@ class WorkerPool(Receiving):
         self.settle()  # so the frees this Task carries are current
         with self._send_lock:
             worker = self.workers[slot]
-            if self.closing or worker is None or worker.retired:
+            # Not ready: the worker the scheduler chose died since, and this is its replacement, still
+            # starting (the scheduler parks jobs for those): the death's report fails these units.
+            if self.closing or worker is None or worker.retired or not worker.ready.is_set():
                 return False
             code, pieces = {}, {}
             sent = worker.pieces
