@@ -172,6 +172,12 @@ class Held:
         while len(ring) > self.keep:
             ring.popleft()()
 
+    def filled(self, contender: str, t, fill: float, numel: int, what: str) -> None:
+        """Check a tensor just received (every element `fill`), and hold it: it is checked again when let go of."""
+        expect_filled(contender, t, fill, numel, what)
+        self.add(contender, lambda: expect_filled(contender, t, fill, numel, f"{what}, held across later ones "
+                                                                             f"(filled with {fill:g})"))
+
     def check_all(self) -> int:
         """Check (and let go of) everything still held; returns how many were checked."""
         count = 0

@@ -91,12 +91,6 @@ class Contenders:
 
 # -- return and made --------------------------------------------------------------------------------
 
-def hold_checked(held: h.Held, name: str, t, fill: float, numel: int) -> None:
-    """Check a received tensor now, and keep it (checked again when the caller lets go of it)."""
-    h.expect_filled(name, t, fill, numel, "just received")
-    held.add(name, lambda: h.expect_filled(name, t, fill, numel, f"held across repetitions (filled with {fill:g})"))
-
-
 def returning(c: Contenders, numel: int, held: h.Held) -> dict:
     """Callables returning `(wall seconds, creation seconds in the producer)`; every tensor checked, off the clock."""
     torch = c.torch
@@ -107,7 +101,7 @@ def returning(c: Contenders, numel: int, held: h.Held) -> dict:
     def received(name, call):
         fill = h.next_fill()
         wall, (t, created) = h.timed(call, fill)
-        hold_checked(held, name, t, fill, numel)
+        held.filled(name, t, fill, numel, "just received")
         return wall, created
 
     def reference(name, call, fill=1.0):
@@ -169,7 +163,7 @@ def sending(c: Contenders, numel: int, held: h.Held) -> dict:
         t = make_tensor(numel, fill=fill)  # fresh every time, made before the clock starts
         wall, answer = h.timed(call, t)
         h.expect(name, answer, fill, "the last element of the tensor sent, read by the worker")
-        hold_checked(held, name, t, fill, numel)
+        held.filled(name, t, fill, numel, "just received")
         return wall
 
     calls = {
