@@ -188,6 +188,32 @@ class Held:
         return count
 
 
+class Pools:
+    """The warm pools most benchmarks compare, `workers` each, started together and closed together:
+    `local` (soma.Local), `procpool` (ProcessPoolExecutor, spawn), `mp_pool` (multiprocessing.Pool,
+    spawn), `threads` (ThreadPoolExecutor). soma is imported here, not at the top: the pools'
+    children import this module and need none of it."""
+
+    def __init__(self, workers: int):
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        import soma
+
+        spawn = mp.get_context("spawn")
+        self.local = soma.Local(workers=workers).start()
+        self.procpool = cf.ProcessPoolExecutor(workers, mp_context=spawn)
+        self.mp_pool = spawn.Pool(workers)
+        self.threads = cf.ThreadPoolExecutor(workers)
+
+    def close(self) -> None:
+        self.local.close()
+        self.procpool.shutdown(wait=True)
+        self.mp_pool.close()
+        self.mp_pool.join()
+        self.threads.shutdown(wait=True)
+
+
 def cli(main: Callable) -> None:
     """`main(sys.argv[1:])`, and a wrong value is exit status 1 with a last line that says whose it was."""
     try:

@@ -40,11 +40,9 @@ is in overhead.py.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
 import gc
 import itertools
-import multiprocessing as mp
 import os
 import sys
 
@@ -65,16 +63,12 @@ FLAT_EVERY = 8  # every 8th input of `flat` is a tensor
 WINDOW = 8  # the explicit window of `window`
 
 
-class Pools:
-    """Every contender's runner, started and warmed once, closed together."""
+class Pools(h.Pools):
+    """Every contender's runner (the harness's pools and an Executor), started once, closed together."""
 
     def __init__(self):
-        spawn = mp.get_context("spawn")
+        super().__init__(WORKERS)
         self.executor = soma.Executor()
-        self.local = soma.Local(workers=WORKERS).start()
-        self.procpool = cf.ProcessPoolExecutor(WORKERS, mp_context=spawn)
-        self.mp_pool = spawn.Pool(WORKERS)
-        self.threads = cf.ThreadPoolExecutor(WORKERS)
 
     def maps(self, g: Graph, func, xs) -> dict:
         """`name → callable` returning each contender's outputs for `xs`, as a list."""
@@ -85,13 +79,6 @@ class Pools:
             "mp_imap": lambda: list(self.mp_pool.imap(func, xs, chunksize=1)),
             "threads": lambda: list(self.threads.map(func, xs)),
         }
-
-    def close(self) -> None:
-        self.local.close()
-        self.procpool.shutdown(wait=True)
-        self.mp_pool.close()
-        self.mp_pool.join()
-        self.threads.shutdown(wait=True)
 
 
 # -- rates: tiny, gil, pipeline --------------------------------------------------------------------------

@@ -23,7 +23,6 @@ Three questions, each on warm pools of 2 workers, contenders alternated round by
 from __future__ import annotations
 
 import concurrent.futures as cf
-import multiprocessing as mp
 import os
 import time
 
@@ -34,24 +33,6 @@ from soma import Graph
 
 NAME = "overhead"
 WORKERS = 2
-
-
-def start_pools() -> dict:
-    spawn = mp.get_context("spawn")
-    return {
-        "local": soma.Local(workers=WORKERS).start(),
-        "procpool": cf.ProcessPoolExecutor(WORKERS, mp_context=spawn),
-        "mp_pool": spawn.Pool(WORKERS),
-        "threads": cf.ThreadPoolExecutor(WORKERS),
-    }
-
-
-def close_pools(pools: dict) -> None:
-    pools["local"].close()
-    pools["procpool"].shutdown(wait=True)
-    pools["mp_pool"].close()
-    pools["mp_pool"].join()
-    pools["threads"].shutdown(wait=True)
 
 
 def per_call(name: str, trips: int, call) -> float:
@@ -71,10 +52,10 @@ def per_call(name: str, trips: int, call) -> float:
 
 # -- round trip ---------------------------------------------------------------------------------
 
-def round_trips(suite: h.Suite, pools: dict) -> None:
+def round_trips(suite: h.Suite, pools: h.Pools) -> None:
     g = Graph.somatize(Echo())
     executor = soma.Executor()
-    local, procpool, mp_pool, threads = pools["local"], pools["procpool"], pools["mp_pool"], pools["threads"]
+    local, procpool, mp_pool, threads = pools.local, pools.procpool, pools.mp_pool, pools.threads
     calls = {
         "local": lambda x: local.run(g, x),
         "procpool": lambda x: procpool.submit(echo, x).result(),
@@ -94,10 +75,10 @@ def round_trips(suite: h.Suite, pools: dict) -> None:
 
 # -- throughput ---------------------------------------------------------------------------------
 
-def throughputs(suite: h.Suite, pools: dict) -> None:
+def throughputs(suite: h.Suite, pools: h.Pools) -> None:
     g = Graph.somatize(AddOne() >> Double() >> AddOne())
     executor = soma.Executor()
-    local, procpool, mp_pool, threads = pools["local"], pools["procpool"], pools["mp_pool"], pools["threads"]
+    local, procpool, mp_pool, threads = pools.local, pools.procpool, pools.mp_pool, pools.threads
     callers = cf.ThreadPoolExecutor(4)
     runs = {"full": 3000, "quick": 1000, "smoke": 50}[suite.mode]
     inputs = list(range(runs))
@@ -158,9 +139,9 @@ def idle_cpu_percent(pids: list[int], seconds: float) -> float:
     return 100 * (cpu() - before) / (time.perf_counter() - start)
 
 
-def idle(suite: h.Suite, pools: dict) -> None:
+def idle(suite: h.Suite, pools: h.Pools) -> None:
     seconds = {"full": 1.0, "quick": 1.0, "smoke": 0.2}[suite.mode]
-    watched = {name: [os.getpid()] + pool_pids(name, pools[name]) for name in ("local", "procpool", "mp_pool")}
+    watched = {name: [os.getpid()] + pool_pids(name, getattr(pools, name)) for name in ("local", "procpool", "mp_pool")}
     samples = h.alternate({name: (lambda p=pids: idle_cpu_percent(p, seconds)) for name, pids in watched.items()},
                           repeat=suite.repeat(full=5, quick=3, smoke=1), warmup=0, self_timed=True)
     for name, values in samples.items():
@@ -171,7 +152,7 @@ def main(argv=None) -> list[dict]:
     args = h.parse_args(argv, __doc__)
     suite = h.Suite(NAME, args)
     print(f"{NAME}: {h.versions()}; mode {suite.mode}")
-    pools = start_pools()
+    pools = h.Pools(WORKERS)
     try:
         round_trips(suite, pools)
         print("  round trips done", flush=True)
@@ -179,7 +160,7 @@ def main(argv=None) -> list[dict]:
         print("  throughput done", flush=True)
         idle(suite, pools)
     finally:
-        close_pools(pools)
+        pools.close()
     return suite.finish(lambda: print_summary(suite))
 
 
