@@ -42,7 +42,7 @@ MiB = 1 << 20
 
 # -- arguments -----------------------------------------------------------------------------------
 
-def parse_args(argv, description: str, extra: Callable | None = None) -> argparse.Namespace:
+def parse_args(argv, description: str) -> argparse.Namespace:
     """`--quick` (under a minute), `--smoke` (seconds: the test suite's mode), `--json FILE`."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and inputs (under a minute)")
@@ -51,8 +51,6 @@ def parse_args(argv, description: str, extra: Callable | None = None) -> argpars
     parser.add_argument("--ray", action="store_true",
                         help="add Ray rows (a fresh local Ray instance, never an existing cluster; also "
                              "SOMA_BENCH_RAY=1)")
-    if extra is not None:
-        extra(parser)
     return parser.parse_args(argv)
 
 

@@ -140,20 +140,6 @@ class Sleep(Node):
         return Done(x)
 
 
-class Spin(Node):
-    """Pure-Python work holding the GIL for about `seconds`."""
-
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    def forward(self, x, ctx):
-        end = time.perf_counter() + self.seconds
-        n = 0
-        while time.perf_counter() < end:
-            n += 1
-        return Done(n)
-
-
 class SetEvent(Node):
     def __init__(self, event, delay=0.0):
         self.event = event

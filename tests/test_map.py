@@ -10,7 +10,7 @@ import pytest
 
 import soma
 from soma import Graph, NodeError, RunTimeout, WorkerDied
-from tests.conftest import in_threads
+from tests.conftest import in_threads, wait_for
 from tests.nodes import (
     AddOne, AppendLine, Double, FailOn, Identity, Join, NotReentrant, OneCopyCounter, OneCopySleep, PidAfter,
     SetupCounter, Sleep,
@@ -247,9 +247,7 @@ def test_leaving_a_map_early_leaves_no_backlog(local, tmp_path):
     assert [next(outputs) for _ in range(3)] == [0, 1, 2]
     outputs.close()
     assert local.run(Graph.somatize(AddOne()), 1) == 2
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len(local._scheduler.outstanding):
-        time.sleep(0.01)
+    wait_for(lambda: not local._scheduler.outstanding, what="the cancelled jobs' outcomes")
     assert not local._scheduler.outstanding and not local._scheduler.flows
     assert len(log.read_text().split()) <= 3 + 6  # no more ran than were taken
 

@@ -22,10 +22,11 @@ def test_each_thread_has_its_slot_and_a_reader_sees_them_all(tmp_path):
 
     t = threading.Thread(target=other)
     t.start()
-    seen.wait(5)
+    assert seen.wait(5), "the other thread never wrote its slot"
     assert sorted(reader.read()) == [(7, "encoder"), (8, "join")]
     done.set()
-    t.join()
+    t.join(5)
+    assert not t.is_alive()
     writer.leave()
     assert reader.read() == []
     writer.close()
