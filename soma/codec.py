@@ -89,7 +89,8 @@ class Encoder:
                     local.encoder = None
             return msgpack.packb(value, default=self._default, strict_types=True, use_bin_type=True)
         except (OverflowError, ValueError):
-            # msgpack refuses ints beyond 64 bits and very deep nesting: pickle the whole value.
+            # msgpack refuses nesting deeper than ~1,000 levels: pickle the whole value (Unsendable, saying
+            # why, when pickle cannot either). Ints beyond 64 bits never get here: `_default` pickles them.
             return msgpack.packb(self._pickled(value), strict_types=True, use_bin_type=True)
 
     def _default(self, obj):
