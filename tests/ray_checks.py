@@ -89,6 +89,17 @@ class SleepInput(Node):
         return Done(x)
 
 
+class HoldUntilFile(Node):
+    """Returns its input; an input that is a path waits (at most DEADLINE_S) until that file exists."""
+
+    def forward(self, x, ctx):
+        if isinstance(x, str):
+            deadline = time.monotonic() + DEADLINE_S
+            while not os.path.exists(x) and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling a condition, with a deadline
+        return Done(x)
+
+
 class OneCopyMarkThenSleep(Node):
     """One copy: on input 2 (the first node adds one to 1) it writes `marker`, then sleeps a long time."""
 
@@ -443,15 +454,17 @@ def traced(cluster, folder):
 
 def trace_blocks(cluster, folder):
     """A traced map's input still running when its block ends: the next block has none of its spans."""
-    g = Graph.somatize(SleepInput())
+    g = Graph.somatize(HoldUntilFile())
     first, second = Path(folder, "first.json"), Path(folder, "second.json")
+    release = str(Path(folder, "release"))
     with cluster.trace(first):
-        outputs = cluster.map(g, [0, 1.0], window=2, ordered=False)
-        early = next(outputs)  # input 0; input 1 sleeps on past the block's end
+        outputs = cluster.map(g, [0, release], window=2)
+        early = next(outputs)  # input 0; input 1 waits for `release`, which comes after the block's end
+    Path(release).touch()
     with cluster.trace(second):
         during = cluster.run(g, 0)
         late = list(outputs)  # input 1 ends in this block: its spans reach its actor after the first one's end
-    return {"outputs": [early, during, late],
+    return {"outputs": [early, during, [late == [release]]],
             "first": _node_events(first), "second": _node_events(second)}
 
 

@@ -303,7 +303,7 @@ def test_ray_trace_writes_node_events_with_the_actors_pids(observed):
 
 def test_ray_a_trace_block_has_no_spans_of_an_input_an_earlier_block_left_running(observed):
     seen = check(observed, "trace_blocks")
-    assert seen["outputs"] == [0, 0, [1.0]]
+    assert seen["outputs"] == [0, 0, [True]]
     assert seen["first"] == [{"input": 0, "ts": seen["first"][0]["ts"]}]  # input 1 had not ended yet
     assert [e["input"] for e in seen["second"]] == [None]  # the run's alone: none of input 1's
     assert all(e["ts"] >= 0 for e in seen["first"] + seen["second"])
