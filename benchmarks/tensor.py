@@ -217,7 +217,7 @@ def measure_echo(suite: h.Suite, c: Contenders, sizes: dict) -> None:
             h.expect_filled(name, t, fills[name], numel, f"made for the {size} echo")
             originals.append((name, t, fills[name], numel))
         back = c.local.run(g, received["local"])
-        if nbytes >= soma.codec.INLINE_LIMIT:  # below it tensors travel inline, as copies
+        if nbytes >= soma.wire.codec.INLINE_LIMIT:  # below it tensors travel inline, as copies
             assert back.untyped_storage().data_ptr() == received["local"].untyped_storage().data_ptr()
         del back
         calls[f"local/{size}"] = lambda t=received["local"], f=fills["local"], n=numel: echoed(

@@ -4,7 +4,7 @@
 
 Four branches of pure-Python work in one wave. The in-process Executor runs each
 branch on its own thread, and the threads take turns on the GIL. soma.Local runs
-the same graph on worker processes (`python -m soma.worker`, the `soma-worker`
+the same graph on worker processes (`python -m soma.local.worker`, the `soma-worker`
 program), two branches per worker here, so the work is spread across the cores.
 Same graph, same answer, no code change.
 

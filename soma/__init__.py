@@ -7,7 +7,7 @@
         local.run(g, "some text")
 
 Every name is loaded when first used: `import soma` never imports torch or
-ZeroMQ, and a worker process, which imports `soma.worker`, pays only for the
+ZeroMQ, and a worker process, which imports `soma.local.worker`, pays only for the
 modules it runs (its start-up is on the critical path of `Local.start()`).
 """
 
@@ -22,12 +22,12 @@ _NAMES = {
     "Device": "soma.device",
     "Done": "soma.values",
     "Opaque": "soma.values",
-    "Executor": "soma.executor",
+    "Executor": "soma.run.executor",
     "Graph": "soma.graph",
     "Node": "soma.node",
     "fn": "soma.node",
-    "Local": "soma.scheduler",
-    "Ray": "soma.ray_runner",
+    "Local": "soma.local.runner",
+    "Ray": "soma.ray.runner",
     "Trainer": "soma.trainer",
     "SomaError": "soma.errors",
     "DeviceError": "soma.errors",
@@ -39,7 +39,7 @@ _NAMES = {
     "WorkerDied": "soma.errors",
     "RunTimeout": "soma.errors",
 }
-_MODULES = {"plan", "torch", "protocol", "codec", "errors"}
+_MODULES = {"plan", "torch", "errors"}
 
 
 def __getattr__(name: str):

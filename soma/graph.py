@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from .device import Device
 from .errors import DeviceError, GraphError
-from .expr import Chain, Expr, Leaf, check_id
-from .node import Node
+from .node import Chain, Expr, Leaf, Node, check_id
 from .placement import Placement
 from .plan import Plan, Seq, Step, Wave, compile_plan
 
@@ -101,7 +100,7 @@ class Graph:
     # -- running and training ---------------------------------------------------------------
     def run(self, x, *, timeout: float | None = None):
         """Shorthand for `soma.Executor().run(g, x)`."""
-        from .executor import Executor
+        from .run.executor import Executor
 
         return Executor().run(self, x, timeout=timeout)
 

@@ -1,16 +1,24 @@
-"""`Node`, the unit of work, and `soma.fn` for plain functions.
+"""Nodes and the DSL that composes them: `Node`, `soma.fn`, and the expressions `>>`, `|`, `.on()` build.
 
 A node is the Catalog's half of the graph: the code and its state. Its id and
 placement live outside it (in the expression, then in the `Graph`), so a
 subclass need not call `Node.__init__`.
+
+An expression is an immutable tree of `Leaf` (a node, with an optional explicit
+id and device), `Chain` (`a >> b >> c`) and `Fan` (`a | b | c`). Both operators
+flatten, so a chain never holds a chain and a fan never holds a fan.
+`Graph.somatize` turns an expression into a graph. The expression tree and the
+plan tree (`soma.plan`: Step, Seq, Wave) have the same shape, and both exist
+because an expression holds node objects before they have ids (a default id
+depends on the whole graph: `linear`, `linear_2`), while the plan holds ids only.
 """
 
 from __future__ import annotations
 
 import re
 
-from .errors import GraphError
-from .expr import Leaf, check_id
+from .device import Device
+from .errors import DeviceError, GraphError
 from .values import Done
 
 _CAMEL_1 = re.compile(r"(.)([A-Z][a-z]+)")
@@ -21,6 +29,171 @@ def snake_case(name: str) -> str:
     """`Tokenize` → `tokenize`, `HTTPFetch` → `http_fetch`, `MyHTTPFetch2` → `my_http_fetch2`."""
     return _CAMEL_2.sub(r"\1_\2", _CAMEL_1.sub(r"\1_\2", name)).lower()
 
+
+# -- expressions --------------------------------------------------------------------------------
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_id(name, what: str = "a node id") -> str:
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise GraphError(
+            f"{what} must be a Python-identifier-like name (letters, digits, _; not starting with a digit), got {name!r}"
+        )
+    return name
+
+
+def as_expr(value, op: str, other, value_on_left: bool = False) -> "Expr":
+    """`value` as an expression, or a GraphError that shows both operands in the order they were written.
+
+    `other` is the operand that is already an expression; `value_on_left` says that
+    `value` was written on the left of `op` (Python called the right operand's
+    reflected operator: `upper >> Tokenize()`).
+    """
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, Node):
+        return Leaf(value)
+    left, right = (_operand(value), other.render()) if value_on_left else (other.render(), _operand(value))
+    if isinstance(value, type) and issubclass(value, Node):
+        raise GraphError(f"cannot compose {left} {op} {right}: `{value.__name__}` is a Node class, not a node: "
+                         f"did you mean `{value.__name__}()`?")
+    raise GraphError(f"cannot compose {left} {op} {right}: both sides of `{op}` must be soma nodes or "
+                     f"expressions{_hint(value)}")
+
+
+def _operand(value) -> str:
+    """What a non-node operand is, in a few words: `function upper`, `class Tokenize`, `int 3`."""
+    if isinstance(value, type):
+        return f"class {value.__name__}"
+    name = getattr(value, "__name__", None)
+    if callable(value) and isinstance(name, str):
+        return f"function {name}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _hint(value) -> str:
+    """How to turn a callable into a node; nothing for other values."""
+    if not callable(value):
+        return ""
+    name = getattr(value, "__name__", None)
+    example = f"soma.fn({name})" if isinstance(name, str) and name.isidentifier() else 'soma.fn(f, name="...")'
+    return f" (wrap a plain function with soma.fn: `{example}`)"
+
+
+class Expr:
+    """Base of the expression tree. Compose with `>>` and `|`."""
+
+    __slots__ = ()
+
+    def __rshift__(self, other) -> "Chain":
+        other = as_expr(other, ">>", self)
+        return Chain(_flat(self, Chain) + _flat(other, Chain))
+
+    def __rrshift__(self, other) -> "Chain":
+        return as_expr(other, ">>", self, value_on_left=True) >> self
+
+    def __or__(self, other) -> "Fan":
+        other = as_expr(other, "|", self)
+        return Fan(_flat(self, Fan) + _flat(other, Fan))
+
+    def __ror__(self, other) -> "Fan":
+        return as_expr(other, "|", self, value_on_left=True) | self
+
+    def on(self, device) -> "Expr":
+        """Give `device` to every leaf that has none yet (the innermost `.on` wins)."""
+        try:
+            parsed = Device.parse(device)
+        except DeviceError as err:
+            raise DeviceError(f"{err} (in .on() of {self.render()})") from None
+        return self._on(parsed)
+
+    def named(self, name: str) -> "Expr":
+        raise GraphError(
+            f".named({name!r}) names one node, but {self.render()} is a composite expression: "
+            f"name its nodes one by one"
+        )
+
+    def leaves(self):
+        raise NotImplementedError
+
+    def render(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<soma expression {self.render()}>"
+
+
+class Leaf(Expr):
+    """One node in an expression, with the explicit id and device given to it so far."""
+
+    __slots__ = ("node", "name", "device")
+
+    def __init__(self, node, name: str | None = None, device: Device | None = None):
+        self.node = node
+        self.name = name
+        self.device = device
+
+    def _on(self, device: Device) -> "Leaf":
+        return self if self.device is not None else Leaf(self.node, self.name, device)
+
+    def named(self, name: str) -> "Leaf":
+        return Leaf(self.node, check_id(name), self.device)
+
+    def leaves(self):
+        yield self
+
+    def render(self) -> str:
+        text = self.name or self.node._default_id()
+        return text if self.device is None else f"{text}.on({str(self.device)!r})"
+
+
+class Chain(Expr):
+    """`a >> b >> c`: each item receives the previous item's output."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: tuple):
+        self.items = tuple(items)
+
+    def _on(self, device: Device) -> "Chain":
+        return Chain(tuple(item._on(device) for item in self.items))
+
+    def leaves(self):
+        for item in self.items:
+            yield from item.leaves()
+
+    def render(self) -> str:
+        return " >> ".join(f"({i.render()})" if isinstance(i, Fan) else i.render() for i in self.items)
+
+
+class Fan(Expr):
+    """`a | b | c`: a wave; every branch receives the same input, the output is the tuple."""
+
+    __slots__ = ("branches",)
+
+    def __init__(self, branches: tuple):
+        self.branches = tuple(branches)
+
+    def _on(self, device: Device) -> "Fan":
+        return Fan(tuple(b._on(device) for b in self.branches))
+
+    def leaves(self):
+        for branch in self.branches:
+            yield from branch.leaves()
+
+    def render(self) -> str:
+        return " | ".join(f"({b.render()})" if isinstance(b, Chain) else b.render() for b in self.branches)
+
+
+def _flat(expr: Expr, kind: type) -> tuple:
+    if isinstance(expr, kind):
+        return expr.items if kind is Chain else expr.branches
+    return (expr,)
+
+
+# -- nodes --------------------------------------------------------------------------------------
 
 class Node:
     """Subclass and implement `forward(self, x, ctx)`, returning `Done(value)`."""

@@ -25,8 +25,7 @@ import itertools
 import torch
 from torch import nn
 
-from .expr import check_id
-from .node import Node, snake_case
+from .node import Node, check_id, snake_case
 from .values import Done, Opaque
 
 __all__ = ["Module", "move_to"]

@@ -26,7 +26,7 @@ import time
 import torch
 
 from .errors import GraphError
-from .executor import Executor
+from .run.executor import Executor
 from .torch import move_to
 
 

@@ -9,7 +9,7 @@ fail on its own. A check that raises is recorded with its traceback. Nothing
 here sleeps to let something happen: waits are on conditions with deadlines.
 
 Nodes defined here live in `__main__`: they travel to the actors by value
-(soma.nodecode), the way a user's script's nodes do; the others come from
+(soma.wire.nodecode), the way a user's script's nodes do; the others come from
 tests/nodes.py by name.
 """
 
@@ -203,7 +203,7 @@ def map_spreads_over_actors(cluster):
 def map_batches(cluster):
     """A map of 24 inputs, window 4, over nodes of two copies: its inputs share calls (two per call), and
     each input still has its own outcome: a value, its own NodeError, or WorkerDied when its call's actor died."""
-    from soma.ray_runner import _RayFlows
+    from soma.ray.runner import _RayFlows
 
     xs = list(range(24))
     g = Graph.somatize(TwoCopies().named("add") >> Double())
@@ -305,7 +305,7 @@ def node_error(cluster):
 def unsendable_input(cluster):
     """An input Ray cannot serialize: soma's NodeError naming the entry node, for run (one entry: the input
     goes with its call; a wave first: it is put in the object store once) and, in its place, for map."""
-    from soma.ray_runner import _RayFlows
+    from soma.ray.runner import _RayFlows
 
     out = {}
     one_entry = Graph.somatize(AddOne() >> Double())
@@ -542,6 +542,11 @@ def two_machines(folder) -> dict:
     out: dict = {}
     system = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
               "health_check_initial_delay_ms": 0}
+    # Cluster writes its address to Ray's default temp folder (/tmp/ray) whatever temp_dir says, and does not
+    # make the folder: on a machine where Ray never ran it is not there.
+    from ray._common.utils import get_default_ray_temp_dir
+
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     _say("two machines: starting the head")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"host_a": 1}, "temp_dir": folder, "_system_config": system,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from soma import codec
+from soma.wire import codec
 from tests.conftest import in_threads
 
 

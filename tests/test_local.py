@@ -329,7 +329,7 @@ def test_threads_per_worker_are_set_and_checked():
 
 
 def test_worker_help_says_how_the_host_starts_it():
-    for argv in ([sys.executable, "-m", "soma.worker", "--help"],):
+    for argv in ([sys.executable, "-m", "soma.local.worker", "--help"],):
         out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
         assert out.returncode == 0
         assert "soma.Local" in out.stdout and "SOMA_SECRET" in out.stdout and "--tasks" in out.stdout
@@ -337,7 +337,7 @@ def test_worker_help_says_how_the_host_starts_it():
 
 def test_worker_refuses_to_start_without_a_secret():
     env = {k: v for k, v in os.environ.items() if k != "SOMA_SECRET"}
-    out = subprocess.run([sys.executable, "-m", "soma.worker", "--tasks", "ipc:///x", "--results", "ipc:///y",
+    out = subprocess.run([sys.executable, "-m", "soma.local.worker", "--tasks", "ipc:///x", "--results", "ipc:///y",
                           "--id", "w0", "--host-pid", "1", "--prefix", "soma-1-x", "--status", "/tmp/nothing"],
                          capture_output=True, text=True, timeout=30, env=env)
     assert out.returncode == 2 and "SOMA_SECRET" in out.stderr

@@ -12,7 +12,8 @@ import pytest
 import zmq
 
 import soma
-from soma import Graph, NodeError, RunTimeout, SharedMemoryFull, WorkerDied, protocol
+from soma import Graph, NodeError, RunTimeout, SharedMemoryFull, WorkerDied
+from soma.wire import protocol
 from tests.conftest import ROOT, shm_names, wait_for
 from tests.nodes import (
     AddOne, Die, FullShm, Identity, MarkThenSleep, NodeExitsAtLoad, Pid, Raises, ReturnsExitAtPickle, Sleep,

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from soma import Graph, WorkerDied  # noqa: E402
-from soma.codec import INLINE_LIMIT  # noqa: E402
+from soma.wire.codec import INLINE_LIMIT  # noqa: E402
 from tests.conftest import in_threads  # noqa: E402
 from tests.nodes import Die, Fill, Identity, PlusOne  # noqa: E402
 

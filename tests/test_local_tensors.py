@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from soma import Graph, NodeError, SharedMemoryFull  # noqa: E402
-from soma.codec import INLINE_LIMIT  # noqa: E402
+from soma.wire.codec import INLINE_LIMIT  # noqa: E402
 from tests.conftest import shm_names  # noqa: E402
 from tests.nodes import (  # noqa: E402
     Double, Identity, InPlaceAdd, MakeTensor, Obeys, RequiresGradOutput, Shared, Slice, WrapInHolder,

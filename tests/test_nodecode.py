@@ -1,4 +1,4 @@
-"""soma.nodecode: a node defined in a script's `__main__` keeps its file name, line numbers and source lines.
+"""soma.wire.nodecode: a node defined in a script's `__main__` keeps its file name, line numbers and source lines.
 
 One process defines the node in its `__main__` and dumps it (as the host does);
 this process loads it (as a worker does), runs it, and reads the traceback.
@@ -9,13 +9,14 @@ import sys
 import traceback
 from pathlib import Path
 
-from soma import nodecode
+from soma.wire import nodecode
 
 from tests.conftest import ROOT  # noqa: E402
 
 SCRIPT = '''\
 import sys
-from soma import Done, Node, nodecode
+from soma import Done, Node
+from soma.wire import nodecode
 
 
 class Boom(Node):
@@ -32,7 +33,7 @@ if __name__ == "__main__":
     with open(sys.argv[1], "wb") as f:
         f.write(nodecode.dumps(Boom()))
 '''
-RAISING_LINE = 12  # `raise ValueError(...)` above
+RAISING_LINE = 13  # `raise ValueError(...)` above
 
 
 def dump_from_main(tmp_path: Path, name: str) -> tuple[Path, bytes]:

@@ -47,7 +47,7 @@ def test_soma_demo_runs_local_against_the_executor(tmp_path):
                          text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Executor (threads, one process)" in out.stdout and "Local    (" in out.stdout
-    assert "speed-up:" in out.stdout and "-m soma.worker" in out.stdout
+    assert "speed-up:" in out.stdout and "-m soma.local.worker" in out.stdout
     ratio = r"speed-up: \d+\.\d\dx \(median of 7 rounds, range \d+\.\d\dx-\d+\.\d\dx; the limit here is \dx\)"
     assert re.search("^" + ratio, out.stdout, re.M), out.stdout  # the wave
     assert "Executor.map (one input at a time)" in out.stdout and "Local.map    (" in out.stdout

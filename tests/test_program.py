@@ -6,8 +6,8 @@ import pytest
 
 from soma import Graph, GraphError, PlacementError
 from soma.plan import Seq, Wave
-from soma.protocol import parse_piece
-from soma.scheduler.program import Piece, compile_program, output_devices
+from soma.wire.protocol import parse_piece
+from soma.local.host.program import Piece, compile_program, output_devices
 from tests.nodes import AddOne, Count, Double, Identity, Join, OneCopyCounter, Tokenize, Upper
 
 CPU2 = ["cpu", "cpu"]

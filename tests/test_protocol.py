@@ -5,9 +5,10 @@ import pickle
 
 import pytest
 
-from soma import NodeError, PostconditionError, SharedMemoryFull, protocol
+from soma import NodeError, PostconditionError, SharedMemoryFull
+from soma.wire import protocol
 from soma.plan import Seq, Step, Wave
-from soma.protocol import Cancel, Free, Hello, Outcome, Result, Stop, Task, Unit
+from soma.wire.protocol import Cancel, Free, Hello, Outcome, Result, Stop, Task, Unit
 
 SECRET = b"s" * 32
 
@@ -41,7 +42,7 @@ def test_a_worker_reads_the_task_the_host_packs_field_by_field():
 ], ids=["wrong-secret", "too-short", "tampered"])
 def test_frames_that_do_not_authenticate_are_dropped_and_logged(frame, why, caplog):
     protocol._dropped.last = float("-inf")
-    with caplog.at_level(logging.WARNING, logger="soma.protocol"):
+    with caplog.at_level(logging.WARNING, logger="soma.wire.protocol"):
         assert protocol.parse(SECRET, frame, "test") is None
     assert why in caplog.text
 
@@ -50,7 +51,7 @@ def test_authentic_but_undecodable_or_unknown_messages_are_dropped(caplog):
     def sealed(body):
         return protocol.mac(SECRET, body) + body
 
-    with caplog.at_level(logging.WARNING, logger="soma.protocol"):
+    with caplog.at_level(logging.WARNING, logger="soma.wire.protocol"):
         for frame, why in [(sealed(b"\xc1"), "did not decode"),
                            (sealed(b"\x91\x63"), "unknown shape"),  # [99]
                            (sealed(b"\x92\x03\xa2w0"), "did not decode")]:  # a Result without its fields
@@ -62,12 +63,12 @@ def test_authentic_but_undecodable_or_unknown_messages_are_dropped(caplog):
 def test_a_flood_of_bad_frames_is_logged_once_with_a_count(caplog):
     protocol._dropped.last = float("-inf")
     protocol._dropped.since = 0
-    with caplog.at_level(logging.WARNING, logger="soma.protocol"):
+    with caplog.at_level(logging.WARNING, logger="soma.wire.protocol"):
         for _ in range(1000):
             protocol.parse(SECRET, b"x" * 40, "a flood")
     assert caplog.text.count("dropped") == 1
     protocol._dropped.last -= protocol._DropLog.INTERVAL_S  # the interval has passed: the next says how many
-    with caplog.at_level(logging.WARNING, logger="soma.protocol"):
+    with caplog.at_level(logging.WARNING, logger="soma.wire.protocol"):
         protocol.parse(SECRET, b"x" * 40, "a flood")
     assert "(and 999 more dropped since the last report)" in caplog.text
 

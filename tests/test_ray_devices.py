@@ -1,4 +1,4 @@
-"""soma.Ray's placement arithmetic, as pure functions: no Ray, no GPU needed (soma/ray_devices.py).
+"""soma.Ray's placement arithmetic, as pure functions: no Ray, no GPU needed (soma/ray/devices.py).
 
 The CUDA order cannot be exercised for real on a machine without GPUs; these pin
 down the mapping itself: `cuda:N` inside the actor must be the GPU Ray reserved.
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from soma import PlacementError
-from soma.ray_devices import (
+from soma.ray.devices import (
     NOSET_CUDA, actor_options, checked_options, cuda_index, cuda_visible_devices, demand_error, hosting_error,
     machine_gpus, requested_resources,
 )

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from soma.scheduler.leases import LeaseBook  # noqa: E402
-from soma.shm import GRANULE, SHM_DIR, SegmentStore, ShmError, owner_pid, pool_prefix  # noqa: E402
+from soma.local.host.leases import LeaseBook  # noqa: E402
+from soma.wire.shm import GRANULE, SHM_DIR, SegmentStore, ShmError, owner_pid, pool_prefix  # noqa: E402
 
 
 @pytest.fixture

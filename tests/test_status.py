@@ -2,7 +2,7 @@
 
 import threading
 
-from soma.status import SLOTS, StatusPage
+from soma.wire.status import SLOTS, StatusPage
 
 
 def test_each_thread_has_its_slot_and_a_reader_sees_them_all(tmp_path):

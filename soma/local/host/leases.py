@@ -1,0 +1,94 @@
+"""The host's lease book: who holds each shared segment, and when its owner may reuse it.
+
+The host sees every handle that crosses (all messages pass through it), so it
+counts, per segment, the receipts each process holds: its own (decoded results)
+and each worker's (inputs it sent). Workers report receipts whose storages died
+(in their RESULTs); the host's own are reported by its `SegmentStore`. When nobody holds
+a segment any more, the owner is told `FREE(name, n)`: n is how many of the
+owner's sends that settles, so a send still in flight keeps the segment busy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from ...wire.shm import owner_pid, unlink_quietly
+
+
+class _Entry:
+    __slots__ = ("from_owner", "held")
+
+    def __init__(self):
+        self.from_owner = 0  # the owner's sends this entry covers
+        self.held: dict[int, int] = defaultdict(int)  # holder pid → receipts
+
+
+class LeaseBook:
+    def __init__(self, host_pid: int):
+        self.host_pid = host_pid
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._frees: dict[int, list] = defaultdict(list)  # owner pid → [(name, n)] to tell it
+        self._dead: set[int] = set()
+
+    def received(self, name: str, sender: int) -> None:
+        """The host decoded a handle to `name` sent by process `sender`."""
+        with self._lock:
+            entry = self._entries.setdefault(name, _Entry())
+            if owner_pid(name) == sender:
+                entry.from_owner += 1
+            entry.held[self.host_pid] += 1
+
+    def lent(self, name: str, to: int) -> None:
+        """The host sent a handle to `name` to process `to`."""
+        with self._lock:
+            entry = self._entries.setdefault(name, _Entry())
+            if owner_pid(name) == self.host_pid:
+                entry.from_owner += 1
+            entry.held[to] += 1
+
+    def released(self, holder: int, name: str, n: int) -> None:
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return
+            entry.held[holder] -= n
+            if entry.held[holder] <= 0:
+                del entry.held[holder]
+            self._settle(name, entry)
+
+    def holder_gone(self, pid: int) -> None:
+        """Process `pid` died: it holds nothing any more, and the segments it owned cannot be reused."""
+        with self._lock:
+            self._dead.add(pid)
+            self._frees.pop(pid, None)
+            for name, entry in list(self._entries.items()):
+                entry.held.pop(pid, None)
+                self._settle(name, entry)
+
+    def _settle(self, name: str, entry: _Entry) -> None:
+        # lock held
+        if entry.held:
+            return
+        del self._entries[name]
+        owner = owner_pid(name)
+        if owner in self._dead:
+            unlink_quietly(name)  # nobody maps it through a name any more; its owner cannot reuse it
+        else:
+            self._frees[owner].append((name, entry.from_owner))
+
+    @property
+    def has_frees(self) -> bool:
+        """Anything to tell any owner (read without the lock: a stale answer only delays a free)."""
+        return bool(self._frees)
+
+    def take_frees(self, owner: int) -> list:
+        if owner not in self._frees:
+            return []
+        with self._lock:
+            return self._frees.pop(owner, [])
+
+    def held_names(self) -> set[str]:
+        with self._lock:
+            return set(self._entries)

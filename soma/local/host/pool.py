@@ -1,0 +1,438 @@
+"""The worker pool: processes, sockets, shared-memory leases, and faults. What runs where is the scheduler's.
+
+    scheduler ── send(slot, units) ─▶ Task ── ROUTER ──▶ worker   any thread, under one lock; ships
+                                                                  the code and pieces that worker lacks
+    scheduler ◀── outcomes(slot, ...) ◀─ receiver ◀─ PULL ◀─ Result ─ worker
+                  ready(slot), lost(slot, ...)   the receiver (a waiting caller, or the listener
+                                                 thread: receiving.py) decodes outputs (mapping
+                                                 segments, counting leases); every PUMP_S the
+                                                 listener looks at the processes: a dead one is
+                                                 reported and replaced
+
+Sockets belong to the threads that use them: the PULL socket to whoever holds
+`_recv_lock` (the listener, or a caller receiving its own outcome for a moment),
+the ROUTER to whoever holds `_send_lock`. `close()` is a message to them (a flag
+set under the send lock, and a byte on a pipe that wakes the listener; the
+listener closes its socket itself), never a context terminated under their feet.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+
+from ..._log import warn
+from ...errors import WorkerDied
+from ...wire import codec, protocol, transport
+from ...wire.protocol import Hello, Result, Stop, Task
+from ...wire.shm import pool_prefix, unlink_all
+from .leases import LeaseBook
+from .procs import spawn
+from .receiving import PUMP_S, Receiving
+
+START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
+CANCELLED = object()  # the outcome of a unit the worker dropped because the host cancelled it
+
+
+class Undecodable:
+    """An output that arrived but could not be decoded (the scheduler names the node)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class WorkerPool(Receiving):
+    """Worker processes and the sockets to them. `events` hears what happens (the scheduler):
+
+    `on_ready(slot)`, `on_outcomes(slot, worker, [(unit id, ok, value, spans, seconds, decode span)])`,
+    `on_lost(slot, worker, how it ended, [(unit id, node)] it was running)`.
+    """
+
+    def __init__(self, devices: list[str], *, arena: int, threads: int, preload_torch: bool, registry):
+        self.devices = devices
+        self.arena = arena
+        self.threads = threads
+        self.preload_torch = preload_torch
+        self.registry = registry
+        self.events = None
+        self.secret = os.urandom(32)
+        self.host_pid = os.getpid()
+        self.prefix = pool_prefix(self.host_pid, os.urandom(4).hex())
+        self.run_dir = tempfile.mkdtemp(prefix="soma-")  # 0700: only this user can reach the sockets
+        os.chmod(self.run_dir, 0o700)
+        self.endpoints = (f"ipc://{self.run_dir}/tasks", f"ipc://{self.run_dir}/results")
+        self.workers: list = [None] * len(devices)
+        self.closing = False
+        self._state_lock = threading.RLock()
+        self._changed = threading.Condition(self._state_lock)  # a worker said hello or died
+        self._start_failures = Counter()
+        self._book = LeaseBook(self.host_pid)
+        self._store = None
+        self._host_released: deque = deque()
+        self._send_lock = threading.Lock()
+        self._init_receiving()
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it at once
+        os.set_blocking(self._wake_w, False)
+        self._listener = None
+        self.listener_tid = 0
+        self._snapshot = None  # see slots(): None when it must be taken again
+        self._changes = 0
+        self._by_pid: dict = {}  # pid → the worker process, while it is in the pool
+        self._zctx = None
+
+    # -- life ------------------------------------------------------------------------------------
+    def start(self, deadline: float) -> None:
+        # Workers first: their start-up (Python, imports) is the long pole, and the host's own
+        # (ZeroMQ, binding) overlaps with it. They retry connecting every few ms until we bind.
+        for slot in range(len(self.devices)):
+            self._spawn(slot)
+        self._open_sockets()
+        self._listener = threading.Thread(target=self._listen, name="soma-listener", daemon=True)
+        self._listener.start()
+        with self._changed:
+            for slot in range(len(self.devices)):
+                while not self.workers[slot].ready.is_set():
+                    if self.broken(slot):
+                        worker = self.workers[slot]
+                        raise WorkerDied(
+                            f"worker {worker.id} (pid {worker.pid}) {worker.how_it_ended()} before it was ready, "
+                            f"{START_FAILURES} times in a row; its stderr says why",
+                            worker=worker.id, pid=worker.pid, node=None)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        worker = self.workers[slot]
+                        raise WorkerDied(f"worker {worker.id} (pid {worker.pid}) did not say hello in time",
+                                         worker=worker.id, pid=worker.pid, node=None)
+                    self._changed.wait(min(remaining, PUMP_S))
+
+    def _open_sockets(self) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._zctx = transport.context()
+        self._tasks = self._zctx.socket(zmq.ROUTER)
+        self._tasks.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker is an error, not a silent drop
+        self._tasks.setsockopt(zmq.SNDHWM, 0)
+        self._tasks.setsockopt(zmq.LINGER, 0)
+        self._results = self._zctx.socket(zmq.PULL)
+        self._results.setsockopt(zmq.RCVHWM, 0)
+        self._results.setsockopt(zmq.LINGER, 0)
+        self._tasks.bind(self.endpoints[0])
+        self._results.bind(self.endpoints[1])
+        self._receiver = transport.Receiver(self._results)
+
+    def _spawn(self, slot: int):
+        worker = spawn(slot, self.devices[slot], endpoints=self.endpoints, run_dir=self.run_dir,
+                       secret=self.secret, prefix=self.prefix, threads=self.threads,
+                       arena=self.arena, preload_torch=self.preload_torch)
+        self.workers[slot] = worker
+        self._by_pid[worker.pid] = worker
+        self._changed_slots()
+        return worker
+
+    def close(self) -> None:
+        """Stop the workers; leave no processes, segments or socket files. Mappings stay valid."""
+        with self._send_lock:
+            self.closing = True  # no thread sends after this
+            workers = [w for w in self.workers if w is not None]
+            if self._zctx is not None:
+                for worker in workers:
+                    try:
+                        self._tasks.send_multipart([worker.identity, protocol.pack(self.secret, Stop())],
+                                                   flags=self._zmq.NOBLOCK)
+                    except Exception:
+                        pass
+        try:
+            os.write(self._wake_w, b"\0")  # the listener, asleep on its poll: look now
+        except OSError:
+            pass
+        with self._quiet:
+            self._quiet.notify_all()  # ... or asleep while a caller was receiving
+        listener = self._listener
+        if listener is not None and listener is not threading.current_thread():
+            listener.join(5 * PUMP_S + 1)  # it closes its own socket on the way out
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        deadline = time.monotonic() + 3.0
+        for worker in workers:
+            try:
+                worker.proc.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+            worker.kill()
+            worker.close()
+        if self._zctx is not None:
+            with self._send_lock:
+                self._tasks.close(0)
+            if listener is None or not listener.is_alive():
+                self._zctx.term()
+        if self._store is not None:
+            self._store.close()
+        unlink_all(self.prefix)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # -- what the scheduler asks ------------------------------------------------------------------
+    def slots(self) -> tuple:
+        """`(ready, starting, dead)`: the slots in each state, for the scheduler's every pump.
+
+        A snapshot, taken again after any hello, death or start, and at least every
+        PUMP_S / 10 (a death nobody has noticed yet is found within that).
+        """
+        snapshot = self._snapshot
+        if snapshot is None or time.monotonic() - snapshot[3] > PUMP_S / 10:
+            changes = self._changes
+            by_state: dict = {"ready": [], "starting": [], "dead": [], "broken": []}  # (broken: never used)
+            for slot in range(len(self.workers)):
+                by_state[self.state(slot)].append(slot)
+            # Tuples: the snapshot is shared by every pump until the next change.
+            snapshot = (tuple(by_state["ready"]), tuple(by_state["starting"]), tuple(by_state["dead"]),
+                        time.monotonic())
+            # Kept only when every worker is ready (one starting or dead is asked about every time) and
+            # nothing changed while it was taken (a hello or a death on the listener meanwhile).
+            if not snapshot[1] and not snapshot[2]:
+                with self._state_lock:  # (the lock every change is made under)
+                    if changes == self._changes:
+                        self._snapshot = snapshot
+        return snapshot[0], snapshot[1], snapshot[2]
+
+    def _changed_slots(self) -> None:
+        """A worker started, said hello or died: the next `slots()` looks again."""
+        self._changes += 1
+        self._snapshot = None
+
+    def state(self, slot: int) -> str:
+        """"ready", "starting" (spawned, no hello yet), "dead" (not yet retired), or "broken"."""
+        if self.broken(slot):
+            return "broken"
+        worker = self.workers[slot]
+        if worker is None or worker.retired or not worker.alive(recheck_s=PUMP_S / 10):
+            return "dead"
+        return "ready" if worker.ready.is_set() else "starting"
+
+    def broken(self, slot: int) -> bool:
+        """The slot's worker died before saying hello too many times: nothing will run there."""
+        return self._start_failures[slot] >= START_FAILURES
+
+    def send(self, slot: int, units: list) -> bool:
+        """Send units to the worker of `slot` in one Task, with the code and piece specs it lacks.
+
+        Each unit has `.id`, `.piece` (a Piece), `.payload`, `.shared` (segment names it
+        lends) and `.traced`. False when the worker cannot be reached (the listener
+        reports its death).
+        """
+        self.settle()  # so the frees this Task carries are current
+        with self._send_lock:
+            worker = self.workers[slot]
+            # Not ready: the worker the scheduler chose died since, and this is its replacement, still
+            # starting (the scheduler parks jobs for those): the death's report fails these units.
+            if self.closing or worker is None or worker.retired or not worker.ready.is_set():
+                return False
+            code, pieces = {}, {}
+            sent = worker.pieces
+            for unit in units:
+                piece = unit.piece
+                if piece.id in sent or piece.id in pieces:
+                    continue  # its spec went there, and its nodes' code with it
+                pieces[piece.id] = piece.spec
+                for node_id, key in piece.keys.items():
+                    if key not in worker.loaded and key not in code:
+                        code[key] = self.registry.code(node_id, key)
+            forget = worker.forget
+            if forget:
+                worker.forget = []
+            for unit in units:
+                for name in unit.shared:
+                    self._book.lent(name, worker.pid)
+                    if self._store is not None:
+                        self._store.note_sent(name)
+            task = Task(code, pieces, [(u.id, u.piece.id, u.payload, u.traced) for u in units],  # Units, packed
+                        self._book.take_frees(worker.pid), forget)
+            if not self._send(worker, protocol.pack(self.secret, task)):
+                return False
+            if pieces:
+                sent.update(pieces)
+                worker.loaded.update(code)
+            return True
+
+    def cancel(self, slot: int, unit_ids: list) -> None:
+        """Ask the worker of `slot` to drop these units if they have not started."""
+        with self._send_lock:
+            worker = self.workers[slot]
+            if not self.closing and worker is not None and not worker.retired:
+                self._send(worker, protocol.pack(self.secret, protocol.Cancel(unit_ids)))
+
+    def _send(self, worker, frame: bytes, retry_s: float = 5.0) -> bool:
+        # send lock held
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                self._tasks.send(worker.identity, self._zmq.SNDMORE)
+                self._tasks.send(frame)
+                return True
+            except self._zmq.ZMQError as err:
+                # Right after HELLO the connection may still be completing; a dead worker never completes it.
+                if err.errno != self._zmq.EHOSTUNREACH or time.monotonic() > deadline or not worker.alive():
+                    return False
+                time.sleep(0.001)
+
+    def forget(self, keys: list) -> None:
+        """Nodes the host let go: each worker that holds one is told with its next task."""
+        with self._send_lock:
+            for worker in self.workers:
+                if worker is None:
+                    continue
+                for key in keys:
+                    if key in worker.loaded:
+                        worker.loaded.discard(key)
+                        worker.forget.append(key)
+                worker.pieces.clear()  # pieces naming those keys are gone there; the others are cheap to resend
+
+    def running(self, slot: int) -> list[tuple[int, str]]:
+        """`(unit id, node id)` the worker of `slot` runs now, from its status page."""
+        worker = self.workers[slot]
+        return worker.running() if worker is not None else []
+
+    def retire(self, slot: int, reason: str | None = None) -> None:
+        """Kill and replace the worker of `slot` (a run timed out on it, or it died while idle)."""
+        worker = self.workers[slot]
+        if worker is not None:
+            self._retire(worker, reason)
+
+    def _handle(self, frame: bytes) -> None:
+        message = protocol.parse(self.secret, frame, "a worker")
+        if message is None:
+            return
+        try:
+            if isinstance(message, Result):
+                self._on_result(message)
+            elif isinstance(message, Hello):
+                self._on_hello(message)
+            else:
+                warn("soma.local", "soma: dropped a %s message a worker should not send", type(message).__name__)
+        except Exception as err:  # authentic but malformed: drop it, never let it take the pool down
+            warn("soma.local", "soma: dropped a malformed %s message from worker pid %s: %s: %s",
+                 type(message).__name__, getattr(message, "pid", "?"), type(err).__name__, err)
+
+    def _on_hello(self, hello: Hello) -> None:
+        for worker in self.workers:
+            if worker is not None and worker.id == hello.worker and worker.pid == hello.pid:
+                with self._changed:
+                    worker.ready.set()
+                    self._start_failures[worker.slot] = 0
+                    self._changed_slots()
+                    self._changed.notify_all()
+                self.events.on_ready(worker.slot)
+                return
+
+    def _on_result(self, result: Result) -> None:
+        worker = self._by_pid.get(result.pid)
+        if worker is None or worker.retired:
+            # A worker already retired: its outputs are dropped, but the segments they name must still
+            # be counted and settled.
+            worker = _Gone(result.pid)
+        decoded = []
+        decoder = codec.Decoder(self.get_store)
+        try:
+            for unit, ok, body, spans, seconds in result.outcomes:
+                start = time.monotonic_ns() if spans is not None else 0
+                if ok:
+                    try:
+                        value = decoder.unpack(body)
+                    except Exception as err:
+                        value = Undecodable(err)
+                elif body.get("kind") == "cancelled":
+                    value = CANCELLED
+                else:
+                    value = protocol.error_from(body)
+                decode = None
+                if spans is not None:
+                    decode = (start, time.monotonic_ns(), len(body) if ok else 0, threading.get_native_id())
+                decoded.append((unit, ok, value, spans, seconds, decode))
+        finally:
+            for name in decoder.received:
+                self._book.received(name, worker.pid)
+        # Releases after the values: a handle echoed back must be counted before the input's receipt drops.
+        for name, n in result.releases:
+            self._book.released(worker.pid, name, n)
+        if not isinstance(worker, _Gone):
+            self.events.on_outcomes(worker.slot, worker, decoded)
+
+    # -- shared memory -------------------------------------------------------------------------------------
+    def get_store(self, create: bool = True):
+        if self._store is None and create:
+            with self._state_lock:
+                if self._store is None:
+                    from ...wire.shm import SegmentStore
+
+                    self._store = SegmentStore(self.prefix, self.arena, on_release=self._host_release)
+        return self._store
+
+    def _host_release(self, name: str, n: int) -> None:
+        self._host_released.append((name, n))  # any thread, maybe inside GC: only queue it
+
+    def settle(self) -> None:
+        """Apply the host's own dead receipts, and hand segments the host owns back to its pool."""
+        if not self._host_released and not self._book.has_frees:
+            return
+        while self._host_released:
+            try:
+                name, n = self._host_released.popleft()
+            except IndexError:
+                break
+            self._book.released(self.host_pid, name, n)
+        if self._store is not None:
+            for name, n in self._book.take_frees(self.host_pid):
+                self._store.free(name, n)
+
+    def flush_frees(self) -> None:
+        """Tell owners about segments nobody holds any more (otherwise they ride on the next Task)."""
+        if not self._book.has_frees:
+            return
+        with self._send_lock:
+            for worker in self.workers:
+                if worker is None or self.closing or worker.retired or not worker.ready.is_set():
+                    continue
+                frees = self._book.take_frees(worker.pid)
+                if frees:
+                    self._send(worker, protocol.pack(self.secret, protocol.Free(frees)), retry_s=0.0)
+
+    # -- faults ----------------------------------------------------------------------------------------
+    def _check_workers(self) -> None:
+        for worker in list(self.workers):
+            if worker is not None and not worker.retired and not worker.alive():
+                self._drain()  # a result it sent before dying is still a result
+                self._retire(worker, reason=None)
+
+    def _retire(self, worker, reason: str | None) -> None:
+        """A worker's end: settle its segments, start its replacement, tell the scheduler what it held."""
+        with self._changed:
+            if worker.retired:
+                return
+            running = worker.running()
+            worker.kill()
+            worker.retired = True
+            self._changed_slots()
+            self._by_pid.pop(worker.pid, None)
+            ended = reason or worker.how_it_ended()
+            if not worker.ready.is_set():
+                self._start_failures[worker.slot] += 1
+            self._book.holder_gone(worker.pid)
+            unlink_all(self.prefix, owner=worker.pid, keep=self._book.held_names())
+            worker.close()
+            if not self.closing and not self.broken(worker.slot):
+                self._spawn(worker.slot)
+            self._changed.notify_all()
+        self.events.on_lost(worker.slot, worker, ended, running)
+
+
+class _Gone:
+    """A worker process the pool no longer has (its last frames still arrive)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid

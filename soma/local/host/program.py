@@ -1,0 +1,192 @@
+"""From a graph's plan to what workers run: the *program*, compiled once per graph and placement.
+
+A program is the plan tree itself with some subtrees replaced by `Piece`s:
+
+    plan:      tokenize >> (encoder | other) >> join
+    program:   [tokenize] >> ([encoder] | [other]) >> [join]
+
+* A `Piece` runs whole on one worker, one input at a time per worker. Nested
+  waves inside a piece run on threads in that worker, as in-process.
+* The host walks the `Seq`s and `Wave`s around the pieces: a wave's pieces go
+  out together (to different workers when there are enough) and the host joins
+  their outputs.
+* A piece is as large as it can be (for `map`, the whole plan when it may be:
+  see compile_program), and is cut
+  - at top-level waves, so their branches can use several workers;
+  - where the CUDA device changes (a worker is pinned to one device);
+  - around a node whose class limits its `copies`: that node is a piece of its
+    own, so it can stay on the workers that hold its copies while the rest of the
+    graph spreads over the pool (and a stage before it overlaps with it).
+
+Compiling is pure: it reads the plan, the placement, node keys and `copies`,
+and never touches a worker. A node on `cuda:N` needs a worker pinned to `cuda:N`:
+that is checked here, before anything is dispatched.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ...errors import GraphError, PlacementError
+from ...plan import Plan, Seq, Step, Wave
+from ...wire.protocol import pack_piece
+
+_piece_ids = itertools.count(1)
+
+
+class Piece(Plan):
+    """A part of the plan that runs whole on one worker.
+
+    `keys`: node id → node key. `devices`: node id → declared device (placed nodes).
+    `cuda`: the device its worker must be pinned to, if any. `copies`: at most
+    this many copies of it may exist (None: as many as there are workers).
+    `spec`: the piece as the protocol carries it (packed once).
+    """
+
+    __slots__ = ("id", "plan", "keys", "devices", "cuda", "copies", "spec", "entry")
+
+    def __init__(self, plan: Plan, keys: dict, devices: dict, copies: int | None):
+        ids = list(plan.steps())
+        cuda = {devices[n] for n in ids if devices.get(n, "").startswith("cuda")}
+        for name, value in (
+            ("id", next(_piece_ids)),
+            ("plan", plan),
+            ("keys", {n: keys[n] for n in ids}),
+            ("devices", {n: devices[n] for n in ids if n in devices}),
+            ("cuda", next(iter(cuda)) if cuda else None),
+            ("copies", copies),
+            ("spec", pack_piece(plan, keys, devices)),
+            ("entry", ids[0]),  # the first node: the one its input is for
+        ):
+            object.__setattr__(self, name, value)
+
+    def _key(self):
+        return self.id
+
+    def __eq__(self, other):
+        return self is other
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def steps(self):
+        return self.plan.steps()
+
+    def __str__(self) -> str:
+        return f"[{self.plan}]"
+
+
+def compile_program(g, key_of, worker_devices: list[str], whole: bool = False) -> Plan:
+    """The program for graph `g` under its current placement.
+
+    `key_of(node)` gives a node's key (its identity across graphs and runs);
+    `worker_devices` are the devices the pool's workers are pinned to.
+
+    `whole`: one piece for the whole plan when it can run on one worker (no node
+    limits its copies, at most one CUDA device). That is `map`'s program: with many
+    inputs in flight every worker is busy anyway, so each input runs whole where it
+    lands and its values between nodes never cross the host; a single `run` spreads
+    a wave's branches over workers instead, for they are all the parallelism it has.
+    """
+    devices = g.devices()
+    check_placement(devices, worker_devices)
+    keys = {nid: key_of(g._catalog[nid]) for nid in g.nodes()}
+    limits = {nid: copies_of(nid, g._catalog[nid]) for nid in g.nodes()}
+    compiler = _Compiler(keys, devices, limits)
+    plan = g.plan()
+    if whole and compiler.whole(plan) and all(limit is None for limit in limits.values()):
+        return compiler.piece(plan)
+    return compiler.top(plan)
+
+
+def copies_of(node_id: str, node) -> int | None:
+    """A node's `copies` (class attribute): None (the runner decides) or a positive int."""
+    copies = getattr(node, "copies", None)
+    if copies is None:
+        return None
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise GraphError(f"node `{node_id}` ({type(node).__name__}) has copies = {copies!r}: it must be None "
+                         f"(let the runner decide) or a positive int (1: every input goes through one instance)")
+    return copies
+
+
+def check_placement(devices: dict, worker_devices: list[str]) -> None:
+    served = set(worker_devices)
+    for nid, dev in devices.items():
+        if dev.startswith("cuda") and dev not in served:
+            raise PlacementError(
+                f"node `{nid}` is placed on `{dev}`, but no worker of this pool serves it "
+                f"(the workers serve: {', '.join(worker_devices)}); start the pool with "
+                f"soma.Local(devices=[..., {dev!r}]) or place the node elsewhere",
+                node=nid,
+                devices=tuple(worker_devices),
+            )
+
+
+class _Compiler:
+    def __init__(self, keys: dict, devices: dict, limits: dict):
+        self.keys, self.devices, self.limits = keys, devices, limits
+
+    def top(self, plan: Plan) -> Plan:
+        """A plan at the top (or a branch that cannot be one piece): cut it into pieces."""
+        if isinstance(plan, Step):
+            return self.piece(plan)
+        if isinstance(plan, Wave):
+            return Wave(tuple(self.branch(b) for b in plan.branches))
+        parts: list = []
+        group: list = []
+
+        def flush():
+            if group:
+                parts.append(self.piece(group[0] if len(group) == 1 else Seq(tuple(group))))
+                group.clear()
+
+        for item in plan.items:
+            if isinstance(item, Wave) or not self.whole(item) or self.limited(item):
+                flush()
+                parts.append(self.top(item) if not isinstance(item, Step) else self.piece(item))
+                continue
+            if group and len(self.cuda_of(Seq(tuple(group + [item])))) > 1:
+                flush()
+            group.append(item)
+        flush()
+        return parts[0] if len(parts) == 1 else Seq(tuple(parts))
+
+    def branch(self, plan: Plan) -> Plan:
+        """A wave's branch: one piece when it can run whole on one worker."""
+        if self.whole(plan) and (isinstance(plan, Step) or not any(self.limited(Step(n)) for n in plan.steps())):
+            return self.piece(plan)
+        return self.top(plan)
+
+    def whole(self, plan: Plan) -> bool:
+        """Whether a worker pinned to one device can run all of it."""
+        return len(self.cuda_of(plan)) <= 1
+
+    def limited(self, plan: Plan) -> bool:
+        return isinstance(plan, Step) and self.limits[plan.id] is not None
+
+    def cuda_of(self, plan: Plan) -> set:
+        return {self.devices[n] for n in plan.steps() if self.devices.get(n, "").startswith("cuda")}
+
+    def piece(self, plan: Plan) -> "Piece":
+        limits = [self.limits[n] for n in plan.steps() if self.limits[n] is not None]
+        return Piece(plan, self.keys, self.devices, min(limits) if limits else None)
+
+
+def output_devices(plan: Plan, devices: dict, value):
+    """Pairs `(node id, declared device, value)` to check on what a piece returned.
+
+    A piece's output is its last step's output; a piece ending in a wave returns a
+    tuple, one element per branch.
+    """
+    if isinstance(plan, Step):
+        dev = devices.get(plan.id)
+        return [(plan.id, dev, value)] if dev is not None else []
+    if isinstance(plan, Seq):
+        return output_devices(plan.items[-1], devices, value)
+    if not isinstance(value, tuple) or len(value) != len(plan.branches):
+        return []
+    pairs = []
+    for branch, item in zip(plan.branches, value):
+        pairs.extend(output_devices(branch, devices, item))
+    return pairs

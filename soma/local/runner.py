@@ -1,0 +1,262 @@
+"""`soma.Local`: runs graphs on worker processes. See `soma.local` for the drawing.
+
+This module is the public face: it compiles programs (program.py), starts inputs
+on the scheduler and waits for them (scheduler.py), and owns the pool's life
+(pool.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import time
+import weakref
+
+from ..device import Device
+from ..errors import DeviceError, SomaError
+from ..run.base import RunnerBase
+from ..run.mapping import Inflight, map_outputs
+from ..run.registry import NodeRegistry
+from ..run.trace import Trace
+from .host.pool import WorkerPool
+from .host.program import compile_program
+from .host.scheduler import Scheduler, pieces_of
+
+
+class Local(RunnerBase):
+    """Runs graphs on worker processes on this machine.
+
+        with soma.Local(workers=4) as local:
+            y = local.run(g, x)
+            for y in local.map(g, xs): ...
+
+    `workers`: how many (default: the number of cores). `devices`: `None` (CPU
+    workers), a list pinning worker i to `devices[i % len(devices)]`, or `"auto"`
+    (every visible CUDA device). `threads`: the intra-op threads each worker gives
+    torch and BLAS (default: cores // workers, at least 1, so a full pool does not
+    oversubscribe the machine; raise it for one big model per worker, keep it low for
+    many small nodes). `arena`: bytes of shared memory each process keeps mapped
+    for reuse (default: a quarter of RAM shared among the processes, at most 1 GiB
+    each). `preload_torch`: import torch in each worker in the background right
+    after it starts (default False: a worker imports torch when a tensor or a torch
+    node first needs it; True spares the first torch run the ~1 s import).
+    `start_timeout`: how long `start()` waits for the workers to say hello.
+    """
+
+    def __init__(self, workers: int | None = None, devices=None, *, threads: int | None = None,
+                 arena: int | None = None, preload_torch: bool = False, start_timeout: float = 60.0):
+        self.n_workers = int(workers) if workers is not None else (os.cpu_count() or 1)
+        if self.n_workers < 1:
+            raise ValueError(f"soma.Local needs at least one worker, got workers={workers}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"soma.Local's threads= is the torch threads per worker, a positive int; got {threads!r}")
+        self.worker_devices = _pinning(devices, self.n_workers)
+        self.threads_per_worker = threads if threads is not None else max(1, (os.cpu_count() or 1) // self.n_workers)
+        self.arena = arena if arena is not None else _default_arena(self.n_workers)
+        self.preload_torch = bool(preload_torch)
+        self.start_timeout = start_timeout
+        self._start_lock = threading.Lock()
+        self._pool: WorkerPool | None = None
+        self._scheduler: Scheduler | None = None
+        self._closed = False
+        # graph → (placement version, its program for run, its program for map)
+        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._programs_lock = threading.Lock()
+        self._registry = NodeRegistry()
+
+    # -- life ------------------------------------------------------------------------------------
+    def start(self) -> "Local":
+        """Start the workers (in parallel) and wait until each has said hello."""
+        with self._start_lock:
+            if self._closed:
+                raise SomaError("this soma.Local is closed; make a new one")
+            if self._pool is None:
+                pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
+                                  preload_torch=self.preload_torch, registry=self._registry)
+                scheduler = Scheduler(pool, self.worker_devices)
+                pool.events = scheduler
+                try:
+                    pool.start(time.monotonic() + self.start_timeout)
+                except BaseException:
+                    pool.close()  # no half-started pool: processes, sockets and files go, the error stays
+                    raise
+                self._scheduler = scheduler
+                self._pool = pool
+                _live_pools.add(self)
+        return self
+
+    def close(self) -> None:
+        """Stop the workers; leave no processes, segments or socket files. Results already returned stay valid.
+
+        Any thread may call it at any time: runs and maps in flight in other threads
+        raise `SomaError` ("... was closed while this run was in flight").
+        """
+        with self._start_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _live_pools.discard(self)
+        if self._pool is not None:
+            self._scheduler.close(SomaError("this soma.Local was closed while this run was in flight"))
+            self._pool.close()
+
+    def pids(self) -> list[int]:
+        """The pids of the workers running now, in slot order (none before `start()`)."""
+        if self._pool is None:
+            return []
+        return [w.pid for w in self._pool.workers if w is not None and not w.retired]
+
+    # -- running ------------------------------------------------------------------------------------
+    def run(self, g, x, *, timeout: float | None = None):
+        """Run graph `g` on input `x` on the workers and return its output."""
+        scheduler, program = self._ready(g)
+        sink = queue.SimpleQueue()
+        trace = self._trace
+        start = time.monotonic_ns() if trace is not None else 0
+        flow = scheduler.start(program, [(None, x)], sink, trace)[None]
+        try:
+            try:
+                _, ok, value = self._pool.await_item(sink, timeout)
+            except queue.Empty:
+                err = scheduler.expire(flow, timeout)
+                item = self._pool.take_nowait(sink)  # it may have ended while it was being stopped
+                if item is None:
+                    raise err from None
+                _, ok, value = item
+            if not ok:
+                raise value
+            return value
+        finally:
+            if trace is not None:
+                pid, tid = os.getpid(), threading.get_native_id()
+                trace.thread(pid, tid, threading.current_thread().name)
+                trace.span("run", "host", start, time.monotonic_ns(), pid, tid, {"input": None})
+
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
+        """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool (SPEC 7.4).
+
+        With at least as many inputs in flight as workers, each input runs whole on one worker
+        when the graph allows (see program.compile_program); with fewer, a wave's branches
+        spread over workers as in `run`.
+        """
+        scheduler, program = self._ready(g, whole=window is None or window >= self.n_workers)
+        return map_outputs(_Flows(scheduler, g, program, self, timeout), xs, window=window, ordered=ordered,
+                           progress=progress, timeout=timeout)
+
+    def _ready(self, g, whole: bool = False):
+        if self._pool is None:
+            self.start()
+        if self._closed:
+            raise SomaError("this soma.Local is closed; make a new one")
+        program = self._program(g, whole)
+        if self._registry.has_dead:
+            dead = self._registry.take_dead()
+            self._scheduler.forget(dead)
+            self._pool.forget(dead)
+        return self._scheduler, program
+
+    def _program(self, g, whole: bool = False):
+        """Compiled once per graph, placement and kind (placing after a run compiles again)."""
+        version = g._placement.version
+        found = self._programs.get(g)
+        if found is not None and found[0] == version and found[1 + whole] is not None:
+            return found[1 + whole]
+        with self._programs_lock:
+            program = compile_program(g, self._registry.key_of, self.worker_devices, whole)
+            for node_id in g.nodes():  # pickled now: a copy is made from the node as it was when first sent
+                self._registry.code(node_id, self._registry.key_of(g.node(node_id)))
+            found = self._programs.get(g)
+            programs = list(found) if found is not None and found[0] == version else [version, None, None]
+            programs[1 + whole] = program
+            self._programs[g] = tuple(programs)
+        return program
+
+    def _trace_started(self, trace: Trace) -> None:
+        trace.process(os.getpid(), f"host (soma.Local, pid {os.getpid()})")
+        if self._pool is not None:
+            for worker in self._pool.workers:
+                if worker is not None:
+                    trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
+
+
+class _Flows(Inflight):
+    """Local's in-flight set for map: flows on the scheduler, their outcomes in one queue."""
+
+    def __init__(self, scheduler: Scheduler, g, program, local: Local, timeout):
+        self.scheduler, self.program, self.local, self.timeout = scheduler, program, local, timeout
+        self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
+        self.pieces = pieces_of(program)  # (asked for at every turn of the map: found once)
+        self.sink = queue.SimpleQueue()
+        self.flows: dict = {}
+
+    def parallelism(self) -> int:
+        return self.scheduler.parallelism(self.pieces)
+
+    def start(self, items: list) -> None:
+        self.flows.update(self.scheduler.start(self.program, items, self.sink, self.local._trace))
+
+    def wait(self, timeout):
+        try:
+            got = [self.local._pool.await_item(self.sink, timeout)]
+        except queue.Empty:
+            return []
+        take = self.local._pool.take_nowait
+        item = take(self.sink)
+        while item is not None:
+            got.append(item)
+            item = take(self.sink)
+        for index, _, _ in got:
+            self.flows.pop(index, None)
+        return got
+
+    def expire(self, index: int) -> BaseException:
+        flow = self.flows.pop(index)
+        return self.scheduler.expire(flow, self.timeout)
+
+    def close(self) -> None:
+        if self.flows:
+            self.scheduler.cancel(list(self.flows.values()))
+            self.flows.clear()
+
+
+def _pinning(devices, n: int) -> list[str]:
+    if devices is None:
+        return ["cpu"] * n
+    if devices == "auto":
+        import torch
+
+        count = torch.cuda.device_count()
+        devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
+    if isinstance(devices, str):
+        devices = [devices]
+    parsed = []
+    for d in devices:
+        dev = Device.parse(d)
+        if dev.kind == "meta":
+            raise DeviceError("a worker cannot be pinned to `meta` (meta nodes run on any worker); pin cpu or cuda:N")
+        parsed.append(str(dev))
+    if not parsed:
+        raise DeviceError("devices= is an empty list; give at least one device, or None for CPU workers")
+    return [parsed[i % len(parsed)] for i in range(n)]
+
+
+def _default_arena(workers: int) -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return int(min(1 << 30, total // 4 // (workers + 1)))
+
+
+_live_pools: "weakref.WeakSet[Local]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_live_pools):
+        try:
+            pool.close()
+        except Exception:
+            pass

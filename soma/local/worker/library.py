@@ -1,0 +1,111 @@
+"""What a worker knows: node code as the host sent it, the nodes loaded from it, and the pieces it can run.
+
+    Task.code   {key: blob}  ─ register ─▶ blobs ─ node(): unpickled once, on first use ─▶ nodes
+    Task.pieces {id: spec}   ─ register ─▶ specs ─ load(): plan + Runner over the nodes ─▶ pieces (Loaded)
+    Task.forget [key]        ─ forget ───▶ those nodes, and every piece naming one, are dropped
+
+A node's copy lives in `nodes` from its first input on (its state is here); a
+piece whose code fails to load is not kept, so the next input tries again.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ...errors import NodeError, traceback_text
+from ...plan import last_step
+from ...wire import protocol
+
+
+class Loaded:
+    """A piece this worker can run: its plan, a Runner over its nodes' copies here, its first and last node."""
+
+    __slots__ = ("entry", "plan", "producer", "runner")
+
+    def __init__(self, plan, runner, entry: str, producer: str):
+        self.plan = plan
+        self.runner = runner
+        self.entry = entry  # named on the status page while its input is decoded
+        self.producer = producer  # ... and while its output is encoded
+
+
+class Library:
+    """`make_runner(nodes, devices)` builds the Runner of a piece from its nodes' copies and their devices."""
+
+    def __init__(self, worker_id: str, make_runner):
+        self.worker_id = worker_id
+        self.make_runner = make_runner
+        self.blobs: dict[int, bytes] = {}  # node key → code received and not loaded yet
+        self.nodes: dict[int, object] = {}  # node key → the node object (its copy lives here)
+        self.specs: dict[int, bytes] = {}  # piece id → spec
+        self.pieces: dict[int, Loaded] = {}  # piece id → the piece, once its nodes are loaded
+        self.lock = threading.Lock()
+
+    def register(self, code: dict, pieces: dict) -> None:
+        """Code and piece specs a Task carries (registered before its units run anywhere)."""
+        with self.lock:
+            self.blobs.update(code)
+            self.specs.update(pieces)
+
+    def describe(self, piece_id: int) -> tuple:
+        """`(plan, {node id: (key, device)}, first node, last node)` of a piece the host has described."""
+        spec = self.specs.get(piece_id)
+        if spec is None:
+            raise NodeError.failed("?", f"worker {self.worker_id} was sent an input for piece {piece_id} it was "
+                                        f"never told about (a bug in soma: please report it)")
+        plan, steps = protocol.parse_piece(spec)
+        return plan, steps, next(plan.steps()), last_step(plan)
+
+    def load(self, piece_id: int, plan, steps: dict, entry: str, producer: str) -> Loaded:
+        """The piece with a Runner over this worker's copies of its nodes, loading their code the first time."""
+        nodes = {node_id: self.node(node_id, key) for node_id, (key, _) in steps.items()}
+        devices = {node_id: device for node_id, (_, device) in steps.items() if device}
+        piece = Loaded(plan, self.make_runner(nodes, devices), entry, producer)
+        with self.lock:
+            if piece_id in self.specs:  # (not forgotten meanwhile: then it is not kept)
+                self.pieces[piece_id] = piece
+        return piece
+
+    def node(self, node_id: str, key: int):
+        node = self.nodes.get(key)
+        if node is not None:
+            return node
+        with self.lock:  # once per node, however many lanes want it at the same moment
+            node = self.nodes.get(key)
+            if node is not None:
+                return node
+            blob = self.blobs.get(key)
+            if blob is None:
+                raise NodeError.failed(node_id, f"worker {self.worker_id} was not sent its code (a bug in soma: "
+                                                f"please report it)")
+            node = self._unpickle(node_id, blob)  # a failure keeps the code: the next input tries again
+            self.nodes[key] = node
+            del self.blobs[key]
+        return node
+
+    def _unpickle(self, node_id: str, blob: bytes):
+        from ...wire import nodecode
+
+        try:
+            return nodecode.loads(blob)
+        except Exception as err:
+            raise NodeError.failed(
+                node_id,
+                f"its code could not be loaded in worker {self.worker_id}: {type(err).__name__}: {err} (workers "
+                f"start with the host's sys.path and working directory; define the node in a module they can "
+                f"import)",
+                remote_traceback=traceback_text(err),
+            ) from err
+
+    def forget(self, keys: list) -> None:
+        """The host's copies of these nodes are gone: no graph can send them here again."""
+        gone = set(keys)
+        with self.lock:
+            for key in keys:
+                self.nodes.pop(key, None)
+                self.blobs.pop(key, None)
+            for piece_id, spec in list(self.specs.items()):
+                _, steps = protocol.parse_piece(spec)
+                if any(key in gone for key, _ in steps.values()):
+                    del self.specs[piece_id]
+                    self.pieces.pop(piece_id, None)

@@ -1,0 +1,442 @@
+"""The worker's serving loop: receive, run, send back. See `soma.local.worker` for the drawing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import deque
+
+import zmq
+
+from ..._log import warn
+from ...errors import NodeError, SharedMemoryFull, traceback_text
+from ...run.interpreter import Runner, RunState
+from ...wire import codec, protocol, transport
+from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
+from ...wire.shm import ShmFull, unlink_all
+from ...wire.status import StatusPage
+from .imports import AfterImport
+from .library import Library
+
+POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
+WATCHDOG_S = 0.5
+PROMOTE_S = 0.002  # a receiver that has run units this long hands the receiving to a follower
+TICK_S = 0.002  # how often a follower looks, while units keep coming (a wakeup each: not too often)
+ACTIVE_S = 0.1  # after this long without a unit, followers sleep until the next one
+FLUSH_S = 0.001  # outcomes of short units wait at most this long to travel together
+MAX_THREADS = 64  # serving threads: one per piece running at once, and one receiving
+
+
+class Lane:
+    """The units of one piece waiting in this worker: run in arrival order, by one thread at a time."""
+
+    __slots__ = ("units", "busy")
+
+    def __init__(self):
+        self.units: deque = deque()
+        self.busy = False  # a thread is running its units
+
+
+class Worker:
+    def __init__(self, args, secret: bytes):
+        self.id = args.id
+        self.device = args.device
+        self.threads = max(1, args.threads)
+        self.host_pid = args.host_pid
+        self.prefix = args.prefix
+        self.arena = args.arena
+        self.run_dir = os.path.dirname(args.status)
+        self.secret = secret
+        self.zctx = transport.context()
+        self.inbox = self.zctx.socket(zmq.DEALER)
+        # One identity per incarnation: a ROUTER ignores a new peer that reuses an identity it still
+        # has registered, so a replacement named like the worker it replaces would never get a task.
+        self.inbox.setsockopt(zmq.IDENTITY, f"{self.id}.{os.getpid()}".encode())
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        # The host binds while we start (it spawns us first): retry the connection soon, not after 100 ms.
+        self.inbox.setsockopt(zmq.RECONNECT_IVL, 5)
+        self.inbox.connect(args.tasks)
+        self.outbox = self.zctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 2000)
+        self.outbox.setsockopt(zmq.SNDHWM, 0)
+        self.outbox.setsockopt(zmq.RECONNECT_IVL, 5)
+        self.outbox.connect(args.results)
+        self.receiver = transport.Receiver(self.inbox)
+        self.send_lock = threading.Lock()
+        # Who does what (all under `cv`): one thread receives; threads take runnable lanes.
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)  # (`with self.lock` where nobody waits: one call, not three)
+        self.receiving = None  # the thread that receives now
+        self.receiver_busy_since = None  # when that thread went off to run units itself
+        self.runnable: deque = deque()  # lanes with units and nobody running them
+        self.lanes: dict[int, Lane] = {}
+        self.active_until = 0.0  # followers tick until then (units came recently)
+        self.idle = 0  # threads asleep on cv
+        self.running = 0  # threads running a lane
+        self.serving = 1
+        self.stopping = threading.Event()
+        self.cancelled: set = set()  # unit ids the host no longer wants (dropped unless started)
+        # What this worker knows: node code, nodes, pieces.
+        self.library = Library(self.id, self.make_runner)
+        self.status = StatusPage(args.status, create=True)
+        self.store = None
+        self.store_lock = threading.Lock()
+        self.torch_ready = False
+        self.torch_lock = threading.Lock()
+        self.local = threading.local()
+        self.cuda = self.device.startswith("cuda")
+        self.preload_torch = args.preload_torch or self.cuda
+
+    # -- life --------------------------------------------------------------------------------
+    def serve(self) -> int:
+        signal.signal(signal.SIGTERM, self.terminated)
+        self.when_torch_imports()
+        threading.Thread(target=self.watch_host, name="soma-watchdog", daemon=True).start()
+        self.send(protocol.Hello(self.id, os.getpid(), self.device))
+        if self.preload_torch:
+            # After HELLO, not before: importing torch takes a second or more, and the pool is ready
+            # without it. A unit that needs torch meanwhile waits on the import, as it would anyway.
+            threading.Thread(target=lambda: __import__("torch"), name="soma-torch", daemon=True).start()
+        try:
+            self.serve_forever()
+        finally:
+            self.finish()
+        return 0
+
+    def watch_host(self) -> None:
+        """Exit soon after the host is gone (our parent changes when it dies), cleaning up after it."""
+        while not self.stopping.wait(WATCHDOG_S):
+            if os.getppid() != self.host_pid:
+                # The host cannot clean up any more: whoever notices does (several workers may; all is idempotent).
+                unlink_all(self.prefix)
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+                os._exit(0)
+
+    def terminated(self, signum, _frame) -> None:
+        """SIGTERM: unlink our segments, then die of the signal, so the host can say what ended us."""
+        if self.store is not None:
+            self.store.close()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def finish(self) -> None:
+        """Unlink our segments and exit now.
+
+        Other threads may be polling the socket or running a node: closing sockets
+        under them would raise in each. The host has asked us to stop (or is gone),
+        so nothing still in flight is wanted; the kernel closes the sockets.
+        """
+        if self.store is not None:
+            self.store.close()
+        self.status.close()
+        os._exit(0)
+
+    # -- serving: one thread receives, the others run lanes ----------------------------------------
+    def serve_forever(self) -> None:
+        """What every serving thread runs: run a lane that waits, or receive, or wait for either.
+
+        The thread that receives units runs them itself and keeps receiving afterwards:
+        no hand-off between threads on a unit's way, which costs as much as a small unit.
+        Only when it has been running units for longer than PROMOTE_S does a follower
+        take over receiving, so units of other inputs and pieces are still received.
+        Other runnable lanes (another piece, a wave's other branch) go to idle threads
+        at once. Followers tick every TICK_S while units keep coming, and sleep untimed
+        when the worker is idle, so an idle worker uses no CPU.
+        """
+        me = threading.current_thread()
+        self.local.serving = True  # (see leave: units run on this thread, not a wave's branches)
+        while not self.stopping.is_set():
+            lane = None
+            with self.cv:
+                while True:
+                    if self.stopping.is_set():
+                        return
+                    if self.runnable:
+                        lane = self.runnable.popleft()
+                        self.running += 1
+                        break
+                    if self.receiving is None or self.receiving is me:
+                        self.receiving, self.receiver_busy_since = me, None
+                        break
+                    now = time.monotonic()
+                    busy = self.receiver_busy_since
+                    if busy is not None and now - busy > PROMOTE_S:
+                        self.receiving, self.receiver_busy_since = me, None  # the busy one follows when done
+                        break
+                    if now < self.active_until:
+                        self.cv.wait(TICK_S)
+                    else:
+                        self.idle += 1
+                        self.cv.wait()
+                        self.idle -= 1
+            if lane is not None:
+                self.run_lane(lane)
+                with self.lock:
+                    self.running -= 1
+                continue
+            message = self.receive()
+            if message is None:
+                continue
+            lane = self.handle(message)
+            if lane is not None:
+                self.run_lane(lane, receiving=True)
+                with self.lock:
+                    self.running -= 1
+
+    def receive(self):
+        frame = self.receiver.wait(POLL_MS)
+        return None if frame is None else protocol.parse(self.secret, frame, "the host")
+
+    def handle(self, message):
+        """Act on a message; for a Task, return a lane for this (receiving) thread to run itself."""
+        if isinstance(message, Task):
+            return self.accept(message)
+        if isinstance(message, Free):
+            self.free(message.frees)
+        elif isinstance(message, Cancel):
+            with self.lock:
+                # Only what still waits in a lane can be dropped (a Cancel comes after its Task, on the
+                # same socket): the rest has started or is done, and its id need not be kept.
+                wanted = set(message.units)
+                self.cancelled.update(u.id for lane in self.lanes.values() for u in lane.units if u.id in wanted)
+        elif isinstance(message, Stop):
+            self.stopping.set()
+            self.finish()
+        else:
+            warn("soma.worker", "soma worker %s: dropped a %s message a host should not send", self.id,
+                 type(message).__name__)
+        return None
+
+    def accept(self, task: Task):
+        """Register the task's code and pieces, queue its units; this thread takes the first runnable lane."""
+        try:
+            if task.forget:
+                self.forget(task.forget)
+            if task.frees:
+                self.free(task.frees)
+            if task.code or task.pieces:
+                # Registered while this thread still receives: a later unit that counts on this code
+                # (the host sends it once per worker) may run on another thread before it gets here.
+                self.library.register(task.code, task.pieces)
+        except Exception as err:  # an authentic but malformed message must not take the worker down
+            warn("soma.worker", "soma worker %s: dropped a malformed Task: %s: %s", self.id, type(err).__name__, err)
+            return None
+        now = time.monotonic()
+        with self.lock:
+            for unit in task.units:
+                lane = self.lanes.get(unit.piece)
+                if lane is None:
+                    lane = self.lanes[unit.piece] = Lane()
+                lane.units.append(unit)
+                if not lane.busy:
+                    lane.busy = True
+                    self.runnable.append(lane)
+            if not self.runnable:
+                return None
+            mine = self.runnable.popleft()
+            self.receiver_busy_since = now
+            waking = now >= self.active_until
+            self.active_until = now + ACTIVE_S
+            # Someone must receive while this thread runs units, and every other runnable lane needs a thread.
+            wanted = 1 + len(self.runnable)
+            free = self.serving - 1 - self.running  # threads other than this one, not running a lane
+            self.running += 1
+            for _ in range(min(wanted - free, MAX_THREADS - self.serving)):
+                self.serving += 1
+                threading.Thread(target=self.serve_forever, name="soma-serving", daemon=True).start()
+            if self.runnable or (waking and self.idle):
+                self.cv.notify(len(self.runnable) + 1)
+        return mine
+
+    def send(self, message) -> None:
+        frame = protocol.pack(self.secret, message)
+        with self.send_lock:
+            self.outbox.send(frame)
+
+    # -- running a lane ------------------------------------------------------------------------------
+    def run_lane(self, lane: Lane, receiving: bool = False) -> None:
+        """Run the lane's units in order until it is empty.
+
+        An outcome goes out as soon as its unit is done, unless units are short: then
+        outcomes wait for one another, at most FLUSH_S, and travel together (one
+        message and one wake-up for many). An outcome never waits for a long unit.
+        """
+        outcomes: list = []
+        first_at = 0.0
+        while True:
+            with self.lock:
+                if not lane.units:
+                    lane.busy = False
+                    if receiving and self.receiving is threading.current_thread():
+                        self.receiver_busy_since = None
+                    break
+                unit = lane.units.popleft()
+                cancelled = unit.id in self.cancelled
+                if cancelled:
+                    self.cancelled.discard(unit.id)
+            if cancelled:
+                outcome = Outcome(unit.id, False, {"kind": "cancelled"}, None, 0.0)
+            else:
+                outcome = self.run_unit(unit)
+            now = time.monotonic()
+            if not outcomes:
+                first_at = now
+            outcomes.append(outcome)
+            if outcome.seconds >= FLUSH_S or now - first_at >= FLUSH_S:
+                self.flush(outcomes)
+                outcomes = []
+        if outcomes:
+            self.flush(outcomes)
+
+    def flush(self, outcomes: list) -> None:
+        # Inputs and outputs of these units are dropped by now: what died is reported with them.
+        releases = self.store.releases() if self.store is not None else []
+        self.send(Result(self.id, os.getpid(), outcomes, releases))
+
+    def run_unit(self, unit) -> Outcome:
+        """Decode the input, run the piece, encode the output: one Outcome, whatever happens.
+
+        The status page names the unit's node all along (its first node while its code
+        loads and its input is decoded, its last while the output is encoded), so a
+        worker that dies at any moment is reported with the node it was busy with.
+        """
+        start = time.perf_counter()
+        spans = [] if unit.traced else None
+        entry = producer = "?"
+        status = self.status
+        try:
+            piece = self.library.pieces.get(unit.piece)
+            if piece is None:
+                plan, steps, entry, producer = self.library.describe(unit.piece)
+                status.enter(unit.id, entry)
+                self.on_thread()  # (a node's code may touch CUDA as it loads)
+                piece = self.library.load(unit.piece, plan, steps, entry, producer)
+            else:
+                entry, producer = piece.entry, piece.producer
+                status.enter(unit.id, entry)
+            if self.cuda:
+                self.on_thread()  # a cuda:N worker's current device is per thread: this one's too
+            x = self.decode(unit.payload, entry)
+            value = piece.runner.run(piece.plan, x, RunState(self, unit.id), spans)
+            del x
+            if producer != entry:
+                status.enter(unit.id, producer)
+            body = self.encode(value, producer)
+            ok = True
+        except NodeError as err:
+            ok, body = False, protocol.error_body(err)
+        except BaseException as err:  # never lose a unit: the host is waiting for it
+            err = NodeError.failed(producer if producer != "?" else entry,
+                                   f"worker {self.id} could not run it: {type(err).__name__}: {err}",
+                                   remote_traceback=traceback_text(err))
+            ok, body = False, protocol.error_body(err)
+        finally:
+            status.leave()
+        return Outcome(unit.id, ok, body, spans, time.perf_counter() - start)
+
+    def decode(self, payload: bytes, entry: str):
+        decoder = codec.Decoder(self.get_store)
+        try:
+            return decoder.unpack(payload)
+        except Exception as err:
+            raise NodeError.failed(entry, f"its input could not be received in worker {self.id}: "
+                                          f"{type(err).__name__}: {err}") from None
+
+    def encode(self, value, producer: str) -> bytes:
+        encoder = codec.Encoder(self.get_store)
+        try:
+            data = encoder.pack(value)
+        except codec.GradCrossing as err:
+            raise NodeError.failed(producer, err.reason("it returned")) from None
+        except ShmFull as err:
+            raise SharedMemoryFull.reserving(producer, err.nbytes, "its output") from None
+        except Exception as err:
+            raise NodeError.failed(
+                producer, f"its output cannot be sent back to the host: {type(err).__name__}: {err} "
+                          f"(return plain data, tensors, or picklable objects)") from None
+        if encoder.shared:
+            store = self.get_store()
+            for name in encoder.shared:
+                store.note_sent(name)  # before the encoder (and the copies it keeps alive) goes
+        return data
+
+    # -- pieces and nodes (the library's) ------------------------------------------------------------
+    def make_runner(self, nodes: dict, devices: dict) -> Runner:
+        return Runner(nodes, devices, worker=self.id, allocate=self.allocate, remote=True, on_thread=self.on_thread)
+
+    def forget(self, keys: list) -> None:
+        """The host's copies of these nodes are gone: drop them, their pieces, and those pieces' idle lanes."""
+        self.library.forget(keys)
+        with self.lock:
+            for piece_id in [p for p, lane in self.lanes.items() if not lane.busy and not lane.units]:
+                if piece_id not in self.library.specs:
+                    del self.lanes[piece_id]
+
+    # -- what runs now, for the status page (RunState's observer) ----------------------------------
+    def enter(self, unit: int, node_id: str) -> None:
+        self.status.enter(unit, node_id)
+
+    def leave(self, unit: int, node_id: str) -> None:
+        # On a serving thread the next node's name, or the unit's end (run_unit), overwrites it; a wave's
+        # branch thread clears its slot, or a finished branch would be named as running until reused.
+        if not getattr(self.local, "serving", False):
+            self.status.leave()
+
+    # -- torch, devices, shared memory -----------------------------------------------------------
+    def setup_torch(self) -> None:
+        """This worker's share of threads and its CUDA device, once torch is imported (by whoever)."""
+        import torch
+
+        with self.torch_lock:
+            if self.torch_ready:
+                return
+            torch.set_num_threads(self.threads)
+            if self.cuda:
+                torch.cuda.set_device(int(self.device.split(":")[1]))
+            self.torch_ready = True
+
+    def when_torch_imports(self) -> None:
+        """Run setup_torch as part of the first `import torch` in this process (see imports.py for why)."""
+        if "torch" in sys.modules:
+            self.setup_torch()
+        else:
+            sys.meta_path.insert(0, AfterImport("torch", self.setup_torch))
+
+    def on_thread(self) -> None:
+        """First thing on every thread that runs nodes: CUDA's current device is per thread."""
+        if self.cuda and not getattr(self.local, "pinned", False):
+            import torch
+
+            torch.cuda.set_device(int(self.device.split(":")[1]))
+            self.local.pinned = True
+
+    def get_store(self, create: bool = True):
+        if self.store is None and create:
+            with self.store_lock:
+                if self.store is None:
+                    from ...wire.shm import SegmentStore
+
+                    self.store = SegmentStore(self.prefix, self.arena)
+        return self.store
+
+    def free(self, frees: list) -> None:
+        store = self.get_store()
+        for name, n in frees:
+            store.free(name, n)
+
+    def allocate(self, size: tuple, dtype):
+        """`ctx.empty` in a worker: a tensor in a shared segment already mapped here."""
+        import torch
+
+        numel = 1
+        for s in size:
+            numel *= s
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if nbytes < codec.INLINE_LIMIT:
+            return torch.empty(size, dtype=dtype)  # travels inline anyway
+        storage = self.get_store().allocate(nbytes)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, size)

@@ -1,0 +1,257 @@
+"""One copy of one node, living in a Ray actor. This module runs inside the actors.
+
+    driver: copies[i].call.remote(x)                 x: an upstream node's ObjectRef, or the run's input
+            copies[i].call_with.remote(meta, *args)  a wave's join, checks, a timeout or a trace;
+                                                     meta: (token, shape, checks, trace tag)
+            copies[i].call_many / call_many_with      a map's batch: several inputs in one call, one
+                                                     return each (`num_returns`), each run as above
+            (Ray resolves ObjectRef args in the actor: the values never pass through the driver)
+    actor:  a failure among the args?  → pass it on, untouched (the first one, in branch order)
+            producers' values where they declared?  (the postcondition on what arrives)
+            x = the args in the input's shape (a wave's join receives the tuple of branch outputs)
+            Runner.run(Step(node), x)   (setup once, one input at a time, Done, postcondition, NodeError)
+            → the value (its ObjectRef goes on to the next node), or a `Failed`
+
+Why failures travel as values: a method that raises becomes Ray's `RayTaskError`,
+which wraps the exception in a class of Ray's making and its text in Ray's
+banner. A `Failed` carries soma's own error (class, text, remote traceback and
+cause, as `Local` carries them), every later node passes it on without running,
+and the driver raises exactly that error.
+
+The control methods (`hello`, `clock`, `running_token`, `calls_taken`, `take_spans`) are called
+in a concurrency group of their own (`copies.control`), so a busy copy answers
+which input it is running (a timeout) or what time it is (a trace) at once, also
+while one of the driver's calls to it still waits for its input (measured with
+Ray 2.60, in order and out of order alike).
+
+Ray is imported inside the functions that run in an actor: the driver imports
+this module for `Failed` and friends before it knows whether Ray is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ..errors import NodeError, PostconditionError, SomaError, traceback_text
+from ..plan import Step
+from ..run.interpreter import Runner, RunState
+from ..run.postcondition import check_postcondition
+from ..values import Opaque
+from ..wire import nodecode
+from .devices import cuda_index, cuda_visible_devices, machine_gpus
+
+
+class Failed:
+    """A node's failure on its way to the driver as an ordinary value.
+
+    A `NodeError` travels as `soma.wire.protocol`'s error body (the same class, text,
+    remote traceback and cause on arrival); any other `SomaError` (a
+    `PlacementError` from a copy's start) pickles itself.
+    """
+
+    __slots__ = ("body", "error", "notes")
+
+    def __init__(self, err: SomaError):
+        from ..wire.protocol import error_body
+
+        if isinstance(err, NodeError):
+            self.body, self.error = error_body(err), None
+        else:
+            self.body, self.error = None, err
+        self.notes = list(getattr(err, "__notes__", ()))
+
+    @property
+    def message(self) -> str:
+        return self.body["message"] if self.body is not None else str(self.error)
+
+    @property
+    def node(self) -> str | None:
+        """The node that failed (None for an error that names none)."""
+        return self.body["node"] if self.body is not None else getattr(self.error, "node", None)
+
+    def rebuild(self) -> SomaError:
+        """The error itself, as the node's process raised it."""
+        from ..wire.protocol import error_from
+
+        err = error_from(self.body) if self.body is not None else self.error
+        for note in self.notes:
+            err.add_note(note)
+        return err
+
+
+def first_failure(values) -> Failed | None:
+    """The first `Failed` among a wave's outputs, noting the others on it (as a wave in one process does).
+
+    One failure upstream of a wave reaches its join once per branch (each branch passes it on): that is
+    one failure, as in one process, where the wave never ran. Only failures of other nodes are noted.
+    """
+    failures = [v for v in values if type(v) is Failed]
+    if not failures:
+        return None
+    first = failures[0]
+    seen = {(first.node, first.message)}
+    for other in failures[1:]:
+        key = (other.node, other.message)
+        if key not in seen:
+            seen.add(key)
+            first.notes.append(f"another branch of the same wave also failed: {other.message}")
+    return first
+
+
+def shaped(shape, args):
+    """The input from the flat args: `shape` is an arg's position, or a tuple of shapes (a wave's output)."""
+    if type(shape) is int:
+        return args[shape]
+    return tuple(shaped(s, args) for s in shape)
+
+
+def carries_autograd(value) -> bool:
+    """Whether a value holds a tensor with an autograd graph (it cannot cross processes intact)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "Tensor"):
+        return False  # no torch here: no tensor either
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        if type(item) is Opaque:
+            stack.append(item.obj)
+        elif isinstance(item, torch.Tensor):
+            if item.requires_grad and not item.is_leaf:
+                return True
+        elif isinstance(item, (tuple, list, dict)) and id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(item.values() if isinstance(item, dict) else item)
+    return False
+
+
+def grad_crossing(node_id: str, whose: str) -> NodeError:
+    """Local's error for a tensor with an autograd graph at a process boundary, with Local's words."""
+    from ..wire.codec import GradCrossing
+
+    return NodeError.failed(node_id, GradCrossing().reason(whose))
+
+
+def arrange_cuda(node_id: str, device: str | None) -> None:
+    """Make `cuda:N` in this process the GPU Ray reserved for this copy (see soma.ray.devices)."""
+    index = cuda_index(device)
+    if index is None:
+        return
+    import ray
+
+    this_machine = ray.get_runtime_context().get_node_id()
+    count = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == this_machine), 0)
+    machine = machine_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), int(count))
+    order = cuda_visible_devices(node_id, index, ray.get_gpu_ids(), machine)
+    if order is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = order  # before the node's code loads, so before torch meets CUDA
+
+
+class NodeCopy:
+    """The actor class (wrapped by `ray.remote` in the driver): one copy of one node, its state inside."""
+
+    def __init__(self, node_id: str, device: str | None, blob: bytes, paths: list):
+        import ray
+
+        # The driver's sys.path after the actor's own, as Local's workers start with the host's: nodes from
+        # the user's modules load on the driver's machine (elsewhere, absent folders are simply not searched).
+        sys.path.extend(p for p in paths if p not in sys.path)
+        self.node_id = node_id
+        self.actor_id = ray.get_runtime_context().get_actor_id()
+        self.broken: Failed | None = None  # this copy could not be made: every call answers with why
+        self.running = None  # the token of the input running now (timed inputs only); read by `running_token`
+        self.spans: list = []  # (trace tag, spans) of traced inputs, until the driver takes them
+        self.calls = 0  # Ray calls that ran inputs (a batch is one): `calls_taken` tells the driver
+        node = None
+        try:
+            arrange_cuda(node_id, device)
+            node = nodecode.loads(blob)
+        except SomaError as err:
+            self.broken = Failed(err)
+        except BaseException as err:  # the actor stays up, so the driver hears why instead of "actor died"
+            self.broken = Failed(NodeError.failed(
+                node_id, f"its code could not be loaded in Ray actor {self.actor_id}: {type(err).__name__}: {err}",
+                remote_traceback=traceback_text(err)))
+        devices = {node_id: device} if device is not None else {}
+        self.runner = Runner({node_id: node}, devices, worker=self.actor_id, remote=True)
+        self.plan = Step(node_id)
+
+    def call(self, x):
+        """Run the node on one input: the common call (a whole input, nothing to check, no timeout, not
+        traced), with exactly the one arg a hand-written actor would take (every arg costs Ray a serialization)."""
+        self.calls += 1
+        return self.run((x,), None, 0, (), None)
+
+    def call_with(self, meta, *args):
+        """Run the node on one input made of several args (a wave's join), or checked, timed or traced.
+
+        `meta`: (the input's token or None, the input's shape, the checks, the trace tag or None).
+        """
+        self.calls += 1
+        return self.run(args, *meta)
+
+    def call_many(self, *xs):
+        """`call` for several inputs in one Ray call (a map's batch): one output per input, each its own
+        return (the driver asks for `num_returns=len(xs)`), a failure in its own place, the others' values
+        beside it. The calls a batch saves cost Ray ~400 µs of this actor's CPU and ~350 µs of the driver's."""
+        self.calls += 1
+        return tuple([self.run((x,), None, 0, (), None) for x in xs])
+
+    def call_many_with(self, metas, *args):
+        """`call_with` for several inputs in one Ray call: `metas[i]` is (how many of `args` are input i's,
+        its shape, its checks, its trace tag); inputs with a timeout are never batched (no token)."""
+        self.calls += 1
+        outputs, start = [], 0
+        for count, shape, checks, trace_tag in metas:
+            outputs.append(self.run(args[start:start + count], None, shape, checks, trace_tag))
+            start += count
+        return tuple(outputs)
+
+    def run(self, args: tuple, token, shape, checks, trace_tag):
+        """The value, or a `Failed` (see the module's drawing)."""
+        failed = first_failure(args)
+        if failed is not None:
+            return failed  # upstream first: the error the driver raises is the earliest one
+        if self.broken is not None:
+            return self.broken
+        try:
+            for position, producer, declared in checks:  # moved on the way? The producer checked it before it left
+                check_postcondition(producer, declared, args[position])
+        except PostconditionError as err:
+            return Failed(err)
+        x = shaped(shape, args)
+        spans = [] if trace_tag is not None else None
+        self.running = token
+        try:
+            value = self.runner.run(self.plan, x, RunState(), spans)
+        except NodeError as err:
+            return Failed(err)
+        finally:
+            self.running = None
+            if spans is not None:
+                self.spans.append((trace_tag, spans))
+        if carries_autograd(value):
+            return Failed(grad_crossing(self.node_id, "it returned"))
+        return value
+
+    # -- control: called in the "control" group, answered while `call` runs -------------------------
+    def hello(self):
+        """(pid, Ray node id): who this copy is, once it is up."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def clock(self) -> int:
+        return time.monotonic_ns()
+
+    def running_token(self):
+        return self.running
+
+    def calls_taken(self) -> int:
+        """How many calls brought inputs here (a batch of several inputs counts once)."""
+        return self.calls
+
+    def take_spans(self) -> list:
+        spans, self.spans = self.spans, []
+        return spans

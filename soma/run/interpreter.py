@@ -1,0 +1,366 @@
+"""Running a plan in one process: the interpreter the in-process `Executor`, every `Local`
+worker and every Ray actor share, so they cannot disagree about what a node's output is.
+
+    run(plan, x) ─ Step ─ invoke(node) ─ [setup once] ─ forward(x, ctx) ─ Done? ─ postcondition ─ unwrap
+                 ├ Seq  ─ items in order, each on the previous output
+                 └ Wave ─ one thread per branch, each branch whole on its thread;
+                          wait for every branch, then raise the first failure in branch order
+
+A node object runs one input at a time, whoever calls it: `invoke` holds the
+node's own lock around `setup` and `forward`, so a node needs no locks of its own
+(SPEC 2, "Copies").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import sys
+import threading
+import time
+import weakref
+
+from ..ctx import Ctx
+from ..errors import NodeError, SharedMemoryFull, SomaError, traceback_text
+from ..plan import Plan, Seq, Step, Wave
+from ..values import Done, unwrap
+from .postcondition import check_postcondition
+
+
+class Cancelled(SomaError):
+    """Internal: the run this branch belongs to was abandoned (timeout); stop before the next node."""
+
+
+def count_in(counts: dict, key, delta: int) -> None:
+    """Add `delta` to `counts[key]`, dropping the key at zero (a multiset of what runs now)."""
+    n = counts.get(key, 0) + delta
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
+class RunState:
+    """What one run (one input) shares across its threads: the nodes running now, and a cancel flag.
+
+    In-process it keeps the multiset of running nodes itself (a timeout names them).
+    With an `observer` (a worker's status page) it tells it instead:
+    `observer.enter(unit, node)` / `observer.leave(unit, node)`.
+    """
+
+    __slots__ = ("running", "cancelled", "unit", "_lock", "_observer")
+
+    def __init__(self, observer=None, unit: int = 0):
+        self.running: dict[str, int] = {}
+        self.cancelled = False
+        self.unit = unit
+        self._lock = threading.Lock() if observer is None else None
+        self._observer = observer
+
+    def enter(self, node_id: str) -> None:
+        if self.cancelled:
+            raise Cancelled(node_id)
+        if self._observer is not None:
+            self._observer.enter(self.unit, node_id)
+            return
+        with self._lock:
+            count_in(self.running, node_id, +1)
+
+    def leave(self, node_id: str) -> None:
+        if self._observer is not None:
+            self._observer.leave(self.unit, node_id)
+            return
+        with self._lock:
+            count_in(self.running, node_id, -1)
+
+    def running_now(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self.running)
+
+
+class _Guard:
+    """A node object's lock (one input at a time) and whether its `setup` has run."""
+
+    __slots__ = ("lock", "ready", "__weakref__")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ready = False
+
+
+_guards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_pinned_guards: dict = {}  # nodes that cannot be weakly referenced: kept as long as the process
+_guards_lock = threading.Lock()
+
+
+def guard_of(node) -> _Guard:
+    try:
+        return _guards[node]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable (__slots__ without __weakref__)
+        found = _pinned_guards.get(id(node))
+        if found is not None and found[0] is node:
+            return found[1]
+    with _guards_lock:
+        try:
+            return _guards.setdefault(node, _Guard())
+        except TypeError:
+            found = _pinned_guards.get(id(node))
+            if found is None or found[0] is not node:
+                found = _pinned_guards[id(node)] = (node, _Guard())
+            return found[1]
+
+
+def on_threads(calls: list, kept: "KeptThreads | None" = None) -> list:
+    """Run each zero-argument call on a thread of its own; wait for all of them.
+
+    Returns one `(True, value)` or `(False, exception)` per call, in order: a failure
+    waits for its siblings. Threads inherit torch's grad and inference mode from this
+    one. In-process every call gets a new thread and no thread is left behind; with
+    `kept` (in a worker) this thread runs the first call and kept threads the others.
+    """
+    results: list = [None] * len(calls)
+    inherit = _thread_modes()
+
+    def one(i: int) -> None:
+        try:
+            with inherit():
+                results[i] = (True, calls[i]())
+        except BaseException as exc:  # every failure waits for the siblings
+            results[i] = (False, exc)
+
+    if kept is not None:
+        kept.run([lambda i=i: one(i) for i in range(len(calls))])
+        return results
+    threads = [threading.Thread(target=one, args=(i,), name=f"soma-branch-{i}", daemon=True)
+               for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+class KeptThreads:
+    """Threads a worker keeps for waves' branches: starting two threads per input cost ~180 µs here.
+
+    `run(calls)` runs the first call on this thread and each other on an idle kept
+    thread (a new one when none is idle, so nested waves never wait for a thread),
+    and returns when all are done. A kept thread is a branch's own for the call.
+    """
+
+    def __init__(self):
+        self._idle: list = []
+        self._lock = threading.Lock()
+
+    def run(self, calls: list) -> None:
+        left = [len(calls) - 1]
+        all_done = threading.Event()
+        if not left[0]:
+            all_done.set()
+
+        def finished():
+            with self._lock:
+                left[0] -= 1
+                if not left[0]:
+                    all_done.set()
+
+        for call in calls[1:]:
+            with self._lock:
+                inbox = self._idle.pop() if self._idle else None
+            if inbox is None:
+                inbox = queue.SimpleQueue()
+                threading.Thread(target=self._serve, args=(inbox,), name="soma-branch", daemon=True).start()
+            inbox.put((call, finished))
+        calls[0]()
+        all_done.wait()
+
+    def _serve(self, inbox) -> None:
+        while True:
+            call, finished = inbox.get()
+            try:
+                call()  # (it catches what its branch raises)
+            finally:
+                with self._lock:
+                    self._idle.append(inbox)
+                finished()
+
+
+_kept: "KeptThreads | None" = None
+
+
+def _kept_threads() -> KeptThreads:
+    """This process's kept branch threads (a worker's or an actor's: they live as long as it does)."""
+    global _kept
+    if _kept is None:
+        with _guards_lock:
+            if _kept is None:
+                _kept = KeptThreads()
+    return _kept
+
+
+def wave_outcome(outcomes: list) -> tuple:
+    """A wave's `(ok, value)` from its branches' `(ok, value)`, once every branch is over.
+
+    The tuple of outputs; or the first failure in branch order, the others attached
+    as notes (a branch that only stopped because its run was abandoned is no failure
+    of its own).
+    """
+    errors = [value for ok, value in outcomes if not ok]
+    if not errors:
+        return True, tuple(value for _, value in outcomes)
+    first = next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
+    for other in errors:
+        if other is not first and not isinstance(other, Cancelled):
+            first.add_note(f"another branch of the same wave also failed: {other}")
+    return False, first
+
+
+def _thread_modes():
+    """What a branch thread must inherit from the thread that started the wave.
+
+    torch keeps grad and inference mode per thread: without this, `with torch.no_grad(): g.run(x)`
+    would still build autograd graphs inside every wave.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "is_inference_mode_enabled"):  # absent, or still importing
+        return contextlib.nullcontext
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+
+    @contextlib.contextmanager
+    def inherit():
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            yield
+
+    return inherit
+
+
+class Runner:
+    """Runs plans over a catalog with a placement, making each node's `Ctx`.
+
+    `nodes`: id → Node. `devices`: id → device string for placed nodes.
+    `worker`: the worker id for `ctx.worker` (None in-process). `allocate`: the
+    worker's shared arena for `ctx.empty`. `remote`: in a worker, where the
+    exception may not travel: keep its traceback text, and turn `SystemExit` and
+    `KeyboardInterrupt` raised by a node into its `NodeError` too (in-process they
+    are the user's own Ctrl-C and exit, and pass through). `on_thread`: called
+    first on every branch thread (a worker pins its CUDA device).
+    """
+
+    def __init__(self, nodes, devices: dict, worker: str | None = None, allocate=None, remote: bool = False,
+                 on_thread=None):
+        self.nodes = nodes
+        self.devices = devices
+        self.worker = worker
+        self.allocate = allocate
+        self.remote = remote
+        self.on_thread = on_thread
+        self._caught = BaseException if remote else Exception
+        self._kept = _kept_threads() if remote else None
+        self._guards: dict = {}  # node id → its node's guard, found once
+
+    def run(self, plan: Plan, x, state: RunState | None = None, spans: list | None = None):
+        """Run `plan` on `x`. With `spans`, append `[node, start ns, end ns, thread id, outcome]` per node."""
+        state = state if state is not None else RunState()
+        if type(plan) is Step:
+            return self.invoke(plan.id, x, state, spans)
+        if type(plan) is Seq:
+            for item in plan.items:
+                x = self.run(item, x, state, spans)
+            return x
+        return self.run_wave(plan, x, state, spans)
+
+    def run_wave(self, wave: Wave, x, state: RunState, spans: list | None):
+        """Every branch whole on its own thread; all of them are waited for before raising."""
+        on_thread = self.on_thread
+
+        def branch(plan):
+            def call():
+                if on_thread is not None:
+                    on_thread()
+                return self.run(plan, x, state, spans)
+            return call
+
+        ok, value = wave_outcome(on_threads([branch(b) for b in wave.branches], self._kept))
+        if not ok:
+            raise value
+        return value
+
+    def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):
+        """Run one node: setup once, forward, check it returned Done, check the postcondition, unwrap."""
+        node = self.nodes[node_id]
+        device = self.devices.get(node_id)
+        ctx = Ctx(node_id, device, self.worker, self.allocate)
+        guard = self._guards.get(node_id)
+        if guard is None:
+            guard = self._guards[node_id] = guard_of(node)
+        state.enter(node_id)
+        start = time.monotonic_ns() if spans is not None else 0
+        outcome = "ok"
+        try:
+            with guard.lock:  # one input at a time per node object
+                if not guard.ready:
+                    self.setup(node, node_id, ctx)
+                    guard.ready = True
+                try:
+                    out = node.forward(x, ctx)
+                except self._caught as exc:
+                    raise self.node_failed(node_id, exc, device=device) from exc
+            if type(out) is not Done:
+                raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
+            check_postcondition(node_id, device, out.value)
+        except BaseException as exc:
+            # What the node itself raised (under the NodeError that names it), or soma's own verdict.
+            cause = exc.__cause__ if type(exc) is NodeError and exc.__cause__ is not None else exc
+            outcome = type(cause).__name__
+            raise
+        finally:
+            state.leave(node_id)
+            if spans is not None:
+                spans.append([node_id, start, time.monotonic_ns(), threading.get_native_id(), outcome])
+        return unwrap(out.value)
+
+    def setup(self, node, node_id: str, ctx: Ctx) -> None:
+        """`node.setup(ctx)`, once per node object, before its first forward (when the node defines it)."""
+        setup = getattr(node, "setup", None)
+        if setup is None:
+            return
+        try:
+            setup(ctx)
+        except self._caught as exc:
+            err = self.node_failed(node_id, exc, doing="setup raised")
+            raise err from exc
+
+    def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:
+        """The NodeError for an exception a node raised (a full /dev/shm has its own)."""
+        from ..wire.shm import ShmFull
+
+        if isinstance(exc, ShmFull):
+            return SharedMemoryFull.reserving(node_id, exc.nbytes, "a tensor it made with ctx.empty")
+        text = traceback_text(exc) if self.remote else None
+        what = f"{doing} {type(exc).__name__}" if doing else type(exc).__name__
+        missing = missing_device(device)
+        if missing:
+            what = f"it is placed on `{device}`, but {missing}; {what}"
+        return NodeError.failed(node_id, f"{what}: {exc}", remote_traceback=text)
+
+
+def missing_device(device: str | None) -> str | None:
+    """Why this process cannot reach `device` (a `cuda:N`), or None when it can or it is not CUDA.
+
+    Asked only once a placed node has failed: the placement alone is no error (a node
+    placed on cuda:0 that makes no tensors runs anywhere, and tests rely on that).
+    """
+    if not device or not device.startswith("cuda"):
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "torch is not imported in this process, so no CUDA device is in use here"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return "this machine has no CUDA device (torch.cuda.is_available() is False)"
+    if int(device.split(":")[1]) >= count:
+        return f"this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})"
+    return None

@@ -1,0 +1,44 @@
+"""The device postcondition: a placed node's output must be where the node was placed.
+
+Anything with a `.device` attribute is looked at (a tensor, or any object that
+says where it is), loose, in an `Opaque`, or inside tuples, lists and dicts.
+Values without `.device` are not checked, and neither are unplaced nodes.
+"""
+
+from __future__ import annotations
+
+from ..errors import PostconditionError
+from ..values import Opaque
+
+
+def find_misplaced(value, declared: str):
+    """The first device (as a string) in `value` that is not `declared`, or None."""
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if type(item) is Opaque:
+            stack.append(item.obj)
+            continue
+        device = getattr(item, "device", None) if not isinstance(item, (str, bytes, int, float)) else None
+        if device is not None and not callable(device):
+            actual = str(device)
+            if actual != declared:
+                return actual
+            continue
+        if isinstance(item, (tuple, list, dict)):
+            if id(item) in seen:
+                continue  # a container that holds itself
+            seen.add(id(item))
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend(reversed(list(children)))
+    return None
+
+
+def check_postcondition(node_id: str, declared: str | None, value) -> None:
+    """Raise `PostconditionError` when a placed node returned a value elsewhere."""
+    if declared is None:
+        return
+    actual = find_misplaced(value, declared)
+    if actual is not None:
+        raise PostconditionError(node_id, declared, actual)

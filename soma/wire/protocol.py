@@ -1,0 +1,280 @@
+"""The protocol between a `Local` host and its workers: every message that crosses, both ways.
+
+Both sides import this module, and nothing else decides what a message holds:
+the records below are the messages, `pack` seals one into a frame and `parse`
+opens a frame into a record. The values inside (a node's input and output) are
+`soma.wire.codec`'s business; how the frames travel is `soma.wire.transport`'s.
+
+    host → worker   Task(code, pieces, units, frees, forget)
+                        code    {node key: the node, pickled}      only what this worker lacks
+                        pieces  {piece id: piece spec}             only what this worker lacks
+                        units   [Unit(id, piece, payload, traced)] one input for one piece each
+                        frees   [[segment, n]]                     see soma.wire.shm
+                        forget  [node key]                         the host let these nodes go
+                    Free(frees)      Cancel(unit ids: drop them if not started)      Stop()
+    worker → host   Hello(worker, pid, device)
+                    Result(worker, pid, outcomes, releases)
+                        outcomes [Outcome(unit, ok, body, spans, seconds)]
+                                 body: the encoded output when ok, else an error body (below)
+                        releases [[segment, n]]                    receipts whose storages died
+
+A frame is `mac + body`, body = msgpack([kind, *fields]), mac = keyed BLAKE2b of
+the body with the pool's secret. A frame that does not authenticate or decode is
+dropped and logged (rate-limited); nothing in it is ever unpickled.
+
+A piece spec is a plan tree in the plan's own words: `["Step", id, key, device]`,
+`["Seq", [...]]`, `["Wave", [...]]`. An error body is a dict that rebuilds the
+same `NodeError` on the host (`error_body` / `error_from`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import msgpack
+
+from .._log import warn
+from ..errors import NodeError, PostconditionError, RemoteTraceback, SharedMemoryFull
+from ..plan import Plan, Seq, Step, Wave
+from .codec import ThreadPacker
+
+try:  # keyed BLAKE2 straight from its module: hashlib would load OpenSSL first (5 ms per worker start)
+    from _blake2 import blake2b
+except ImportError:  # pragma: no cover - every CPython has it, other interpreters may not
+    from hashlib import blake2b
+try:
+    from _operator import _compare_digest as compare_digest
+except ImportError:  # pragma: no cover
+    from hmac import compare_digest
+
+SECRET_ENV = "SOMA_SECRET"
+MAC_SIZE = 16
+
+HELLO, TASK, RESULT, FREE, CANCEL, STOP = range(1, 7)
+
+
+# -- the messages ----------------------------------------------------------------------------------
+
+class Unit(NamedTuple):
+    """One input for one piece: what a worker runs, one at a time per piece."""
+
+    id: int
+    piece: int
+    payload: bytes  # the input, encoded by soma.wire.codec
+    traced: bool  # record spans for runner.trace()
+
+
+class Outcome(NamedTuple):
+    """What became of one unit."""
+
+    unit: int
+    ok: bool
+    body: object  # the encoded output (bytes) when ok, else an error body (dict)
+    spans: list | None  # [[node, start ns, end ns, thread id, outcome]] when the unit was traced
+    seconds: float  # how long the unit ran in the worker (the host sizes its batches by it)
+
+
+class Hello(NamedTuple):
+    worker: str
+    pid: int
+    device: str
+
+
+class Task(NamedTuple):
+    code: dict
+    pieces: dict
+    units: list
+    frees: list
+    forget: list
+
+
+class Result(NamedTuple):
+    worker: str
+    pid: int
+    outcomes: list
+    releases: list
+
+
+class Free(NamedTuple):
+    frees: list
+
+
+class Cancel(NamedTuple):
+    units: list
+
+
+class Stop(NamedTuple):
+    pass
+
+
+_KIND_OF = {Hello: HELLO, Task: TASK, Result: RESULT, Free: FREE, Cancel: CANCEL, Stop: STOP}
+
+
+_local = ThreadPacker(use_bin_type=True)  # (see soma.wire.codec: one Packer per thread)
+
+
+def pack(secret: bytes, message) -> bytes:
+    """One sealed frame for a message record (NamedTuples pack as msgpack arrays, as they are)."""
+    body = _local.pack([_KIND_OF[type(message)], *message])
+    return mac(secret, body) + body
+
+
+def parse(secret: bytes, frame: bytes, origin: str):
+    """The message record in `frame`, or None (logged) when it does not authenticate or is malformed."""
+    if len(frame) < MAC_SIZE:
+        _dropped(origin, f"a frame of {len(frame)} bytes, shorter than its {MAC_SIZE}-byte seal")
+        return None
+    tag, body = frame[:MAC_SIZE], frame[MAC_SIZE:]
+    if not compare_digest(tag, mac(secret, body)):
+        _dropped(origin, "a message that failed authentication")
+        return None
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+        kind = fields[0]
+        if kind == TASK:
+            code, pieces, units, frees, forget = fields[1:]
+            return Task(code, pieces, [Unit(*u) for u in units], frees, forget)
+        if kind == RESULT:
+            worker, pid, outcomes, releases = fields[1:]
+            return Result(worker, pid, [Outcome(*o) for o in outcomes], releases)
+        if kind == HELLO:
+            return Hello(*fields[1:])
+        if kind == FREE:
+            return Free(*fields[1:])
+        if kind == CANCEL:
+            return Cancel(*fields[1:])
+        if kind == STOP and len(fields) == 1:
+            return Stop()
+    except Exception as err:
+        _dropped(origin, f"an authenticated message that did not decode ({type(err).__name__}: {err})")
+        return None
+    _dropped(origin, f"an authenticated message of unknown shape (kind {fields[0]!r}, {len(fields)} fields)")
+    return None
+
+
+def mac(secret: bytes, body: bytes) -> bytes:
+    keyed = _keyed.get(secret)
+    if keyed is None:
+        if len(_keyed) >= _KEYED_MAX:  # (a process that makes many pools must not keep every secret)
+            _keyed.clear()
+        keyed = _keyed[secret] = blake2b(key=secret, digest_size=MAC_SIZE)
+    h = keyed.copy()  # a copy of the keyed state: cheaper than keying a new hash for every frame
+    h.update(body)
+    return h.digest()
+
+
+_keyed: dict = {}  # secret → a hash keyed with it, never updated (a pool has one secret)
+_KEYED_MAX = 16
+
+
+class _DropLog:
+    """One warning for the first dropped frame, then one line per interval with the count since.
+
+    A flood of forged frames must not become a flood of log lines.
+    """
+
+    INTERVAL_S = 10.0
+
+    def __init__(self):
+        self.since = 0  # drops not yet reported
+        self.last = float("-inf")
+
+    def __call__(self, origin: str, what: str) -> None:
+        now = time.monotonic()
+        if now - self.last < self.INTERVAL_S:
+            self.since += 1
+            return
+        more = f" (and {self.since} more dropped since the last report)" if self.since else ""
+        self.since, self.last = 0, now
+        warn("soma.protocol", "soma: dropped %s from %s%s", what, origin, more)
+
+
+_dropped = _DropLog()
+
+
+# -- pieces: plan trees with node keys and devices --------------------------------------------------
+
+def pack_piece(plan: Plan, keys: dict, devices: dict) -> bytes:
+    """A piece's spec: its plan tree, each step with its node key and declared device."""
+    return msgpack.packb(_tree(plan, keys, devices), use_bin_type=True)
+
+
+def _tree(plan: Plan, keys: dict, devices: dict) -> list:
+    if isinstance(plan, Step):
+        return ["Step", plan.id, keys[plan.id], devices.get(plan.id)]
+    if isinstance(plan, Seq):
+        return ["Seq", [_tree(item, keys, devices) for item in plan.items]]
+    return ["Wave", [_tree(branch, keys, devices) for branch in plan.branches]]
+
+
+def parse_piece(spec: bytes) -> tuple[Plan, dict]:
+    """`(plan, {node id: (key, device)})` from a piece spec."""
+    steps: dict = {}
+    return _plan(msgpack.unpackb(spec, raw=False, use_list=False), steps), steps
+
+
+def _plan(tree, steps: dict) -> Plan:
+    kind = tree[0]
+    if kind == "Step":
+        _, node_id, key, device = tree
+        steps[node_id] = (key, device)
+        return Step(node_id)
+    children = tuple(_plan(child, steps) for child in tree[1])
+    if kind == "Seq":
+        return Seq(children)
+    if kind == "Wave":
+        return Wave(children)
+    raise ValueError(f"unknown plan kind {kind!r} in a piece spec")
+
+
+# -- errors: a NodeError both ways ----------------------------------------------------------------
+
+def error_body(err: NodeError) -> dict:
+    """What travels for a node's failure: enough to raise the same error, with the same text, on the host."""
+    body = {"node": err.node, "message": err.args[0], "traceback": err.remote_traceback, "kind": "node"}
+    if isinstance(err, PostconditionError):
+        body.update(kind="postcondition", declared=err.declared, actual=err.actual)
+        return body
+    if isinstance(err, SharedMemoryFull):
+        body["kind"] = "shm"
+    body["cause"] = pickled_exception(err.__cause__) if err.__cause__ is not None else None
+    return body
+
+
+def error_from(body: dict) -> NodeError:
+    """The NodeError an error body describes: same class, same message, the cause chained when it travels."""
+    kind = body.get("kind")
+    if kind == "postcondition":
+        return PostconditionError(body["node"], body["declared"], body["actual"])
+    cls = SharedMemoryFull if kind == "shm" else NodeError
+    err = cls(body["node"], body["message"], remote_traceback=body.get("traceback"))
+    remote = RemoteTraceback(body["traceback"]) if body.get("traceback") else None
+    cause = None
+    if body.get("cause"):
+        import pickle
+
+        try:
+            cause = pickle.loads(body["cause"])
+        except Exception:
+            cause = None
+    if cause is not None:
+        cause.__cause__ = remote
+        err.__cause__ = cause
+    else:
+        err.__cause__ = remote
+    return err
+
+
+def pickled_exception(exc: BaseException) -> bytes | None:
+    """The exception, cloudpickled, or None when it cannot travel (its text always does)."""
+    import pickle
+
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(exc)
+        pickle.loads(data)  # an exception that pickles but cannot be rebuilt is as good as none
+        return data
+    except Exception:
+        return None
