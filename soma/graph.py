@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from .device import Device
 from .errors import DeviceError, GraphError
-from .node import Chain, Expr, Leaf, Node, check_id
+from .node import Expr, Leaf, Node, check_id
 from .placement import Placement
-from .plan import Plan, Seq, Step, Wave, compile_plan
+from .plan import Plan, Step, fold, render
 
 
 class Graph:
@@ -41,11 +41,10 @@ class Graph:
         for leaf in leaves:
             _check_forward(ids[id(leaf)], leaf.node)
         self._catalog: dict[str, Node] = {ids[id(leaf)]: leaf.node for leaf in leaves}
-        self._topology = _topology(expr, ids)
+        self._topology = expr.to_plan(ids)
         self._placement = Placement(
             {ids[id(leaf)]: leaf.device for leaf in leaves if leaf.device is not None}
         )
-        self._plan: Plan | None = None
 
     @classmethod
     def somatize(cls, expr) -> "Graph":
@@ -59,9 +58,7 @@ class Graph:
 
     def edges(self) -> list[tuple[str, str]]:
         """`(src, dst)` pairs: dst receives src's output."""
-        edges: list[tuple[str, str]] = []
-        _ends(self._topology, edges)
-        return edges
+        return fold(self._topology, _step_ends, _seq_ends, _wave_ends)[2]
 
     def node(self, node_id: str) -> Node:
         """The Node object with this id."""
@@ -90,12 +87,15 @@ class Graph:
         self._placement.set(node_id, device)
         return self
 
+    @property
+    def placement_version(self) -> int:
+        """Bumped by every `place()`: a runner keeps what it compiled for a graph per version."""
+        return self._placement.version
+
     # -- when -----------------------------------------------------------------------------
     def plan(self) -> Plan:
-        """The plan, compiled from the topology alone (cached: the topology never changes)."""
-        if self._plan is None:
-            self._plan = compile_plan(self._topology)
-        return self._plan
+        """The plan: the topology itself, in the plan's vocabulary (the placement is never part of it)."""
+        return self._topology
 
     # -- running and training ---------------------------------------------------------------
     def run(self, x, *, timeout: float | None = None):
@@ -119,7 +119,11 @@ class Graph:
         return params
 
     def __repr__(self) -> str:
-        return f"Graph({_render(self._topology, self._placement)})"
+        def label(step: Step) -> str:
+            dev = self._placement.of(step.id)
+            return step.id if dev is None else f"{step.id}.on({str(dev)!r})"
+
+        return f"Graph({render(self._topology, label)})"
 
     def _check_known(self, node_id) -> None:
         if node_id not in self._catalog:
@@ -190,35 +194,18 @@ def _check_forward(node_id: str, node: Node) -> None:
         ) from None
 
 
-def _topology(expr: Expr, ids: dict[int, str]) -> Plan:
-    """The expression's shape with ids: `Leaf` → `Step`, `Chain` → `Seq`, `Fan` → `Wave`."""
-    if isinstance(expr, Leaf):
-        return Step(ids[id(expr)])
-    if isinstance(expr, Chain):
-        return Seq(tuple(_topology(item, ids) for item in expr.items))
-    return Wave(tuple(_topology(b, ids) for b in expr.branches))
+def _step_ends(step: Step) -> tuple:
+    """(entry ids, exit ids, edges inside) of a part of the topology, for `edges()`."""
+    return [step.id], [step.id], []
 
 
-def _ends(topology: Plan, edges: list) -> tuple[list[str], list[str]]:
-    """(entry ids, exit ids) of a topology, appending the edges inside it."""
-    if isinstance(topology, Step):
-        return [topology.id], [topology.id]
-    if isinstance(topology, Wave):
-        ends = [_ends(branch, edges) for branch in topology.branches]
-        return [i for e, _ in ends for i in e], [o for _, x in ends for o in x]
-    ends = [_ends(item, edges) for item in topology.items]
-    for (_, exits), (entries, _) in zip(ends, ends[1:]):
+def _seq_ends(_, parts: list) -> tuple:
+    edges = [edge for _, _, inside in parts for edge in inside]
+    for (_, exits, _), (entries, _, _) in zip(parts, parts[1:]):
         edges.extend((src, dst) for src in exits for dst in entries)
-    return ends[0][0], ends[-1][1]
+    return parts[0][0], parts[-1][1], edges
 
 
-def _render(topology: Plan, placement: Placement) -> str:
-    """The topology in the DSL's notation, with each placed node's `.on(...)`."""
-    if isinstance(topology, Step):
-        dev = placement.of(topology.id)
-        return topology.id if dev is None else f"{topology.id}.on({str(dev)!r})"
-    if isinstance(topology, Seq):
-        return " >> ".join(f"({_render(c, placement)})" if isinstance(c, Wave) else _render(c, placement)
-                           for c in topology.items)
-    return " | ".join(f"({_render(c, placement)})" if isinstance(c, Seq) else _render(c, placement)
-                      for c in topology.branches)
+def _wave_ends(_, parts: list) -> tuple:
+    return ([i for entries, _, _ in parts for i in entries], [o for _, exits, _ in parts for o in exits],
+            [edge for _, _, inside in parts for edge in inside])

@@ -19,6 +19,7 @@ import re
 
 from .device import Device
 from .errors import DeviceError, GraphError
+from .plan import Seq, Step, Wave
 from .values import Done
 
 _CAMEL_1 = re.compile(r"(.)([A-Z][a-z]+)")
@@ -118,6 +119,10 @@ class Expr:
     def leaves(self):
         raise NotImplementedError
 
+    def to_plan(self, ids: dict):
+        """The same shape as a plan tree, each leaf a `Step` with its id (`ids`: id(leaf) → node id)."""
+        raise NotImplementedError
+
     def render(self) -> str:
         raise NotImplementedError
 
@@ -144,6 +149,9 @@ class Leaf(Expr):
     def leaves(self):
         yield self
 
+    def to_plan(self, ids: dict):
+        return Step(ids[id(self)])
+
     def render(self) -> str:
         text = self.name or self.node._default_id()
         return text if self.device is None else f"{text}.on({str(self.device)!r})"
@@ -164,6 +172,9 @@ class Chain(Expr):
         for item in self.items:
             yield from item.leaves()
 
+    def to_plan(self, ids: dict):
+        return Seq(tuple(item.to_plan(ids) for item in self.items))
+
     def render(self) -> str:
         return " >> ".join(f"({i.render()})" if isinstance(i, Fan) else i.render() for i in self.items)
 
@@ -182,6 +193,9 @@ class Fan(Expr):
     def leaves(self):
         for branch in self.branches:
             yield from branch.leaves()
+
+    def to_plan(self, ids: dict):
+        return Wave(tuple(branch.to_plan(ids) for branch in self.branches))
 
     def render(self) -> str:
         return " | ".join(f"({b.render()})" if isinstance(b, Chain) else b.render() for b in self.branches)

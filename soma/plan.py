@@ -5,8 +5,19 @@ previous output; `Wave(branches)` runs branches concurrently on the same input
 and yields the tuple of their outputs. Plans compare equal by structure and print
 in the DSL's own notation.
 
-`compile_plan` sees the topology only. Placement is not an argument, so placing a
-node cannot change a plan: that is true by construction, not by a check.
+A graph's plan is its topology itself (`Graph.plan()`): the tree is built from
+the expression's shape and ids alone, so placing a node cannot change a plan.
+That is true by construction, not by a check.
+
+`fold` is the one walk over a plan tree. Every pass over a plan (printing it,
+listing its steps, compiling it into a program, running it, packing it for the
+wire) is a fold, as torch.fx passes are `map_aggregate` and Ray's DAG passes are
+`apply_recursive`:
+
+    fold(plan, leaf, seq, wave)
+        Step (or any part that is neither a Seq nor a Wave: a program's Piece) → leaf(part)
+        Seq  → seq(part, [fold of each item])
+        Wave → wave(part, [fold of each branch])
 """
 
 from __future__ import annotations
@@ -35,9 +46,12 @@ class Plan:
     def __reduce__(self):
         return (type(self), (self._key(),))
 
-    def steps(self):
+    def __str__(self) -> str:
+        return render(self, str)
+
+    def steps(self) -> tuple:
         """The node ids of this plan, in order."""
-        raise NotImplementedError
+        return fold(self, _own_steps, _joined, _joined)
 
 
 class Step(Plan):
@@ -48,9 +62,6 @@ class Step(Plan):
 
     def _key(self):
         return self.id
-
-    def steps(self):
-        yield self.id
 
     def __str__(self) -> str:
         return self.id
@@ -65,13 +76,6 @@ class Seq(Plan):
     def _key(self):
         return self.items
 
-    def steps(self):
-        for item in self.items:
-            yield from item.steps()
-
-    def __str__(self) -> str:
-        return " >> ".join(f"({i})" if isinstance(i, Wave) else str(i) for i in self.items)
-
 
 class Wave(Plan):
     __slots__ = ("branches",)
@@ -82,28 +86,49 @@ class Wave(Plan):
     def _key(self):
         return self.branches
 
-    def steps(self):
-        for branch in self.branches:
-            yield from branch.steps()
 
-    def __str__(self) -> str:
-        return " | ".join(f"({b})" if isinstance(b, Seq) else str(b) for b in self.branches)
+def fold(plan: Plan, leaf, seq, wave):
+    """Fold a plan tree bottom up (see the module's docstring): the one walk every pass uses."""
+    kind = type(plan)
+    if kind is Seq:
+        return seq(plan, [fold(item, leaf, seq, wave) for item in plan.items])
+    if kind is Wave:
+        return wave(plan, [fold(branch, leaf, seq, wave) for branch in plan.branches])
+    return leaf(plan)
+
+
+def render(plan: Plan, label) -> str:
+    """The plan in the DSL's notation, each leaf written as `label(leaf)`: `a >> (b | c) >> d`."""
+    def seq(part: Seq, texts: list) -> str:
+        return " >> ".join(f"({t})" if type(i) is Wave else t for i, t in zip(part.items, texts))
+
+    def wave(part: Wave, texts: list) -> str:
+        return " | ".join(f"({t})" if type(b) is Seq else t for b, t in zip(part.branches, texts))
+
+    return fold(plan, label, seq, wave)
+
+
+def first_step(plan: Plan) -> str:
+    """The node that receives a plan's input (a wave's: its first branch's first node)."""
+    return fold(plan, lambda leaf: leaf.id if type(leaf) is Step else first_step(leaf.plan), _first, _first)
 
 
 def last_step(plan: Plan) -> str:
     """The node named as the producer of a plan's output (a wave's: its first branch's)."""
-    while not isinstance(plan, Step):
-        plan = plan.items[-1] if isinstance(plan, Seq) else plan.branches[0]
-    return plan.id
+    return fold(plan, lambda leaf: leaf.id if type(leaf) is Step else last_step(leaf.plan), _last, _first)
 
 
-def compile_plan(topology: Plan) -> Plan:
-    """Compile a graph's topology into its plan.
+def _own_steps(leaf) -> tuple:
+    return (leaf.id,) if type(leaf) is Step else tuple(leaf.steps())
 
-    The graph keeps its shape in the plan's own vocabulary (`Step`/`Seq`/`Wave`),
-    and a wave's branches run concurrently and a sequence's items in order: the
-    plan is that tree itself. The placement is not an argument, and never will be.
-    """
-    if not isinstance(topology, Plan):
-        raise TypeError(f"a topology is a tree of Step, Seq and Wave, not {type(topology).__name__}")
-    return topology
+
+def _joined(_, parts: list) -> tuple:
+    return tuple(step for part in parts for step in part)
+
+
+def _first(_, parts: list):
+    return parts[0]
+
+
+def _last(_, parts: list):
+    return parts[-1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 
 from ...errors import NodeError, traceback_text
-from ...plan import last_step
+from ...plan import first_step, last_step
 from ...wire import protocol
 
 
@@ -54,7 +54,7 @@ class Library:
             raise NodeError.failed("?", f"worker {self.worker_id} was sent an input for piece {piece_id} it was "
                                         f"never told about (a bug in soma: please report it)")
         plan, steps = protocol.parse_piece(spec)
-        return plan, steps, next(plan.steps()), last_step(plan)
+        return plan, steps, first_step(plan), last_step(plan)
 
     def load(self, piece_id: int, plan, steps: dict, entry: str, producer: str) -> Loaded:
         """The piece with a Runner over this worker's copies of its nodes, loading their code the first time."""
