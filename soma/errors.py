@@ -101,6 +101,15 @@ class WorkerDied(SomaError):
         self.node = node
 
 
+class Cancelled(SomaError):
+    """Internal, never raised to a user: the input this work belongs to was given up (a timeout, a map left
+    early), so it stops before its next node, and a worker drops it unless it has started."""
+
+    def __init__(self, node: str | None = None):
+        super().__init__(f"the input was given up before node `{node}` ran" if node else "the input was given up")
+        self.node = node
+
+
 class RunTimeout(SomaError, TimeoutError):
     """A run's `timeout` expired; `.nodes` are the nodes that were still running."""
 

@@ -6,8 +6,8 @@ import pickle
 import pytest
 
 from soma import NodeError, PostconditionError, SharedMemoryFull
-from soma.wire import protocol
 from soma.plan import Seq, Step, Wave
+from soma.wire import failures, protocol
 from soma.wire.protocol import Cancel, Free, Hello, Outcome, Result, Stop, Task, Unit
 
 SECRET = b"s" * 32
@@ -88,12 +88,12 @@ def test_error_bodies_rebuild_the_same_error():
     except ValueError as exc:
         err = NodeError.failed("enc", "ValueError: boom", remote_traceback="Traceback ...")
         err.__cause__ = exc
-    back = protocol.error_from(protocol.error_body(err))
+    back = failures.error_from(failures.error_body(err))
     assert type(back) is NodeError and str(back) == "node `enc` failed: ValueError: boom" and back.node == "enc"
     assert isinstance(back.__cause__, ValueError) and back.remote_traceback == "Traceback ..."
-    post = protocol.error_from(protocol.error_body(PostconditionError("enc", "meta", "cpu")))
+    post = failures.error_from(failures.error_body(PostconditionError("enc", "meta", "cpu")))
     assert type(post) is PostconditionError and (post.declared, post.actual) == ("meta", "cpu")
-    full = protocol.error_from(protocol.error_body(SharedMemoryFull.reserving("enc", 1 << 20, "its output")))
+    full = failures.error_from(failures.error_body(SharedMemoryFull.reserving("enc", 1 << 20, "its output")))
     assert type(full) is SharedMemoryFull and "1.0 MiB in /dev/shm for its output" in str(full)
     assert pickle.loads(pickle.dumps(back)).node == "enc"
 

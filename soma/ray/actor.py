@@ -46,7 +46,7 @@ from .devices import cuda_index, cuda_visible_devices, machine_gpus
 class Failed:
     """A node's failure on its way to the driver as an ordinary value.
 
-    A `NodeError` travels as `soma.wire.protocol`'s error body (the same class, text,
+    A `NodeError` travels as an error body (`soma.wire.failures`) (the same class, text,
     remote traceback and cause on arrival); any other `SomaError` (a
     `PlacementError` from a copy's start) pickles itself.
     """
@@ -54,7 +54,7 @@ class Failed:
     __slots__ = ("body", "error", "notes")
 
     def __init__(self, err: SomaError):
-        from ..wire.protocol import error_body
+        from ..wire.failures import error_body
 
         if isinstance(err, NodeError):
             self.body, self.error = error_body(err), None
@@ -73,7 +73,7 @@ class Failed:
 
     def rebuild(self) -> SomaError:
         """The error itself, as the node's process raised it."""
-        from ..wire.protocol import error_from
+        from ..wire.failures import error_from
 
         err = error_from(self.body) if self.body is not None else self.error
         for note in self.notes:

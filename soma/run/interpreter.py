@@ -21,14 +21,10 @@ import time
 import weakref
 
 from ..ctx import Ctx
-from ..errors import NodeError, SharedMemoryFull, SomaError, traceback_text
+from ..errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
 from ..plan import Plan, Seq, Step, Wave
 from ..values import Done, unwrap
 from .postcondition import check_postcondition
-
-
-class Cancelled(SomaError):
-    """Internal: the run this branch belongs to was abandoned (timeout); stop before the next node."""
 
 
 def count_in(counts: dict, key, delta: int) -> None:

@@ -24,7 +24,7 @@ dropped and logged (rate-limited); nothing in it is ever unpickled.
 
 A piece spec is a plan tree in the plan's own words: `["Step", id, key, device]`,
 `["Seq", [...]]`, `["Wave", [...]]`. An error body is a dict that rebuilds the
-same `NodeError` on the host (`error_body` / `error_from`).
+same `NodeError` on the host (`soma.wire.failures`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from typing import NamedTuple
 import msgpack
 
 from .._log import warn
-from ..errors import NodeError, PostconditionError, RemoteTraceback, SharedMemoryFull
 from ..plan import Plan, Seq, Step, Wave
 from .codec import ThreadPacker
 
@@ -226,55 +225,3 @@ def _plan(tree, steps: dict) -> Plan:
     if kind == "Wave":
         return Wave(children)
     raise ValueError(f"unknown plan kind {kind!r} in a piece spec")
-
-
-# -- errors: a NodeError both ways ----------------------------------------------------------------
-
-def error_body(err: NodeError) -> dict:
-    """What travels for a node's failure: enough to raise the same error, with the same text, on the host."""
-    body = {"node": err.node, "message": err.args[0], "traceback": err.remote_traceback, "kind": "node"}
-    if isinstance(err, PostconditionError):
-        body.update(kind="postcondition", declared=err.declared, actual=err.actual)
-        return body
-    if isinstance(err, SharedMemoryFull):
-        body["kind"] = "shm"
-    body["cause"] = pickled_exception(err.__cause__) if err.__cause__ is not None else None
-    return body
-
-
-def error_from(body: dict) -> NodeError:
-    """The NodeError an error body describes: same class, same message, the cause chained when it travels."""
-    kind = body.get("kind")
-    if kind == "postcondition":
-        return PostconditionError(body["node"], body["declared"], body["actual"])
-    cls = SharedMemoryFull if kind == "shm" else NodeError
-    err = cls(body["node"], body["message"], remote_traceback=body.get("traceback"))
-    remote = RemoteTraceback(body["traceback"]) if body.get("traceback") else None
-    cause = None
-    if body.get("cause"):
-        import pickle
-
-        try:
-            cause = pickle.loads(body["cause"])
-        except Exception:
-            cause = None
-    if cause is not None:
-        cause.__cause__ = remote
-        err.__cause__ = cause
-    else:
-        err.__cause__ = remote
-    return err
-
-
-def pickled_exception(exc: BaseException) -> bytes | None:
-    """The exception, cloudpickled, or None when it cannot travel (its text always does)."""
-    import pickle
-
-    import cloudpickle
-
-    try:
-        data = cloudpickle.dumps(exc)
-        pickle.loads(data)  # an exception that pickles but cannot be rebuilt is as good as none
-        return data
-    except Exception:
-        return None

@@ -27,7 +27,7 @@ from collections import Counter, deque
 
 from ..._log import warn
 from ...errors import WorkerDied
-from ...wire import codec, protocol, transport
+from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
 from .leases import LeaseBook
@@ -35,7 +35,6 @@ from .procs import spawn
 from .receiving import PUMP_S, Receiving
 
 START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
-CANCELLED = object()  # the outcome of a unit the worker dropped because the host cancelled it
 
 
 class Undecodable:
@@ -346,10 +345,8 @@ class WorkerPool(Receiving):
                         value = decoder.unpack(body)
                     except Exception as err:
                         value = Undecodable(err)
-                elif body.get("kind") == "cancelled":
-                    value = CANCELLED
                 else:
-                    value = protocol.error_from(body)
+                    value = failures.error_from(body)
                 decode = None
                 if spans is not None:
                     decode = (start, time.monotonic_ns(), len(body) if ok else 0, threading.get_native_id())

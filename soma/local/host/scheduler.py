@@ -29,11 +29,18 @@ import threading
 import time
 from collections import deque
 
-from ...errors import NodeError, PostconditionError, RunTimeout, SomaError, WorkerDied
+from ...errors import (
+    Cancelled,
+    NodeError,
+    PostconditionError,
+    RunTimeout,
+    SomaError,
+    WorkerDied,
+)
 from ...plan import Seq, last_step
 from ...run.postcondition import check_postcondition
 from .flows import Flow, Job, Walker
-from .pool import CANCELLED, START_FAILURES, Undecodable
+from .pool import START_FAILURES, Undecodable
 from .program import Piece, output_devices
 
 MAX_DEPTH = 64  # at most this many jobs per worker in flight when inputs are tiny (see parallelism)
@@ -304,7 +311,7 @@ class Scheduler:
                 if job is None or job.slot != slot:
                     continue
                 self._give_back(job)
-                if value is CANCELLED or job.flow.finished:
+                if type(value) is Cancelled or job.flow.finished:
                     job.flow.jobs.discard(job)
                     continue
                 self._measure(job, seconds, now)

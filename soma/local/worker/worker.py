@@ -13,9 +13,9 @@ from collections import deque
 import zmq
 
 from ..._log import warn
-from ...errors import NodeError, SharedMemoryFull, traceback_text
+from ...errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
 from ...run.interpreter import Runner, RunState
-from ...wire import codec, protocol, transport
+from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
 from ...wire.shm import ShmFull, unlink_all
 from ...wire.status import StatusPage
@@ -279,7 +279,7 @@ class Worker:
                 if cancelled:
                     self.cancelled.discard(unit.id)
             if cancelled:
-                outcome = Outcome(unit.id, False, {"kind": "cancelled"}, None, 0.0)
+                outcome = Outcome(unit.id, False, failures.error_body(Cancelled()), None, 0.0)
             else:
                 outcome = self.run_unit(unit)
             now = time.monotonic()
@@ -328,12 +328,12 @@ class Worker:
             body = self.encode(value, producer)
             ok = True
         except NodeError as err:
-            ok, body = False, protocol.error_body(err)
+            ok, body = False, failures.error_body(err)
         except BaseException as err:  # never lose a unit: the host is waiting for it
             err = NodeError.failed(producer if producer != "?" else entry,
                                    f"worker {self.id} could not run it: {type(err).__name__}: {err}",
                                    remote_traceback=traceback_text(err))
-            ok, body = False, protocol.error_body(err)
+            ok, body = False, failures.error_body(err)
         finally:
             status.leave()
         return Outcome(unit.id, ok, body, spans, time.perf_counter() - start)

@@ -1,0 +1,75 @@
+"""A node's failure as data: what travels when a node fails in another process, on every runner.
+
+    worker or actor:  error_body(NodeError)  → a dict (msgpack-able; the cause cloudpickled when it travels)
+    host or driver:   error_from(dict)       → the same class, the same text, the remote traceback and
+                                               the cause chained under it
+
+`Local`'s workers send the body inside a Result (soma.wire.protocol); Ray's actors
+return it inside a `Failed` value (soma.ray.actor). An input the host gave up on
+(a timeout, a map left early) comes back as `Cancelled`, the one spelling of that
+outcome on every side.
+"""
+
+from __future__ import annotations
+
+from ..errors import (
+    Cancelled,
+    NodeError,
+    PostconditionError,
+    RemoteTraceback,
+    SharedMemoryFull,
+)
+
+
+def error_body(err: NodeError) -> dict:
+    """What travels for a node's failure: enough to raise the same error, with the same text, on the host."""
+    if isinstance(err, Cancelled):
+        return {"kind": "cancelled"}
+    body = {"node": err.node, "message": err.args[0], "traceback": err.remote_traceback, "kind": "node"}
+    if isinstance(err, PostconditionError):
+        body.update(kind="postcondition", declared=err.declared, actual=err.actual)
+        return body
+    if isinstance(err, SharedMemoryFull):
+        body["kind"] = "shm"
+    body["cause"] = pickled_exception(err.__cause__) if err.__cause__ is not None else None
+    return body
+
+
+def error_from(body: dict) -> NodeError:
+    """The NodeError an error body describes: same class, same message, the cause chained when it travels."""
+    kind = body.get("kind")
+    if kind == "cancelled":
+        return Cancelled()
+    if kind == "postcondition":
+        return PostconditionError(body["node"], body["declared"], body["actual"])
+    cls = SharedMemoryFull if kind == "shm" else NodeError
+    err = cls(body["node"], body["message"], remote_traceback=body.get("traceback"))
+    remote = RemoteTraceback(body["traceback"]) if body.get("traceback") else None
+    cause = None
+    if body.get("cause"):
+        import pickle
+
+        try:
+            cause = pickle.loads(body["cause"])
+        except Exception:
+            cause = None
+    if cause is not None:
+        cause.__cause__ = remote
+        err.__cause__ = cause
+    else:
+        err.__cause__ = remote
+    return err
+
+
+def pickled_exception(exc: BaseException) -> bytes | None:
+    """The exception, cloudpickled, or None when it cannot travel (its text always does)."""
+    import pickle
+
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(exc)
+        pickle.loads(data)  # an exception that pickles but cannot be rebuilt is as good as none
+        return data
+    except Exception:
+        return None
