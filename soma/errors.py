@@ -80,15 +80,21 @@ class PostconditionError(NodeError):
 
 
 class SharedMemoryFull(NodeError):
-    """A tensor of a node's input or output could not be given shared memory (`/dev/shm` is full)."""
+    """A tensor of a node's input or output could not be given shared memory (`/dev/shm` is full).
+
+    Raised first by the shared-memory store, which knows the bytes but not the node (`.node` None,
+    `.nbytes` set); whoever knows whose value it was raises it again with `reserving`.
+    """
+
+    nbytes = 0
 
     @classmethod
-    def reserving(cls, node: str, nbytes: int, what: str) -> "SharedMemoryFull":
-        return cls.failed(
-            node,
-            f"shared memory is full: could not reserve {_size(nbytes)} in /dev/shm for {what}. Free space in "
-            f"/dev/shm (`df -h /dev/shm` shows it), or give it more (in docker: `--shm-size=8g`)",
-        )
+    def reserving(cls, node: str | None, nbytes: int, what: str) -> "SharedMemoryFull":
+        reason = (f"shared memory is full: could not reserve {_size(nbytes)} in /dev/shm for {what}. Free space in "
+                  f"/dev/shm (`df -h /dev/shm` shows it), or give it more (in docker: `--shm-size=8g`)")
+        err = cls.failed(node, reason) if node is not None else cls(None, reason)
+        err.nbytes = nbytes
+        return err
 
 
 class WorkerDied(SomaError):

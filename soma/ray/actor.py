@@ -9,7 +9,7 @@
     actor:  a failure among the args?  → pass it on, untouched (the first one, in branch order)
             producers' values where they declared?  (the postcondition on what arrives)
             x = the args in the input's shape (a wave's join receives the tuple of branch outputs)
-            Runner.run(Step(node), x)   (setup once, one input at a time, Done, postcondition, NodeError)
+            Interpreter.run(Step(node), x)   (setup once, one input at a time, Done, postcondition, NodeError)
             → the value (its ObjectRef goes on to the next node), or a `Failed`
 
 Why failures travel as values: a method that raises becomes Ray's `RayTaskError`,
@@ -36,7 +36,7 @@ import time
 
 from ..errors import NodeError, PostconditionError, SomaError, traceback_text
 from ..plan import Step
-from ..run.interpreter import Runner, RunState
+from ..run.interpreter import Interpreter, RunState
 from ..run.postcondition import check_postcondition
 from ..values import Opaque
 from ..wire import nodecode
@@ -174,7 +174,7 @@ class NodeCopy:
                 node_id, f"its code could not be loaded in Ray actor {self.actor_id}: {type(err).__name__}: {err}",
                 remote_traceback=traceback_text(err)))
         devices = {node_id: device} if device is not None else {}
-        self.runner = Runner({node_id: node}, devices, worker=self.actor_id, remote=True)
+        self.runner = Interpreter({node_id: node}, devices, worker=self.actor_id, remote=True)
         self.plan = Step(node_id)
 
     def call(self, x):

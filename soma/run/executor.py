@@ -13,16 +13,20 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 
 from ..errors import RunTimeout
 from .base import RunnerBase
-from .interpreter import Runner, RunState
+from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
 from .trace import Trace
 
 
 class Executor(RunnerBase):
     """The in-process runner: `Executor().run(g, x)`, `Executor().map(g, xs)`."""
+
+    def __init__(self):
+        self._interpreters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (version, it)
 
     def run(self, g, x, *, timeout: float | None = None):
         """Run graph `g` on input `x` and return its output.
@@ -39,7 +43,7 @@ class Executor(RunnerBase):
                            progress=progress, timeout=timeout)
 
     def _run(self, g, devices: dict, x, timeout, index):
-        runner = Runner(g._catalog, devices)
+        interpreter = self._interpreter(g, devices)
         plan = g.plan()
         state = RunState()
         trace = self._trace
@@ -47,22 +51,31 @@ class Executor(RunnerBase):
         start = time.monotonic_ns()
         try:
             if timeout is None:
-                return runner.run(plan, x, state, spans)
-            return _with_timeout(runner, plan, x, state, spans, timeout)
+                return interpreter.run(plan, x, state, spans)
+            return _with_timeout(interpreter, plan, x, state, spans, timeout)
         finally:
             if trace is not None:
                 _record(trace, spans, devices, index, start)
+
+    def _interpreter(self, g, devices: dict) -> Interpreter:
+        """One per graph and placement (its plan compiled once); placing a node again makes a new one."""
+        found = self._interpreters.get(g)
+        if found is not None and found[0] == g.placement_version:
+            return found[1]
+        interpreter = Interpreter({node_id: g.node(node_id) for node_id in g.nodes()}, devices)
+        self._interpreters[g] = (g.placement_version, interpreter)
+        return interpreter
 
     def _trace_started(self, trace: Trace) -> None:
         trace.process(os.getpid(), f"host (soma.Executor, pid {os.getpid()})")
 
 
-def _with_timeout(runner: Runner, plan, x, state: RunState, spans, timeout: float):
+def _with_timeout(interpreter: Interpreter, plan, x, state: RunState, spans, timeout: float):
     box: dict = {}
 
     def whole_run() -> None:
         try:
-            box["value"] = runner.run(plan, x, state, spans)
+            box["value"] = interpreter.run(plan, x, state, spans)
         except BaseException as exc:
             box["error"] = exc
 

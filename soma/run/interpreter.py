@@ -1,7 +1,8 @@
 """Running a plan in one process: the interpreter the in-process `Executor`, every `Local`
 worker and every Ray actor share, so they cannot disagree about what a node's output is.
 
-    run(plan, x) ─ Step ─ invoke(node) ─ [setup once] ─ forward(x, ctx) ─ Done? ─ postcondition ─ unwrap
+    Interpreter(nodes, devices).run(plan, x)      (the plan compiled once into nested calls, a fold)
+                 ├ Step ─ invoke(node) ─ [setup once] ─ forward(x, ctx) ─ Done? ─ postcondition ─ unwrap
                  ├ Seq  ─ items in order, each on the previous output
                  └ Wave ─ one thread per branch, each branch whole on its thread;
                           wait for every branch, then raise the first failure in branch order
@@ -22,7 +23,7 @@ import weakref
 
 from ..ctx import Ctx
 from ..errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
-from ..plan import Plan, Seq, Step, Wave
+from ..plan import Plan, Seq, Step, Wave, fold
 from ..values import Done, unwrap
 from .postcondition import check_postcondition
 
@@ -196,6 +197,14 @@ def _kept_threads() -> KeptThreads:
     return _kept
 
 
+def _seq(_: Seq, items: list):
+    def run_seq(x, state, spans):
+        for run in items:
+            x = run(x, state, spans)
+        return x
+    return run_seq
+
+
 def wave_outcome(outcomes: list) -> tuple:
     """A wave's `(ok, value)` from its branches' `(ok, value)`, once every branch is over.
 
@@ -233,7 +242,7 @@ def _thread_modes():
     return inherit
 
 
-class Runner:
+class Interpreter:
     """Runs plans over a catalog with a placement, making each node's `Ctx`.
 
     `nodes`: id → Node. `devices`: id → device string for placed nodes.
@@ -243,6 +252,9 @@ class Runner:
     `KeyboardInterrupt` raised by a node into its `NodeError` too (in-process they
     are the user's own Ctrl-C and exit, and pass through). `on_thread`: called
     first on every branch thread (a worker pins its CUDA device).
+
+    A plan is compiled once (`compile`, a fold over its tree) into nested calls:
+    running it then costs one Python call per node, not a look at the tree.
     """
 
     def __init__(self, nodes, devices: dict, worker: str | None = None, allocate=None, remote: bool = False,
@@ -256,33 +268,43 @@ class Runner:
         self._caught = BaseException if remote else Exception
         self._kept = _kept_threads() if remote else None
         self._guards: dict = {}  # node id → its node's guard, found once
+        self._compiled: dict = {}  # plan → its compiled call
 
     def run(self, plan: Plan, x, state: RunState | None = None, spans: list | None = None):
         """Run `plan` on `x`. With `spans`, append `[node, start ns, end ns, thread id, outcome]` per node."""
-        state = state if state is not None else RunState()
-        if type(plan) is Step:
-            return self.invoke(plan.id, x, state, spans)
-        if type(plan) is Seq:
-            for item in plan.items:
-                x = self.run(item, x, state, spans)
-            return x
-        return self.run_wave(plan, x, state, spans)
+        return self.compile(plan)(x, state if state is not None else RunState(), spans)
 
-    def run_wave(self, wave: Wave, x, state: RunState, spans: list | None):
+    def compile(self, plan: Plan):
+        """`plan` as one call `run(x, state, spans)` (made once per plan)."""
+        found = self._compiled.get(plan)
+        if found is None:
+            found = self._compiled[plan] = fold(plan, self._step, _seq, self._wave)
+        return found
+
+    def _step(self, step: Step):
+        invoke, node_id = self.invoke, step.id
+
+        def run_step(x, state, spans):
+            return invoke(node_id, x, state, spans)
+        return run_step
+
+    def _wave(self, _: Wave, branches: list):
         """Every branch whole on its own thread; all of them are waited for before raising."""
-        on_thread = self.on_thread
+        on_thread, kept = self.on_thread, self._kept
 
-        def branch(plan):
-            def call():
-                if on_thread is not None:
-                    on_thread()
-                return self.run(plan, x, state, spans)
-            return call
+        def run_wave(x, state, spans):
+            def branch(run):
+                def call():
+                    if on_thread is not None:
+                        on_thread()
+                    return run(x, state, spans)
+                return call
 
-        ok, value = wave_outcome(on_threads([branch(b) for b in wave.branches], self._kept))
-        if not ok:
-            raise value
-        return value
+            ok, value = wave_outcome(on_threads([branch(run) for run in branches], kept))
+            if not ok:
+                raise value
+            return value
+        return run_wave
 
     def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):
         """Run one node: setup once, forward, check it returned Done, check the postcondition, unwrap."""
@@ -331,9 +353,7 @@ class Runner:
 
     def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:
         """The NodeError for an exception a node raised (a full /dev/shm has its own)."""
-        from ..wire.shm import ShmFull
-
-        if isinstance(exc, ShmFull):
+        if isinstance(exc, SharedMemoryFull):
             return SharedMemoryFull.reserving(node_id, exc.nbytes, "a tensor it made with ctx.empty")
         text = traceback_text(exc) if self.remote else None
         what = f"{doing} {type(exc).__name__}" if doing else type(exc).__name__

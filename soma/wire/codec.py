@@ -23,6 +23,8 @@ import threading
 
 import msgpack
 
+from ..errors import SharedMemoryFull
+
 # value extension types
 EXT_TUPLE, EXT_TENSOR, EXT_PICKLE = 1, 2, 3
 # tensor handle kinds
@@ -108,7 +110,7 @@ class Encoder:
         pickler = _tensor_pickler()(buf, self, handles)
         try:
             pickler.dump(obj)
-        except (GradCrossing, MemoryError):
+        except (GradCrossing, SharedMemoryFull, MemoryError):
             raise
         except Exception as err:
             raise Unsendable(f"{type(obj).__name__} cannot be sent to another process: {type(err).__name__}: {err}") from err

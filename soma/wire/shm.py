@@ -35,6 +35,8 @@ import re
 import threading
 import weakref
 
+from ..errors import SharedMemoryFull
+
 SHM_DIR = "/dev/shm"
 GRANULE = 64 * 1024  # segment sizes are rounded up to this, so near sizes reuse one segment
 
@@ -72,17 +74,6 @@ def unlink_all(prefix: str, owner: int | None = None, keep: set | frozenset = fr
 
 class ShmError(RuntimeError):
     """A handle names a segment this process must not or cannot map."""
-
-
-class ShmFull(MemoryError):
-    """`/dev/shm` could not reserve a segment; `nbytes` is what was asked for.
-
-    Whoever knows which node the tensor belongs to turns it into `SharedMemoryFull`.
-    """
-
-    def __init__(self, nbytes: int, why: str):
-        super().__init__(f"shared memory is full: could not reserve {nbytes} bytes in {SHM_DIR} ({why})")
-        self.nbytes = nbytes
 
 
 class _Segment:
@@ -174,7 +165,7 @@ class SegmentStore:
         except OSError as err:
             os.close(fd)
             unlink_quietly(name)
-            raise ShmFull(size, err.strerror) from None
+            raise SharedMemoryFull.reserving(None, size, f"a segment ({err.strerror})") from None
         os.close(fd)
         base = self._torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
         seg = _Segment(name, size, base)

@@ -18,7 +18,6 @@ from ...errors import NodeError, SharedMemoryFull
 from ...plan import Seq, Wave
 from ...run.interpreter import wave_outcome
 from ...wire import codec
-from ...wire.shm import ShmFull
 from .program import Piece
 
 
@@ -137,7 +136,7 @@ class Walker:
             raise NodeError.failed(entry, err.reason("its input is")) from None
         except codec.Unsendable as err:
             raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
-        except ShmFull as err:
+        except SharedMemoryFull as err:
             raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
         except OSError as err:  # a segment that could not be made or mapped (too many open files, ...)
             raise NodeError.failed(entry, f"its input could not be put in shared memory: {type(err).__name__}: "

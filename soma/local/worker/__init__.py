@@ -6,7 +6,7 @@ How messages flow through a worker (the host is drawn in `soma.local`):
                                              │ one serving thread receives (soma.wire.protocol.parse)
                                              ▼
                      accept(Task): register the node code and piece specs it carries (library.py:
-                                   code unpickled on first use, a piece's Runner built once); append
+                                   code unpickled on first use, a piece's Interpreter built once); append
                                    each Unit to its piece's Lane (a lane keeps arrival order)
                                              │ the receiving thread runs the first runnable lane
                                              │ itself (no hand-off for a short unit); other runnable
@@ -14,7 +14,7 @@ How messages flow through a worker (the host is drawn in `soma.local`):
                                              ▼ takes over receiving if a unit runs longer than 2 ms
                      run_lane: each unit in order ─▶ run_unit:
                                    decode the input (soma.wire.codec: map shared segments by name)
-                                   Runner.run(plan) (soma.run.interpreter: setup once per copy, forward,
+                                   Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward,
                                                      Done, postcondition; one input per node at once)
                                    encode the output (tensors become segment handles)
                      flush: Result[outcomes, releases]; outcomes of short units travel together

@@ -1,7 +1,7 @@
 """What a worker knows: node code as the host sent it, the nodes loaded from it, and the pieces it can run.
 
     Task.code   {key: blob}  ─ register ─▶ blobs ─ node(): unpickled once, on first use ─▶ nodes
-    Task.pieces {id: spec}   ─ register ─▶ specs ─ load(): plan + Runner over the nodes ─▶ pieces (Loaded)
+    Task.pieces {id: spec}   ─ register ─▶ specs ─ load(): plan + Interpreter over the nodes ─▶ pieces (Loaded)
     Task.forget [key]        ─ forget ───▶ those nodes, and every piece naming one, are dropped
 
 A node's copy lives in `nodes` from its first input on (its state is here); a
@@ -18,23 +18,23 @@ from ...wire import protocol
 
 
 class Loaded:
-    """A piece this worker can run: its plan, a Runner over its nodes' copies here, its first and last node."""
+    """A piece this worker can run: its plan, an Interpreter over its nodes' copies here, its first and last node."""
 
-    __slots__ = ("entry", "plan", "producer", "runner")
+    __slots__ = ("entry", "interpreter", "plan", "producer")
 
-    def __init__(self, plan, runner, entry: str, producer: str):
+    def __init__(self, plan, interpreter, entry: str, producer: str):
         self.plan = plan
-        self.runner = runner
+        self.interpreter = interpreter
         self.entry = entry  # named on the status page while its input is decoded
         self.producer = producer  # ... and while its output is encoded
 
 
 class Library:
-    """`make_runner(nodes, devices)` builds the Runner of a piece from its nodes' copies and their devices."""
+    """`make_interpreter(nodes, devices)` builds the Interpreter of a piece from its nodes' copies and their devices."""
 
-    def __init__(self, worker_id: str, make_runner):
+    def __init__(self, worker_id: str, make_interpreter):
         self.worker_id = worker_id
-        self.make_runner = make_runner
+        self.make_interpreter = make_interpreter
         self.blobs: dict[int, bytes] = {}  # node key → code received and not loaded yet
         self.nodes: dict[int, object] = {}  # node key → the node object (its copy lives here)
         self.specs: dict[int, bytes] = {}  # piece id → spec
@@ -57,10 +57,10 @@ class Library:
         return plan, steps, first_step(plan), last_step(plan)
 
     def load(self, piece_id: int, plan, steps: dict, entry: str, producer: str) -> Loaded:
-        """The piece with a Runner over this worker's copies of its nodes, loading their code the first time."""
+        """The piece with an Interpreter over this worker's copies of its nodes, loading their code the first time."""
         nodes = {node_id: self.node(node_id, key) for node_id, (key, _) in steps.items()}
         devices = {node_id: device for node_id, (_, device) in steps.items() if device}
-        piece = Loaded(plan, self.make_runner(nodes, devices), entry, producer)
+        piece = Loaded(plan, self.make_interpreter(nodes, devices), entry, producer)
         with self.lock:
             if piece_id in self.specs:  # (not forgotten meanwhile: then it is not kept)
                 self.pieces[piece_id] = piece

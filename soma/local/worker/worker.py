@@ -14,10 +14,10 @@ import zmq
 
 from ..._log import warn
 from ...errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
-from ...run.interpreter import Runner, RunState
+from ...run.interpreter import Interpreter, RunState
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
-from ...wire.shm import ShmFull, unlink_all
+from ...wire.shm import unlink_all
 from ...wire.status import StatusPage
 from .imports import AfterImport
 from .library import Library
@@ -81,7 +81,7 @@ class Worker:
         self.stopping = threading.Event()
         self.cancelled: set = set()  # unit ids the host no longer wants (dropped unless started)
         # What this worker knows: node code, nodes, pieces.
-        self.library = Library(self.id, self.make_runner)
+        self.library = Library(self.id, self.make_interpreter)
         self.status = StatusPage(args.status, create=True)
         self.store = None
         self.store_lock = threading.Lock()
@@ -321,7 +321,7 @@ class Worker:
             if self.cuda:
                 self.on_thread()  # a cuda:N worker's current device is per thread: this one's too
             x = self.decode(unit.payload, entry)
-            value = piece.runner.run(piece.plan, x, RunState(self, unit.id), spans)
+            value = piece.interpreter.run(piece.plan, x, RunState(self, unit.id), spans)
             del x
             if producer != entry:
                 status.enter(unit.id, producer)
@@ -352,7 +352,7 @@ class Worker:
             data = encoder.pack(value)
         except codec.GradCrossing as err:
             raise NodeError.failed(producer, err.reason("it returned")) from None
-        except ShmFull as err:
+        except SharedMemoryFull as err:
             raise SharedMemoryFull.reserving(producer, err.nbytes, "its output") from None
         except Exception as err:
             raise NodeError.failed(
@@ -365,8 +365,8 @@ class Worker:
         return data
 
     # -- pieces and nodes (the library's) ------------------------------------------------------------
-    def make_runner(self, nodes: dict, devices: dict) -> Runner:
-        return Runner(nodes, devices, worker=self.id, allocate=self.allocate, remote=True, on_thread=self.on_thread)
+    def make_interpreter(self, nodes: dict, devices: dict) -> Interpreter:
+        return Interpreter(nodes, devices, worker=self.id, allocate=self.allocate, remote=True, on_thread=self.on_thread)
 
     def forget(self, keys: list) -> None:
         """The host's copies of these nodes are gone: drop them, their pieces, and those pieces' idle lanes."""
