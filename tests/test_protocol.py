@@ -8,14 +8,14 @@ import pytest
 from soma import NodeError, PostconditionError, SharedMemoryFull
 from soma.plan import Seq, Step, Wave
 from soma.wire import failures, protocol
-from soma.wire.protocol import Cancel, Free, Hello, Outcome, Result, Stop, Task, Unit
+from soma.wire.protocol import Cancel, Free, Hello, JobSpec, Outcome, Result, Stop, Task
 
 SECRET = b"s" * 32
 
 
 @pytest.mark.parametrize("message", [
     Hello("w0", 1234, "cuda:1"),
-    Task({7: b"code"}, {3: b"spec"}, [Unit(1, 3, b"\x01", False), Unit(2, 3, b"\x02", True)], [["seg", 2]], [5]),
+    Task({7: b"code"}, {3: b"spec"}, [JobSpec(1, 3, b"\x01", False), JobSpec(2, 3, b"\x02", True)], [["seg", 2]], [5]),
     Result("w1", 99, [Outcome(1, True, b"\x01", None, 0.5),
                       Outcome(2, False, {"node": "a", "message": "m", "kind": "node"}, [["a", 1, 2, 3, "ok"]], 0.1)],
            [["seg", 1]]),
@@ -29,10 +29,10 @@ def test_every_message_round_trips_as_the_same_record(message):
 
 
 def test_a_worker_reads_the_task_the_host_packs_field_by_field():
-    task = Task({}, {}, [Unit(11, 4, b"payload", False)], [], [])
+    task = Task({}, {}, [JobSpec(11, 4, b"payload", False)], [], [])
     back = protocol.parse(SECRET, protocol.pack(SECRET, task), "test")
-    unit = back.units[0]
-    assert (unit.id, unit.piece, unit.payload, unit.traced) == (11, 4, b"payload", False)
+    job = back.jobs[0]
+    assert (job.id, job.piece, job.payload, job.traced) == (11, 4, b"payload", False)
 
 
 @pytest.mark.parametrize("frame, why", [

@@ -15,7 +15,7 @@ How one `run(g, x)` flows (the worker's side is drawn in `soma.local.worker`):
       ├─▶ WorkerPool.send     pool.py   one Task per worker, with the node code and piece specs
       │                                 it lacks ── ROUTER ── ipc ──────────────────────▶ DEALER
       │                                                                      a lane per piece, its
-      │                                                                      units in order: decode,
+      │                                                                      jobs in order: decode,
       │                                                                      run (soma.run.interpreter),
       │                                                                      encode, flush
       │   await_item: the caller       ◀── PULL ◀── Result [outcomes, releases] ◀──────── PUSH

@@ -42,15 +42,15 @@ class RunState:
 
     In-process it keeps the multiset of running nodes itself (a timeout names them).
     With an `observer` (a worker's status page) it tells it instead:
-    `observer.enter(unit, node)` / `observer.leave(unit, node)`.
+    `observer.enter(job, node)` / `observer.leave(job, node)`.
     """
 
-    __slots__ = ("running", "cancelled", "unit", "_lock", "_observer")
+    __slots__ = ("running", "cancelled", "job", "_lock", "_observer")
 
-    def __init__(self, observer=None, unit: int = 0):
+    def __init__(self, observer=None, job: int = 0):
         self.running: dict[str, int] = {}
         self.cancelled = False
-        self.unit = unit
+        self.job = job
         self._lock = threading.Lock() if observer is None else None
         self._observer = observer
 
@@ -58,14 +58,14 @@ class RunState:
         if self.cancelled:
             raise Cancelled(node_id)
         if self._observer is not None:
-            self._observer.enter(self.unit, node_id)
+            self._observer.enter(self.job, node_id)
             return
         with self._lock:
             count_in(self.running, node_id, +1)
 
     def leave(self, node_id: str) -> None:
         if self._observer is not None:
-            self._observer.leave(self.unit, node_id)
+            self._observer.leave(self.job, node_id)
             return
         with self._lock:
             count_in(self.running, node_id, -1)

@@ -5,16 +5,16 @@ the records below are the messages, `pack` seals one into a frame and `parse`
 opens a frame into a record. The values inside (a node's input and output) are
 `soma.wire.codec`'s business; how the frames travel is `soma.wire.transport`'s.
 
-    host → worker   Task(code, pieces, units, frees, forget)
+    host → worker   Task(code, pieces, jobs, frees, forget)
                         code    {node key: the node, pickled}      only what this worker lacks
                         pieces  {piece id: piece spec}             only what this worker lacks
-                        units   [Unit(id, piece, payload, traced)] one input for one piece each
+                        jobs   [JobSpec(id, piece, payload, traced)] one input for one piece each
                         frees   [[segment, n]]                     see soma.wire.shm
                         forget  [node key]                         the host let these nodes go
-                    Free(frees)      Cancel(unit ids: drop them if not started)      Stop()
+                    Free(frees)      Cancel(job ids: drop them if not started)      Stop()
     worker → host   Hello(worker, pid, device)
                     Result(worker, pid, outcomes, releases)
-                        outcomes [Outcome(unit, ok, body, spans, seconds)]
+                        outcomes [Outcome(job, ok, body, spans, seconds)]
                                  body: the encoded output when ok, else an error body (below)
                         releases [[segment, n]]                    receipts whose storages died
 
@@ -55,7 +55,7 @@ HELLO, TASK, RESULT, FREE, CANCEL, STOP = range(1, 7)
 
 # -- the messages ----------------------------------------------------------------------------------
 
-class Unit(NamedTuple):
+class JobSpec(NamedTuple):
     """One input for one piece: what a worker runs, one at a time per piece."""
 
     id: int
@@ -65,13 +65,13 @@ class Unit(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What became of one unit."""
+    """What became of one job."""
 
-    unit: int
+    job: int
     ok: bool
     body: object  # the encoded output (bytes) when ok, else an error body (dict)
-    spans: list | None  # [[node, start ns, end ns, thread id, outcome]] when the unit was traced
-    seconds: float  # how long the unit ran in the worker (the host sizes its batches by it)
+    spans: list | None  # [[node, start ns, end ns, thread id, outcome]] when the job was traced
+    seconds: float  # how long the job ran in the worker (the host sizes its batches by it)
 
 
 class Hello(NamedTuple):
@@ -83,7 +83,7 @@ class Hello(NamedTuple):
 class Task(NamedTuple):
     code: dict
     pieces: dict
-    units: list
+    jobs: list
     frees: list
     forget: list
 
@@ -100,7 +100,7 @@ class Free(NamedTuple):
 
 
 class Cancel(NamedTuple):
-    units: list
+    jobs: list
 
 
 class Stop(NamedTuple):
@@ -132,8 +132,8 @@ def parse(secret: bytes, frame: bytes, origin: str):
         fields = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
         kind = fields[0]
         if kind == TASK:
-            code, pieces, units, frees, forget = fields[1:]
-            return Task(code, pieces, [Unit(*u) for u in units], frees, forget)
+            code, pieces, jobs, frees, forget = fields[1:]
+            return Task(code, pieces, [JobSpec(*u) for u in jobs], frees, forget)
         if kind == RESULT:
             worker, pid, outcomes, releases = fields[1:]
             return Result(worker, pid, [Outcome(*o) for o in outcomes], releases)

@@ -5,7 +5,7 @@ The host reads it when a worker dies or a run times out, so `WorkerDied` and
 answer. It is a small file the worker maps shared (nothing is sent for it).
 
 Layout: `SLOTS` slots of `SLOT` bytes, one per thread that runs nodes (a thread
-runs one node at a time). A slot is `seq (4 bytes) + length (2) + "unit node"`;
+runs one node at a time). A slot is `seq (4 bytes) + length (2) + "job node"`;
 its thread bumps `seq` before and after writing (odd: being written), so a reader
 never takes half a line, and threads never wait for each other.
 """
@@ -43,8 +43,8 @@ class StatusPage:
         self._local = threading.local()
 
     # -- writer side (the worker) ------------------------------------------------------------------
-    def enter(self, unit: int, node: str) -> None:
-        """This thread now runs `node` for `unit`."""
+    def enter(self, job: int, node: str) -> None:
+        """This thread now runs `node` for `job`."""
         held = getattr(self._local, "held", None)
         if held is None:
             with self._lock:
@@ -53,9 +53,9 @@ class StatusPage:
                 held = self._local.held = _Held(self._free.pop())
             # The thread's locals die with it (a wave's branch threads come and go): its slot comes back.
             weakref.finalize(held, self._free.append, held.slot)
-        if held.showing != (unit, node):
-            held.showing = (unit, node)
-            self._put(held.slot, f"{unit} {node}".encode()[: SLOT - 6])
+        if held.showing != (job, node):
+            held.showing = (job, node)
+            self._put(held.slot, f"{job} {node}".encode()[: SLOT - 6])
 
     def leave(self) -> None:
         """This thread runs nothing now."""
@@ -74,7 +74,7 @@ class StatusPage:
 
     # -- reader side (the host) ---------------------------------------------------------------------
     def read(self) -> list[tuple[int, str]]:
-        """What runs now, as `(unit id, node id)` pairs."""
+        """What runs now, as `(job id, node id)` pairs."""
         pairs = []
         for slot in range(SLOTS):
             base = slot * SLOT
@@ -83,9 +83,9 @@ class StatusPage:
                 size = int.from_bytes(self._map[base + 4:base + 6], "little")
                 data = self._map[base + 6:base + 6 + min(size, SLOT - 6)]
                 if before % 2 == 0 and int.from_bytes(self._map[base:base + 4], "little") == before:
-                    unit, _, node = data.decode(errors="replace").partition(" ")
-                    if node and unit.lstrip("-").isdigit():
-                        pairs.append((int(unit), node))
+                    job, _, node = data.decode(errors="replace").partition(" ")
+                    if node and job.lstrip("-").isdigit():
+                        pairs.append((int(job), node))
                     break
         return pairs
 

@@ -1,6 +1,6 @@
 """The worker pool: processes, sockets, shared-memory leases, and faults. What runs where is the scheduler's.
 
-    scheduler ── send(slot, units) ─▶ Task ── ROUTER ──▶ worker   any thread, under one lock; ships
+    scheduler ── send(slot, jobs) ─▶ Task ── ROUTER ──▶ worker   any thread, under one lock; ships
                                                                   the code and pieces that worker lacks
     scheduler ◀── outcomes(slot, ...) ◀─ receiver ◀─ PULL ◀─ Result ─ worker
                   ready(slot), lost(slot, ...)   the receiver (a waiting caller, or the listener
@@ -49,8 +49,8 @@ class Undecodable:
 class WorkerPool(Receiving):
     """Worker processes and the sockets to them. `events` hears what happens (the scheduler):
 
-    `on_ready(slot)`, `on_outcomes(slot, worker, [(unit id, ok, value, spans, seconds, decode span)])`,
-    `on_lost(slot, worker, how it ended, [(unit id, node)] it was running)`.
+    `on_ready(slot)`, `on_outcomes(slot, worker, [(job id, ok, value, spans, seconds, decode span)])`,
+    `on_lost(slot, worker, how it ended, [(job id, node)] it was running)`.
     """
 
     def __init__(self, devices: list[str], *, arena: int, threads: int, preload_torch: bool, registry):
@@ -218,10 +218,10 @@ class WorkerPool(Receiving):
         """The slot's worker died before saying hello too many times: nothing will run there."""
         return self._start_failures[slot] >= START_FAILURES
 
-    def send(self, slot: int, units: list) -> bool:
-        """Send units to the worker of `slot` in one Task, with the code and piece specs it lacks.
+    def send(self, slot: int, jobs: list) -> bool:
+        """Send jobs to the worker of `slot` in one Task, with the code and piece specs it lacks.
 
-        Each unit has `.id`, `.piece` (a Piece), `.payload`, `.shared` (segment names it
+        Each job has `.id`, `.piece` (a Piece), `.payload`, `.shared` (segment names it
         lends) and `.traced`. False when the worker cannot be reached (the listener
         reports its death).
         """
@@ -229,13 +229,13 @@ class WorkerPool(Receiving):
         with self._send_lock:
             worker = self.workers[slot]
             # Not ready: the worker the scheduler chose died since, and this is its replacement, still
-            # starting (the scheduler parks jobs for those): the death's report fails these units.
+            # starting (the scheduler parks jobs for those): the death's report fails these jobs.
             if self.closing or worker is None or worker.retired or not worker.ready.is_set():
                 return False
             code, pieces = {}, {}
             sent = worker.pieces
-            for unit in units:
-                piece = unit.piece
+            for job in jobs:
+                piece = job.piece
                 if piece.id in sent or piece.id in pieces:
                     continue  # its spec went there, and its nodes' code with it
                 pieces[piece.id] = piece.spec
@@ -245,12 +245,12 @@ class WorkerPool(Receiving):
             forget = worker.forget
             if forget:
                 worker.forget = []
-            for unit in units:
-                for name in unit.shared:
+            for job in jobs:
+                for name in job.shared:
                     self._book.lent(name, worker.pid)
                     if self._store is not None:
                         self._store.note_sent(name)
-            task = Task(code, pieces, [(u.id, u.piece.id, u.payload, u.traced) for u in units],  # Units, packed
+            task = Task(code, pieces, [(u.id, u.piece.id, u.payload, u.traced) for u in jobs],  # Jobs, packed
                         self._book.take_frees(worker.pid), forget)
             if not self._send(worker, protocol.pack(self.secret, task)):
                 return False
@@ -259,12 +259,12 @@ class WorkerPool(Receiving):
                 worker.loaded.update(code)
             return True
 
-    def cancel(self, slot: int, unit_ids: list) -> None:
-        """Ask the worker of `slot` to drop these units if they have not started."""
+    def cancel(self, slot: int, job_ids: list) -> None:
+        """Ask the worker of `slot` to drop these jobs if they have not started."""
         with self._send_lock:
             worker = self.workers[slot]
             if not self.closing and worker is not None and not worker.retired:
-                self._send(worker, protocol.pack(self.secret, protocol.Cancel(unit_ids)))
+                self._send(worker, protocol.pack(self.secret, protocol.Cancel(job_ids)))
 
     def _send(self, worker, frame: bytes, retry_s: float = 5.0) -> bool:
         # send lock held
@@ -293,7 +293,7 @@ class WorkerPool(Receiving):
                 worker.pieces.clear()  # pieces naming those keys are gone there; the others are cheap to resend
 
     def running(self, slot: int) -> list[tuple[int, str]]:
-        """`(unit id, node id)` the worker of `slot` runs now, from its status page."""
+        """`(job id, node id)` the worker of `slot` runs now, from its status page."""
         worker = self.workers[slot]
         return worker.running() if worker is not None else []
 
@@ -338,7 +338,7 @@ class WorkerPool(Receiving):
         decoded = []
         decoder = codec.Decoder(self.get_store)
         try:
-            for unit, ok, body, spans, seconds in result.outcomes:
+            for job_id, ok, body, spans, seconds in result.outcomes:
                 start = time.monotonic_ns() if spans is not None else 0
                 if ok:
                     try:
@@ -350,7 +350,7 @@ class WorkerPool(Receiving):
                 decode = None
                 if spans is not None:
                     decode = (start, time.monotonic_ns(), len(body) if ok else 0, threading.get_native_id())
-                decoded.append((unit, ok, value, spans, seconds, decode))
+                decoded.append((job_id, ok, value, spans, seconds, decode))
         finally:
             for name in decoder.received:
                 self._book.received(name, worker.pid)

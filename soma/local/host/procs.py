@@ -56,7 +56,7 @@ class WorkerProcess:
         return f"exited with code {code}"
 
     def running(self) -> list[tuple[int, str]]:
-        """`(unit id, node id)` its status page says it is (or was, when it died) running."""
+        """`(job id, node id)` its status page says it is (or was, when it died) running."""
         try:
             if self._status is None:
                 self._status = StatusPage(self.status_path, create=False)

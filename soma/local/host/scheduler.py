@@ -306,8 +306,8 @@ class Scheduler:
     def on_outcomes(self, slot: int, worker, outcomes: list) -> None:
         now = time.monotonic()
         with self.lock:
-            for unit, ok, value, spans, seconds, decode in outcomes:
-                job = self.outstanding.get(unit)
+            for job_id, ok, value, spans, seconds, decode in outcomes:
+                job = self.outstanding.get(job_id)
                 if job is None or job.slot != slot:
                     continue
                 self._give_back(job)
@@ -413,7 +413,7 @@ class Scheduler:
             if not flow.finished:
                 for job in list(flow.jobs):
                     nodes = [] if job.slot is None else [
-                        node for unit, node in self.pool.running(job.slot) if unit == job.id]
+                        node for job_id, node in self.pool.running(job.slot) if job_id == job.id]
                     for node in nodes:
                         running[node] = f"worker {self.pool.workers[job.slot].id}"
                         retire.add(job.slot)

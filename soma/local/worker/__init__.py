@@ -7,20 +7,20 @@ How messages flow through a worker (the host is drawn in `soma.local`):
                                              ▼
                      accept(Task): register the node code and piece specs it carries (library.py:
                                    code unpickled on first use, a piece's Interpreter built once); append
-                                   each Unit to its piece's Lane (a lane keeps arrival order)
+                                   each JobSpec to its piece's Lane (a lane keeps arrival order)
                                              │ the receiving thread runs the first runnable lane
-                                             │ itself (no hand-off for a short unit); other runnable
+                                             │ itself (no hand-off for a short job); other runnable
                                              │ lanes go to other serving threads at once; a follower
-                                             ▼ takes over receiving if a unit runs longer than 2 ms
-                     run_lane: each unit in order ─▶ run_unit:
+                                             ▼ takes over receiving if a job runs longer than 2 ms
+                     run_lane: each job in order ─▶ run_job:
                                    decode the input (soma.wire.codec: map shared segments by name)
                                    Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward,
                                                      Done, postcondition; one input per node at once)
                                    encode the output (tensors become segment handles)
-                     flush: Result[outcomes, releases]; outcomes of short units travel together
+                     flush: Result[outcomes, releases]; outcomes of short jobs travel together
     host PULL ◀──Hello/Result── PUSH (one lock: any thread may send)
 
-    status page: which unit and node each thread runs, for the host to read if we die.
+    status page: which job and node each thread runs, for the host to read if we die.
     watchdog thread: every 0.5 s, if the host (our parent) is gone, unlink the pool's
     segments, remove its socket directory, and exit.
 

@@ -42,7 +42,7 @@ class Library:
         self.lock = threading.Lock()
 
     def register(self, code: dict, pieces: dict) -> None:
-        """Code and piece specs a Task carries (registered before its units run anywhere)."""
+        """Code and piece specs a Task carries (registered before its jobs run anywhere)."""
         with self.lock:
             self.blobs.update(code)
             self.specs.update(pieces)

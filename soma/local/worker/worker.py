@@ -24,21 +24,21 @@ from .library import Library
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 WATCHDOG_S = 0.5
-PROMOTE_S = 0.002  # a receiver that has run units this long hands the receiving to a follower
-TICK_S = 0.002  # how often a follower looks, while units keep coming (a wakeup each: not too often)
-ACTIVE_S = 0.1  # after this long without a unit, followers sleep until the next one
-FLUSH_S = 0.001  # outcomes of short units wait at most this long to travel together
+PROMOTE_S = 0.002  # a receiver that has run jobs this long hands the receiving to a follower
+TICK_S = 0.002  # how often a follower looks, while jobs keep coming (a wakeup each: not too often)
+ACTIVE_S = 0.1  # after this long without a job, followers sleep until the next one
+FLUSH_S = 0.001  # outcomes of short jobs wait at most this long to travel together
 MAX_THREADS = 64  # serving threads: one per piece running at once, and one receiving
 
 
 class Lane:
-    """The units of one piece waiting in this worker: run in arrival order, by one thread at a time."""
+    """The jobs of one piece waiting in this worker: run in arrival order, by one thread at a time."""
 
-    __slots__ = ("units", "busy")
+    __slots__ = ("jobs", "busy")
 
     def __init__(self):
-        self.units: deque = deque()
-        self.busy = False  # a thread is running its units
+        self.jobs: deque = deque()
+        self.busy = False  # a thread is running its jobs
 
 
 class Worker:
@@ -71,15 +71,15 @@ class Worker:
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)  # (`with self.lock` where nobody waits: one call, not three)
         self.receiving = None  # the thread that receives now
-        self.receiver_busy_since = None  # when that thread went off to run units itself
-        self.runnable: deque = deque()  # lanes with units and nobody running them
+        self.receiver_busy_since = None  # when that thread went off to run jobs itself
+        self.runnable: deque = deque()  # lanes with jobs and nobody running them
         self.lanes: dict[int, Lane] = {}
-        self.active_until = 0.0  # followers tick until then (units came recently)
+        self.active_until = 0.0  # followers tick until then (jobs came recently)
         self.idle = 0  # threads asleep on cv
         self.running = 0  # threads running a lane
         self.serving = 1
         self.stopping = threading.Event()
-        self.cancelled: set = set()  # unit ids the host no longer wants (dropped unless started)
+        self.cancelled: set = set()  # job ids the host no longer wants (dropped unless started)
         # What this worker knows: node code, nodes, pieces.
         self.library = Library(self.id, self.make_interpreter)
         self.status = StatusPage(args.status, create=True)
@@ -99,7 +99,7 @@ class Worker:
         self.send(protocol.Hello(self.id, os.getpid(), self.device))
         if self.preload_torch:
             # After HELLO, not before: importing torch takes a second or more, and the pool is ready
-            # without it. A unit that needs torch meanwhile waits on the import, as it would anyway.
+            # without it. A job that needs torch meanwhile waits on the import, as it would anyway.
             threading.Thread(target=lambda: __import__("torch"), name="soma-torch", daemon=True).start()
         try:
             self.serve_forever()
@@ -139,16 +139,16 @@ class Worker:
     def serve_forever(self) -> None:
         """What every serving thread runs: run a lane that waits, or receive, or wait for either.
 
-        The thread that receives units runs them itself and keeps receiving afterwards:
-        no hand-off between threads on a unit's way, which costs as much as a small unit.
-        Only when it has been running units for longer than PROMOTE_S does a follower
-        take over receiving, so units of other inputs and pieces are still received.
+        The thread that receives jobs runs them itself and keeps receiving afterwards:
+        no hand-off between threads on a job's way, which costs as much as a small job.
+        Only when it has been running jobs for longer than PROMOTE_S does a follower
+        take over receiving, so jobs of other inputs and pieces are still received.
         Other runnable lanes (another piece, a wave's other branch) go to idle threads
-        at once. Followers tick every TICK_S while units keep coming, and sleep untimed
+        at once. Followers tick every TICK_S while jobs keep coming, and sleep untimed
         when the worker is idle, so an idle worker uses no CPU.
         """
         me = threading.current_thread()
-        self.local.serving = True  # (see leave: units run on this thread, not a wave's branches)
+        self.local.serving = True  # (see leave: jobs run on this thread, not a wave's branches)
         while not self.stopping.is_set():
             lane = None
             with self.cv:
@@ -201,8 +201,8 @@ class Worker:
             with self.lock:
                 # Only what still waits in a lane can be dropped (a Cancel comes after its Task, on the
                 # same socket): the rest has started or is done, and its id need not be kept.
-                wanted = set(message.units)
-                self.cancelled.update(u.id for lane in self.lanes.values() for u in lane.units if u.id in wanted)
+                wanted = set(message.jobs)
+                self.cancelled.update(u.id for lane in self.lanes.values() for u in lane.jobs if u.id in wanted)
         elif isinstance(message, Stop):
             self.stopping.set()
             self.finish()
@@ -212,14 +212,14 @@ class Worker:
         return None
 
     def accept(self, task: Task):
-        """Register the task's code and pieces, queue its units; this thread takes the first runnable lane."""
+        """Register the task's code and pieces, queue its jobs; this thread takes the first runnable lane."""
         try:
             if task.forget:
                 self.forget(task.forget)
             if task.frees:
                 self.free(task.frees)
             if task.code or task.pieces:
-                # Registered while this thread still receives: a later unit that counts on this code
+                # Registered while this thread still receives: a later job that counts on this code
                 # (the host sends it once per worker) may run on another thread before it gets here.
                 self.library.register(task.code, task.pieces)
         except Exception as err:  # an authentic but malformed message must not take the worker down
@@ -227,11 +227,11 @@ class Worker:
             return None
         now = time.monotonic()
         with self.lock:
-            for unit in task.units:
-                lane = self.lanes.get(unit.piece)
+            for job in task.jobs:
+                lane = self.lanes.get(job.piece)
                 if lane is None:
-                    lane = self.lanes[unit.piece] = Lane()
-                lane.units.append(unit)
+                    lane = self.lanes[job.piece] = Lane()
+                lane.jobs.append(job)
                 if not lane.busy:
                     lane.busy = True
                     self.runnable.append(lane)
@@ -241,7 +241,7 @@ class Worker:
             self.receiver_busy_since = now
             waking = now >= self.active_until
             self.active_until = now + ACTIVE_S
-            # Someone must receive while this thread runs units, and every other runnable lane needs a thread.
+            # Someone must receive while this thread runs jobs, and every other runnable lane needs a thread.
             wanted = 1 + len(self.runnable)
             free = self.serving - 1 - self.running  # threads other than this one, not running a lane
             self.running += 1
@@ -259,29 +259,29 @@ class Worker:
 
     # -- running a lane ------------------------------------------------------------------------------
     def run_lane(self, lane: Lane, receiving: bool = False) -> None:
-        """Run the lane's units in order until it is empty.
+        """Run the lane's jobs in order until it is empty.
 
-        An outcome goes out as soon as its unit is done, unless units are short: then
+        An outcome goes out as soon as its job is done, unless jobs are short: then
         outcomes wait for one another, at most FLUSH_S, and travel together (one
-        message and one wake-up for many). An outcome never waits for a long unit.
+        message and one wake-up for many). An outcome never waits for a long job.
         """
         outcomes: list = []
         first_at = 0.0
         while True:
             with self.lock:
-                if not lane.units:
+                if not lane.jobs:
                     lane.busy = False
                     if receiving and self.receiving is threading.current_thread():
                         self.receiver_busy_since = None
                     break
-                unit = lane.units.popleft()
-                cancelled = unit.id in self.cancelled
+                job = lane.jobs.popleft()
+                cancelled = job.id in self.cancelled
                 if cancelled:
-                    self.cancelled.discard(unit.id)
+                    self.cancelled.discard(job.id)
             if cancelled:
-                outcome = Outcome(unit.id, False, failures.error_body(Cancelled()), None, 0.0)
+                outcome = Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
             else:
-                outcome = self.run_unit(unit)
+                outcome = self.run_job(job)
             now = time.monotonic()
             if not outcomes:
                 first_at = now
@@ -293,50 +293,50 @@ class Worker:
             self.flush(outcomes)
 
     def flush(self, outcomes: list) -> None:
-        # Inputs and outputs of these units are dropped by now: what died is reported with them.
+        # Inputs and outputs of these jobs are dropped by now: what died is reported with them.
         releases = self.store.releases() if self.store is not None else []
         self.send(Result(self.id, os.getpid(), outcomes, releases))
 
-    def run_unit(self, unit) -> Outcome:
+    def run_job(self, job) -> Outcome:
         """Decode the input, run the piece, encode the output: one Outcome, whatever happens.
 
-        The status page names the unit's node all along (its first node while its code
+        The status page names the job's node all along (its first node while its code
         loads and its input is decoded, its last while the output is encoded), so a
         worker that dies at any moment is reported with the node it was busy with.
         """
         start = time.perf_counter()
-        spans = [] if unit.traced else None
+        spans = [] if job.traced else None
         entry = producer = "?"
         status = self.status
         try:
-            piece = self.library.pieces.get(unit.piece)
+            piece = self.library.pieces.get(job.piece)
             if piece is None:
-                plan, steps, entry, producer = self.library.describe(unit.piece)
-                status.enter(unit.id, entry)
+                plan, steps, entry, producer = self.library.describe(job.piece)
+                status.enter(job.id, entry)
                 self.on_thread()  # (a node's code may touch CUDA as it loads)
-                piece = self.library.load(unit.piece, plan, steps, entry, producer)
+                piece = self.library.load(job.piece, plan, steps, entry, producer)
             else:
                 entry, producer = piece.entry, piece.producer
-                status.enter(unit.id, entry)
+                status.enter(job.id, entry)
             if self.cuda:
                 self.on_thread()  # a cuda:N worker's current device is per thread: this one's too
-            x = self.decode(unit.payload, entry)
-            value = piece.interpreter.run(piece.plan, x, RunState(self, unit.id), spans)
+            x = self.decode(job.payload, entry)
+            value = piece.interpreter.run(piece.plan, x, RunState(self, job.id), spans)
             del x
             if producer != entry:
-                status.enter(unit.id, producer)
+                status.enter(job.id, producer)
             body = self.encode(value, producer)
             ok = True
         except NodeError as err:
             ok, body = False, failures.error_body(err)
-        except BaseException as err:  # never lose a unit: the host is waiting for it
+        except BaseException as err:  # never lose a job: the host is waiting for it
             err = NodeError.failed(producer if producer != "?" else entry,
                                    f"worker {self.id} could not run it: {type(err).__name__}: {err}",
                                    remote_traceback=traceback_text(err))
             ok, body = False, failures.error_body(err)
         finally:
             status.leave()
-        return Outcome(unit.id, ok, body, spans, time.perf_counter() - start)
+        return Outcome(job.id, ok, body, spans, time.perf_counter() - start)
 
     def decode(self, payload: bytes, entry: str):
         decoder = codec.Decoder(self.get_store)
@@ -372,16 +372,16 @@ class Worker:
         """The host's copies of these nodes are gone: drop them, their pieces, and those pieces' idle lanes."""
         self.library.forget(keys)
         with self.lock:
-            for piece_id in [p for p, lane in self.lanes.items() if not lane.busy and not lane.units]:
+            for piece_id in [p for p, lane in self.lanes.items() if not lane.busy and not lane.jobs]:
                 if piece_id not in self.library.specs:
                     del self.lanes[piece_id]
 
     # -- what runs now, for the status page (RunState's observer) ----------------------------------
-    def enter(self, unit: int, node_id: str) -> None:
-        self.status.enter(unit, node_id)
+    def enter(self, job: int, node_id: str) -> None:
+        self.status.enter(job, node_id)
 
-    def leave(self, unit: int, node_id: str) -> None:
-        # On a serving thread the next node's name, or the unit's end (run_unit), overwrites it; a wave's
+    def leave(self, job: int, node_id: str) -> None:
+        # On a serving thread the next node's name, or the job's end (run_job), overwrites it; a wave's
         # branch thread clears its slot, or a finished branch would be named as running until reused.
         if not getattr(self.local, "serving", False):
             self.status.leave()
