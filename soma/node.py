@@ -290,3 +290,14 @@ def _takes_ctx(func) -> bool:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     return len(required) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def copy_limit(node_id: str, node) -> int | None:
+    """A node's `copies` (class attribute): None (the runner decides) or a positive int."""
+    copies = getattr(node, "copies", None)
+    if copies is None:
+        return None
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise GraphError(f"node `{node_id}` ({type(node).__name__}) has copies = {copies!r}: it must be None "
+                         f"(let the runner decide) or a positive int (1: every input goes through one instance)")
+    return copies

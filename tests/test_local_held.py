@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from soma import Graph, WorkerDied  # noqa: E402
+from soma import Done, Graph, Node, WorkerDied  # noqa: E402
 from soma.wire.codec import INLINE_LIMIT  # noqa: E402
 from tests.conftest import in_threads  # noqa: E402
 from tests.nodes import Die, Fill, Identity, PlusOne  # noqa: E402
@@ -105,3 +105,33 @@ def test_results_held_across_a_map_stay_intact(local):
     g = Graph.somatize(Fill(numel("256KiB")) >> PlusOne())
     held = list(local.map(g, range(40)))
     assert all(all_equal(t, i + 1) for i, t in enumerate(held))
+
+
+class EchoAndMake(Node):
+    """`(its input, a new 256 KiB tensor of -1)` after a short wait: the new tensor is made in the worker
+    that runs it, which may own the segment its input lives in."""
+
+    def forward(self, x, ctx):
+        import time
+
+        import torch
+
+        time.sleep(0.005)  # long enough that jobs queue on the host once the map has measured the node
+        return Done((x, torch.full((numel("256KiB"),), -1.0)))
+
+
+def test_an_input_only_the_map_holds_stays_intact_while_its_job_waits_for_a_worker(local):
+    # Results fed back into a map that is their only holder: once a job waits on the host for a worker,
+    # its input must stay held until it is sent (its segment must not be freed and reused meanwhile).
+    g = Graph.somatize(EchoAndMake())
+    list(local.map(g, [torch.zeros(4)] * 8))  # measured: the node is slower than a round trip, so jobs queue
+    results = [local.run(Graph.somatize(Fill(numel("256KiB"))), i) for i in range(24)]
+
+    def source():
+        while results:
+            yield results.pop(0)  # from here on only the map holds it
+
+    held = list(local.map(g, source(), window=24))
+    for i, (echoed, made) in enumerate(held):
+        assert all_equal(echoed, i), i
+        assert all_equal(made, -1), i

@@ -30,7 +30,7 @@ def pieces(program):
 def test_a_chain_is_one_piece():
     program = compile_program(Graph.somatize(AddOne() >> Double() >> AddOne()), keys(), CPU2)
     assert isinstance(program, Piece) and str(program) == "[add_one >> double >> add_one_2]"
-    assert program.cuda is None and program.copies is None and program.entry == "add_one"
+    assert program.cuda is None and program.max_copies is None and program.entry == "add_one"
 
 
 def test_a_top_level_wave_spreads_its_branches():
@@ -59,7 +59,7 @@ def test_a_node_with_limited_copies_is_a_piece_of_its_own():
     g = Graph.somatize(AddOne() >> OneCopyCounter() >> Double() >> Identity())
     program = compile_program(g, keys(), CPU2)
     assert str(program) == "[add_one] >> [one_copy_counter] >> [double >> identity]"
-    assert [p.copies for p in pieces(program)] == [None, 1, None]
+    assert [p.max_copies for p in pieces(program)] == [None, 1, None]
     wave = compile_program(Graph.somatize((AddOne() >> OneCopyCounter()) | Double()), keys(), CPU2)
     assert str(wave) == "([add_one] >> [one_copy_counter]) | [double]"
 

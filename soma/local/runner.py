@@ -1,8 +1,8 @@
 """`soma.Local`: runs graphs on worker processes. See `soma.local` for the drawing.
 
-This module is the public face: it compiles programs (program.py), starts inputs
-on the scheduler and waits for them (scheduler.py), and owns the pool's life
-(pool.py).
+This module is the public face: it compiles programs (host/program.py), starts
+inputs on the scheduler (host/scheduler.py), waits for them by receiving
+(host/receiving.py), and owns the life of all three and of the pool (host/pool.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
 from ..run.trace import Trace
 from .host.pool import WorkerPool
-from .host.program import compile_program
-from .host.scheduler import Scheduler, pieces_of
+from .host.program import compile_program, pieces
+from .host.receiving import Receiving
+from .host.scheduler import Scheduler
 
 
 class Local(RunnerBase):
@@ -60,6 +61,7 @@ class Local(RunnerBase):
         self._start_lock = threading.Lock()
         self._pool: WorkerPool | None = None
         self._scheduler: Scheduler | None = None
+        self._receiving: Receiving | None = None
         self._closed = False
         # graph → (placement version, its program for run, its program for map)
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -76,14 +78,15 @@ class Local(RunnerBase):
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
                                   preload_torch=self.preload_torch, registry=self._registry)
                 scheduler = Scheduler(pool, self.worker_devices)
-                pool.events = scheduler
+                receiving = Receiving(pool, scheduler)
                 try:
-                    pool.start(time.monotonic() + self.start_timeout)
+                    pool.start_workers()
+                    receiving.start()  # (hellos are received like everything else)
+                    pool.wait_ready(time.monotonic() + self.start_timeout)
                 except BaseException:
-                    pool.close()  # no half-started pool: processes, sockets and files go, the error stays
+                    _shut_down(pool, receiving)  # no half-started pool: processes, sockets and files go, the error stays
                     raise
-                self._scheduler = scheduler
-                self._pool = pool
+                self._scheduler, self._receiving, self._pool = scheduler, receiving, pool
                 _live_pools.add(self)
         return self
 
@@ -100,13 +103,11 @@ class Local(RunnerBase):
         _live_pools.discard(self)
         if self._pool is not None:
             self._scheduler.close(SomaError("this soma.Local was closed while this run was in flight"))
-            self._pool.close()
+            _shut_down(self._pool, self._receiving)
 
     def pids(self) -> list[int]:
         """The pids of the workers running now, in slot order (none before `start()`)."""
-        if self._pool is None:
-            return []
-        return [w.pid for w in self._pool.workers if w is not None and not w.retired]
+        return [] if self._pool is None else self._pool.pids()
 
     # -- running ------------------------------------------------------------------------------------
     def run(self, g, x, *, timeout: float | None = None):
@@ -116,12 +117,13 @@ class Local(RunnerBase):
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
         flow = scheduler.start(program, [(None, x)], sink, trace)[None]
+        receiving = self._receiving
         try:
             try:
-                _, ok, value = self._pool.await_item(sink, timeout)
+                _, ok, value = receiving.await_item(sink, timeout)
             except queue.Empty:
                 err = scheduler.expire(flow, timeout)
-                item = self._pool.take_nowait(sink)  # it may have ended while it was being stopped
+                item = receiving.take_nowait(sink)  # it may have ended while it was being stopped
                 if item is None:
                     raise err from None
                 _, ok, value = item
@@ -142,8 +144,8 @@ class Local(RunnerBase):
         spread over workers as in `run`.
         """
         scheduler, program = self._ready(g, whole=window is None or window >= self.n_workers)
-        return map_outputs(_Flows(scheduler, g, program, self, timeout), xs, window=window, ordered=ordered,
-                           progress=progress, timeout=timeout)
+        inflight = LocalInflight(scheduler, self._receiving, g, program, self, timeout)
+        return map_outputs(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout)
 
     def _ready(self, g, whole: bool = False):
         if self._pool is None:
@@ -159,7 +161,7 @@ class Local(RunnerBase):
 
     def _program(self, g, whole: bool = False):
         """Compiled once per graph, placement and kind (placing after a run compiles again)."""
-        version = g._placement.version
+        version = g.placement_version
         found = self._programs.get(g)
         if found is not None and found[0] == version and found[1 + whole] is not None:
             return found[1 + whole]
@@ -176,18 +178,20 @@ class Local(RunnerBase):
     def _trace_started(self, trace: Trace) -> None:
         trace.process(os.getpid(), f"host (soma.Local, pid {os.getpid()})")
         if self._pool is not None:
-            for worker in self._pool.workers:
+            for slot in range(self.n_workers):
+                worker = self._pool.worker(slot)
                 if worker is not None:
                     trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
 
 
-class _Flows(Inflight):
+class LocalInflight(Inflight):
     """Local's in-flight set for map: flows on the scheduler, their outcomes in one queue."""
 
-    def __init__(self, scheduler: Scheduler, g, program, local: Local, timeout):
-        self.scheduler, self.program, self.local, self.timeout = scheduler, program, local, timeout
+    def __init__(self, scheduler: Scheduler, receiving: Receiving, g, program, tracer, timeout):
+        self.scheduler, self.receiving, self.program, self.timeout = scheduler, receiving, program, timeout
         self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
-        self.pieces = pieces_of(program)  # (asked for at every turn of the map: found once)
+        self.tracer = tracer  # whose trace block, if any, each input is recorded in when it starts
+        self.pieces = pieces(program)  # (asked for at every turn of the map: found once)
         self.sink = queue.SimpleQueue()
         self.flows: dict = {}
 
@@ -195,14 +199,14 @@ class _Flows(Inflight):
         return self.scheduler.parallelism(self.pieces)
 
     def start(self, items: list) -> None:
-        self.flows.update(self.scheduler.start(self.program, items, self.sink, self.local._trace))
+        self.flows.update(self.scheduler.start(self.program, items, self.sink, self.tracer.current_trace))
 
     def wait(self, timeout):
         try:
-            got = [self.local._pool.await_item(self.sink, timeout)]
+            got = [self.receiving.await_item(self.sink, timeout)]
         except queue.Empty:
             return []
-        take = self.local._pool.take_nowait
+        take = self.receiving.take_nowait
         item = take(self.sink)
         while item is not None:
             got.append(item)
@@ -219,6 +223,13 @@ class _Flows(Inflight):
         if self.flows:
             self.scheduler.cancel(list(self.flows.values()))
             self.flows.clear()
+
+
+def _shut_down(pool: WorkerPool, receiving: Receiving) -> None:
+    """Closing, in order: nothing more is sent but STOP, the receiver lets go of its socket, then the rest."""
+    pool.stop_workers()
+    receiving.close()
+    pool.close()
 
 
 def _pinning(devices, n: int) -> list[str]:

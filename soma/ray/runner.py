@@ -182,7 +182,7 @@ class Ray(RunnerBase):
 
     def _compile(self, g) -> Program:
         """The copies of each node (made on first use), checked against the cluster's machines."""
-        from ..local.host.program import copies_of
+        from ..node import copy_limit
         from .copies import NodeCopies
 
         devices = g.devices()
@@ -203,7 +203,7 @@ class Ray(RunnerBase):
             key = (self._registry.key_of(node), node_id, device)
             copies = self._copies.get(key)
             if copies is None:
-                limit = copies_of(node_id, node) or self._cpus
+                limit = copy_limit(node_id, node) or self._cpus
                 if limit == 1:  # its one copy runs every input in the order they were sent: input order
                     options[node_id].setdefault("allow_out_of_order_execution", False)
                 code = self._ray.put(self._registry.code(node_id, key[0]))

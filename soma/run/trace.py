@@ -122,6 +122,11 @@ class Traced:
 
     _trace: Trace | None = None
 
+    @property
+    def current_trace(self) -> Trace | None:
+        """The trace block open now, or None (read once per input: outside a block nothing is recorded)."""
+        return self._trace
+
     @contextlib.contextmanager
     def trace(self, path):
         """Record every node execution in this block and write it to `path` as Chrome trace-event JSON."""

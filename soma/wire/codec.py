@@ -68,17 +68,20 @@ class Encoder:
     it may answer None (no tensor has needed one yet).
 
     `shared` collects the segment names of every shm handle written, so the caller
-    can count the lease after the message is built. A tensor copied into a segment
-    for this message stays alive as long as the encoder does: keep the encoder
-    until the sends are counted (`SegmentStore.note_sent`), or the owner could see
-    the segment idle in between and reuse it under a receiver.
+    can count the lease after the message is built. Every tensor whose segment a
+    handle names (one copied into a segment for this message, and one that was in
+    a segment already) stays alive as long as the encoder does: keep the encoder
+    until the sends are counted (`SegmentStore.note_sent`, the host's lease book),
+    or the last holder could let go in between (the caller dropping its input, the
+    host dropping a value it forwards from one piece to the next), the owner would
+    see the segment idle and reuse it under the receiver.
     """
 
     def __init__(self, get_store):
         self._get_store = get_store
         self.shared: list[str] = []
         self.copied: list[int] = []  # bytes of each tensor copied into shared memory (for the trace)
-        self._copies: list = []
+        self._alive: list = []  # tensors the handles name, kept until the sends are counted (see above)
 
     def pack(self, value) -> bytes:
         local = _local
@@ -146,9 +149,9 @@ class Encoder:
             stride, offset = list(t.stride()), t.storage_offset()
         else:
             t, name, seg_bytes = self._get_store(True).copy_in(t)
-            self._copies.append(t)
             self.copied.append(nbytes)
             stride, offset = list(t.stride()), 0
+        self._alive.append(t)
         self.shared.append(name)
         return [T_SHM, dtype, list(t.shape), stride, offset, t.requires_grad, name, seg_bytes]
 

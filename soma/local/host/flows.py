@@ -1,12 +1,16 @@
 """An input's way through a program: the `Flow`, its `Job`s, and the walk that makes them.
 
-    walk(program, x) ─ Piece ─ Job(piece, x encoded)             → queued by the scheduler
-                     ├ Seq   ─ the first item now; each next one when the previous job's outcome arrives
-                     └ Wave  ─ every branch now, on the same x (encoded once); the join when all are back:
-                               the tuple, or the first failure in branch order with the others as notes
+    start(program, x) ─ Piece ─ Job(piece, x encoded)             → handed to the scheduler to queue
+                      ├ Seq   ─ the first item now; each next one when the previous job's outcome arrives
+                      └ Wave  ─ every branch now, on the same x (encoded once); the join when all are back:
+                                the tuple, or the first failure in branch order with the others as notes
 
-Continuations (`then(ok, value)`) carry outcomes on: the scheduler calls a job's
-`then` when its outcome arrives, and the last one ends the flow.
+A program is compiled once into a starter (a fold over its tree). Continuations
+(`then(ok, value)`) carry outcomes on: the scheduler calls a job's `then` when its
+outcome arrives and gets back the jobs that outcome makes (the next piece, none
+while a wave waits for its other branches). The last continuation is the flow
+itself: it records the input's outcome, which the scheduler then delivers. Nothing
+here calls the scheduler; answers come back as return values.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import itertools
 import time
 
 from ...errors import NodeError, SharedMemoryFull
-from ...plan import Seq, Wave
+from ...plan import fold
 from ...run.interpreter import wave_outcome
 from ...wire import codec
 from .program import Piece
@@ -24,24 +28,25 @@ from .program import Piece
 class Flow:
     """One input on its way through a program."""
 
-    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "end")
+    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "outcome")
 
-    def __init__(self, index, sink, trace, end):
+    def __init__(self, index, sink, trace):
         self.index = index
         self.sink = sink  # receives (index, ok, value) once
         self.trace = trace  # the runner's Trace when this input is traced, else None
         self.finished = False
         self.jobs: set = set()  # its jobs queued or outstanding
         self.started_ns = time.monotonic_ns() if trace is not None else 0
-        self.end = end  # end(flow, ok, value): what ends it (the scheduler's)
+        self.outcome = None  # (ok, value) once its walk has ended, until the scheduler delivers it
 
-    def __call__(self, ok, value) -> None:
-        """The flow as the last continuation of its program's walk."""
-        self.end(self, ok, value)
+    def __call__(self, ok, value) -> list:
+        """The flow as the last continuation of its program's walk: the input's outcome is known."""
+        self.outcome = (ok, value)
+        return []
 
 
 class Job:
-    """One input for one piece: queued here, then outstanding at a worker."""
+    """One input for one piece: queued, then outstanding at a worker."""
 
     __slots__ = ("id", "flow", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns", "behind",
                  "traced")
@@ -53,7 +58,7 @@ class Job:
         # `keep` holds the encoder until the send is counted: the shared-memory copies it made must
         # not look idle to their owner in between (it would reuse them under the worker).
         self.payload, self.shared, self.keep = encoded
-        self.then = then  # called with (ok, value) when the job is over
+        self.then = then  # then(ok, value) → the jobs it makes, when the job is over
         self.slot = None
         self.sent_at = 0.0
         self.behind = 0  # jobs already at its worker when it was sent (its wait there, unseen)
@@ -64,58 +69,25 @@ class Job:
 class Walker:
     """Turns a program and an input into jobs, and carries outputs on through `Seq`s and `Wave`s.
 
-    `get_store` gives the host's shared-memory store (inputs are encoded here);
-    `enqueue(jobs)` hands jobs made later, from an outcome, to the scheduler (its lock held).
+    `get_store` gives the host's shared-memory store (inputs are encoded here).
     """
 
-    def __init__(self, get_store, enqueue):
+    def __init__(self, get_store):
         self.get_store = get_store
-        self.enqueue = enqueue
         self.job_ids = itertools.count(1)
+        self._starters: dict = {}  # program → its starter
 
-    def walk(self, part, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
-        """Start `part` of a program on `x`; `then(ok, value)` hears its end. New jobs go to `jobs`."""
-        if type(part) is Piece:
-            jobs.append(Job(next(self.job_ids), flow, part, self.encode(x, part, flow, encoded), then))
-        elif type(part) is Seq:
-            self._walk_seq(part.items, 0, x, flow, then, jobs, encoded)
-        else:
-            self._walk_wave(part, x, flow, then, jobs, encoded)
+    def start(self, program, x, flow: Flow) -> list:
+        """The first jobs of `x` on `program` (a NodeError when `x` cannot be sent)."""
+        starter = self._starters.get(program)
+        if starter is None:
+            starter = self._starters[program] = fold(program, self._piece, _seq, _wave)
+        return starter(x, flow, flow, {})
 
-    def _walk_seq(self, items, i: int, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
-        def after(ok, value):
-            if not ok or i + 1 == len(items):
-                then(ok, value)
-            else:
-                self._walk_later(lambda more: self._walk_seq(items, i + 1, value, flow, then, more, {}), then)
-
-        self.walk(items[i], x, flow, after, jobs, encoded)
-
-    def _walk_wave(self, wave: Wave, x, flow: Flow, then, jobs: list, encoded: dict) -> None:
-        """Every branch on the same input; the output is the tuple, or the first failure in branch order."""
-        results: list = [None] * len(wave.branches)
-        left = [len(wave.branches)]
-
-        def collect(i):
-            def got(ok, value):
-                results[i] = (ok, value)
-                left[0] -= 1
-                if not left[0]:
-                    then(*wave_outcome(results))
-            return got
-
-        for i, branch in enumerate(wave.branches):
-            self.walk(branch, x, flow, collect(i), jobs, encoded)
-
-    def _walk_later(self, walk, then) -> None:
-        """Walk on from an outcome (listener thread, lock held): queue what it makes, or end the flow."""
-        jobs: list = []
-        try:
-            walk(jobs)
-        except NodeError as err:
-            then(False, err)
-            return
-        self.enqueue(jobs)
+    def _piece(self, piece: Piece):
+        def start_piece(x, flow: Flow, then, encoded: dict) -> list:
+            return [Job(next(self.job_ids), flow, piece, self.encode(x, piece, flow, encoded), then)]
+        return start_piece
 
     def encode(self, x, piece: Piece, flow: Flow, encoded: dict):
         """`(payload, shared segment names, what keeps copies alive)`; once per value for a wave's pieces."""
@@ -143,3 +115,72 @@ class Walker:
                                           f"{err}") from err
         found = encoded[id(x)] = (payload, encoder.shared, encoder)
         return found
+
+
+def _seq(_, items: list):
+    """A sequence: the first item now; each next one on the previous one's output, when it comes."""
+    def start_seq(x, flow: Flow, then, encoded: dict) -> list:
+        return items[0](x, flow, _Next(items, 0, flow, then), encoded)
+    return start_seq
+
+
+class _Next:
+    """A sequence's continuation after item `i`: start item i + 1 on its output (or end the sequence).
+
+    Continuations are small objects, not closures that name themselves: a closure that refers to
+    itself is a reference cycle, and a cycle frees the values it holds (outputs mapped from shared
+    memory) only when the garbage collector runs, not when the last job lets go of them.
+    """
+
+    __slots__ = ("items", "i", "flow", "then")
+
+    def __init__(self, items: list, i: int, flow: Flow, then):
+        self.items, self.i, self.flow, self.then = items, i, flow, then
+
+    def __call__(self, ok, value) -> list:
+        items, i = self.items, self.i
+        if not ok or i + 1 == len(items):
+            return self.then(ok, value)
+        try:
+            return items[i + 1](value, self.flow, _Next(items, i + 1, self.flow, self.then), {})
+        except NodeError as err:  # the next piece's input cannot be sent: the input fails there
+            return self.then(False, err)
+
+
+def _wave(_, branches: list):
+    """A wave: every branch now, on the same input; the join once every branch is back."""
+    def start_wave(x, flow: Flow, then, encoded: dict) -> list:
+        join = _Join(len(branches), then)
+        return [job for i, branch in enumerate(branches) for job in branch(x, flow, _Branch(join, i), encoded)]
+    return start_wave
+
+
+class _Join:
+    """A wave's outputs as they come back; the wave's outcome once every branch is over."""
+
+    __slots__ = ("results", "left", "then")
+
+    def __init__(self, n: int, then):
+        self.results: list = [None] * n
+        self.left = n
+        self.then = then
+
+    def branch_over(self, i: int, ok, value) -> list:
+        self.results[i] = (ok, value)
+        self.left -= 1
+        if self.left:
+            return []
+        results, self.results = self.results, None  # (nothing of the wave stays held by the join)
+        return self.then(*wave_outcome(results))
+
+
+class _Branch:
+    """The continuation of branch `i` of a wave."""
+
+    __slots__ = ("join", "i")
+
+    def __init__(self, join: _Join, i: int):
+        self.join, self.i = join, i
+
+    def __call__(self, ok, value) -> list:
+        return self.join.branch_over(self.i, ok, value)

@@ -1,19 +1,19 @@
 """The worker pool: processes, sockets, shared-memory leases, and faults. What runs where is the scheduler's.
 
-    scheduler ── send(slot, jobs) ─▶ Task ── ROUTER ──▶ worker   any thread, under one lock; ships
+    scheduler ── send(slot, jobs) ─▶ Task ── ROUTER ──▶ worker    any thread, under one lock; ships
                                                                   the code and pieces that worker lacks
-    scheduler ◀── outcomes(slot, ...) ◀─ receiver ◀─ PULL ◀─ Result ─ worker
-                  ready(slot), lost(slot, ...)   the receiver (a waiting caller, or the listener
-                                                 thread: receiving.py) decodes outputs (mapping
-                                                 segments, counting leases); every PUMP_S the
-                                                 listener looks at the processes: a dead one is
-                                                 reported and replaced
+    receiving ── frame() ◀── PULL ◀── Result/Hello ── worker      whoever receives (receiving.py) asks
+              ── handle(frame) → [Ready | Outcomes]                for frames and gets back what they
+              ── find_dead() / retire(worker) → Lost               mean: outputs decoded (segments mapped,
+                                                                  leases counted), hellos, deaths
 
-Sockets belong to the threads that use them: the PULL socket to whoever holds
-`_recv_lock` (the listener, or a caller receiving its own outcome for a moment),
-the ROUTER to whoever holds `_send_lock`. `close()` is a message to them (a flag
-set under the send lock, and a byte on a pipe that wakes the listener; the
-listener closes its socket itself), never a context terminated under their feet.
+The pool calls nothing above it: what happens comes back as records (`Ready`,
+`Outcomes` of `Arrived` jobs, `Lost`), which the caller hands to the scheduler.
+Sockets belong to the threads that use them: the PULL socket to whoever receives
+(receiving.py keeps one such thread at a time), the ROUTER to whoever holds
+`_send_lock`. Closing is a flag set under the send lock and a STOP to each worker
+(`stop_workers`); the receiver closes its own socket (`close_results`), never a
+context terminated under its feet.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
+from typing import NamedTuple
 
 from ..._log import warn
 from ...errors import WorkerDied
@@ -31,10 +32,10 @@ from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
 from .leases import LeaseBook
-from .procs import spawn
-from .receiving import PUMP_S, Receiving
+from .procs import WorkerProcess, spawn
 
 START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
+PUMP_S = 0.05  # how often the pool's state is looked at (a death nobody reported is found within this)
 
 
 class Undecodable:
@@ -46,12 +47,42 @@ class Undecodable:
         self.error = error
 
 
-class WorkerPool(Receiving):
-    """Worker processes and the sockets to them. `events` hears what happens (the scheduler):
+class Ready(NamedTuple):
+    """The worker of `slot` said hello: it takes jobs now."""
 
-    `on_ready(slot)`, `on_outcomes(slot, worker, [(job id, ok, value, spans, seconds, decode span)])`,
-    `on_lost(slot, worker, how it ended, [(job id, node)] it was running)`.
-    """
+    slot: int
+
+
+class Arrived(NamedTuple):
+    """What became of one job, as the host received it (`value` decoded, or the error it raised)."""
+
+    job: int
+    ok: bool
+    value: object  # the output; or the NodeError / Cancelled; or Undecodable
+    spans: list | None  # the worker's node spans, when the job was traced
+    seconds: float  # how long it ran in the worker
+    decode: tuple | None  # (start ns, end ns, bytes) of decoding it here, when traced
+
+
+class Outcomes(NamedTuple):
+    """Outcomes of jobs that the worker of `slot` sent in one Result."""
+
+    slot: int
+    worker: WorkerProcess
+    arrived: list  # [Arrived]
+
+
+class Lost(NamedTuple):
+    """The worker of `slot` is gone (it died, or the pool replaced it): the jobs it held are lost."""
+
+    slot: int
+    worker: WorkerProcess
+    ended: str  # how: "was killed by signal 9 (SIGKILL; ...)", "was stopped because ..."
+    running: list  # [(job id, node id)] its status page said it was running
+
+
+class WorkerPool:
+    """Worker processes and the sockets to them."""
 
     def __init__(self, devices: list[str], *, arena: int, threads: int, preload_torch: bool, registry):
         self.devices = devices
@@ -59,7 +90,6 @@ class WorkerPool(Receiving):
         self.threads = threads
         self.preload_torch = preload_torch
         self.registry = registry
-        self.events = None
         self.secret = os.urandom(32)
         self.host_pid = os.getpid()
         self.prefix = pool_prefix(self.host_pid, os.urandom(4).hex())
@@ -75,25 +105,25 @@ class WorkerPool(Receiving):
         self._store = None
         self._host_released: deque = deque()
         self._send_lock = threading.Lock()
-        self._init_receiving()
-        self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it at once
-        os.set_blocking(self._wake_w, False)
-        self._listener = None
-        self.listener_tid = 0
+        self._results_closed = False
         self._snapshot = None  # see slots(): None when it must be taken again
         self._changes = 0
         self._by_pid: dict = {}  # pid → the worker process, while it is in the pool
         self._zctx = None
 
     # -- life ------------------------------------------------------------------------------------
-    def start(self, deadline: float) -> None:
-        # Workers first: their start-up (Python, imports) is the long pole, and the host's own
-        # (ZeroMQ, binding) overlaps with it. They retry connecting every few ms until we bind.
+    def start_workers(self) -> None:
+        """Spawn every worker, then open the sockets.
+
+        Workers first: their start-up (Python, imports) is the long pole, and the host's own
+        (ZeroMQ, binding) overlaps with it. They retry connecting every few ms until we bind.
+        """
         for slot in range(len(self.devices)):
             self._spawn(slot)
         self._open_sockets()
-        self._listener = threading.Thread(target=self._listen, name="soma-listener", daemon=True)
-        self._listener.start()
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until every worker has said hello (someone must be receiving meanwhile); WorkerDied if one cannot."""
         with self._changed:
             for slot in range(len(self.devices)):
                 while not self.workers[slot].ready.is_set():
@@ -135,30 +165,30 @@ class WorkerPool(Receiving):
         self._changed_slots()
         return worker
 
-    def close(self) -> None:
-        """Stop the workers; leave no processes, segments or socket files. Mappings stay valid."""
+    def stop_workers(self) -> None:
+        """The first step of closing: nothing is sent after this but a STOP to each worker."""
         with self._send_lock:
-            self.closing = True  # no thread sends after this
-            workers = [w for w in self.workers if w is not None]
-            if self._zctx is not None:
-                for worker in workers:
-                    try:
-                        self._tasks.send_multipart([worker.identity, protocol.pack(self.secret, Stop())],
-                                                   flags=self._zmq.NOBLOCK)
-                    except Exception:
-                        pass
-        try:
-            os.write(self._wake_w, b"\0")  # the listener, asleep on its poll: look now
-        except OSError:
-            pass
-        with self._quiet:
-            self._quiet.notify_all()  # ... or asleep while a caller was receiving
-        listener = self._listener
-        if listener is not None and listener is not threading.current_thread():
-            listener.join(5 * PUMP_S + 1)  # it closes its own socket on the way out
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+            self.closing = True
+            if self._zctx is None:
+                return
+            for worker in self.workers:
+                if worker is None:
+                    continue
+                try:
+                    self._tasks.send_multipart([worker.identity, protocol.pack(self.secret, Stop())],
+                                               flags=self._zmq.NOBLOCK)
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        """Stop the workers; leave no processes, segments or socket files. Mappings stay valid.
+
+        Called after `stop_workers`, once whoever receives has let go of the results socket
+        (`close_results`): the ZeroMQ context is ended only when every socket is closed.
+        """
+        self.stop_workers()
         deadline = time.monotonic() + 3.0
+        workers = [w for w in self.workers if w is not None]
         for worker in workers:
             try:
                 worker.proc.wait(max(0.0, deadline - time.monotonic()))
@@ -169,12 +199,32 @@ class WorkerPool(Receiving):
         if self._zctx is not None:
             with self._send_lock:
                 self._tasks.close(0)
-            if listener is None or not listener.is_alive():
+            if self._results_closed:
                 self._zctx.term()
         if self._store is not None:
             self._store.close()
         unlink_all(self.prefix)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # -- receiving (for receiving.py: one thread at a time) ------------------------------------------
+    def frame(self, timeout_ms: int) -> bytes | None:
+        """The next frame from a worker, or None when none came within `timeout_ms`."""
+        return self._receiver.wait(timeout_ms)
+
+    def frame_now(self) -> bytes | None:
+        """The next frame if one is queued now (None when none is, or none may be read any more)."""
+        if self._results_closed or not self._receiver.ready():
+            return None
+        return self._receiver.now()
+
+    def results_fd(self) -> int:
+        """A descriptor that becomes readable when frames may have arrived (ZeroMQ's: edge-triggered)."""
+        return self._results.get(self._zmq.FD)
+
+    def close_results(self) -> None:
+        """The receiving thread lets go of the results socket for good (closing)."""
+        self._results_closed = True
+        self._results.close(0)
 
     # -- what the scheduler asks ------------------------------------------------------------------
     def slots(self) -> tuple:
@@ -186,9 +236,11 @@ class WorkerPool(Receiving):
         snapshot = self._snapshot
         if snapshot is None or time.monotonic() - snapshot[3] > PUMP_S / 10:
             changes = self._changes
-            by_state: dict = {"ready": [], "starting": [], "dead": [], "broken": []}  # (broken: never used)
+            by_state: dict = {"ready": [], "starting": [], "dead": []}
             for slot in range(len(self.workers)):
-                by_state[self.state(slot)].append(slot)
+                state = self.state(slot)
+                if state != "broken":  # (a broken slot takes nothing, and is not coming back)
+                    by_state[state].append(slot)
             # Tuples: the snapshot is shared by every pump until the next change.
             snapshot = (tuple(by_state["ready"]), tuple(by_state["starting"]), tuple(by_state["dead"]),
                         time.monotonic())
@@ -225,7 +277,7 @@ class WorkerPool(Receiving):
         lends) and `.traced`. False when the worker cannot be reached (the listener
         reports its death).
         """
-        self.settle()  # so the frees this Task carries are current
+        self.apply_host_releases()  # so the frees this Task carries are current
         with self._send_lock:
             worker = self.workers[slot]
             # Not ready: the worker the scheduler chose died since, and this is its replacement, still
@@ -297,28 +349,31 @@ class WorkerPool(Receiving):
         worker = self.workers[slot]
         return worker.running() if worker is not None else []
 
-    def retire(self, slot: int, reason: str | None = None) -> None:
-        """Kill and replace the worker of `slot` (a run timed out on it, or it died while idle)."""
-        worker = self.workers[slot]
-        if worker is not None:
-            self._retire(worker, reason)
+    def worker(self, slot: int):
+        """The worker process of `slot` now (its `.id`, `.pid`), or None before the first start."""
+        return self.workers[slot]
 
-    def _handle(self, frame: bytes) -> None:
+    def pids(self) -> list[int]:
+        """The pids of the workers running now, in slot order."""
+        return [w.pid for w in self.workers if w is not None and not w.retired]
+
+    def handle(self, frame: bytes) -> list:
+        """What a frame from a worker means: `[Ready]`, `[Outcomes]`, or nothing (dropped, and logged)."""
         message = protocol.parse(self.secret, frame, "a worker")
         if message is None:
-            return
+            return []
         try:
             if isinstance(message, Result):
-                self._on_result(message)
-            elif isinstance(message, Hello):
-                self._on_hello(message)
-            else:
-                warn("soma.local", "soma: dropped a %s message a worker should not send", type(message).__name__)
+                return self._on_result(message)
+            if isinstance(message, Hello):
+                return self._on_hello(message)
+            warn("soma.local", "soma: dropped a %s message a worker should not send", type(message).__name__)
         except Exception as err:  # authentic but malformed: drop it, never let it take the pool down
             warn("soma.local", "soma: dropped a malformed %s message from worker pid %s: %s: %s",
                  type(message).__name__, getattr(message, "pid", "?"), type(err).__name__, err)
+        return []
 
-    def _on_hello(self, hello: Hello) -> None:
+    def _on_hello(self, hello: Hello) -> list:
         for worker in self.workers:
             if worker is not None and worker.id == hello.worker and worker.pid == hello.pid:
                 with self._changed:
@@ -326,10 +381,10 @@ class WorkerPool(Receiving):
                     self._start_failures[worker.slot] = 0
                     self._changed_slots()
                     self._changed.notify_all()
-                self.events.on_ready(worker.slot)
-                return
+                return [Ready(worker.slot)]
+        return []
 
-    def _on_result(self, result: Result) -> None:
+    def _on_result(self, result: Result) -> list:
         worker = self._by_pid.get(result.pid)
         if worker is None or worker.retired:
             # A worker already retired: its outputs are dropped, but the segments they name must still
@@ -347,18 +402,15 @@ class WorkerPool(Receiving):
                         value = Undecodable(err)
                 else:
                     value = failures.error_from(body)
-                decode = None
-                if spans is not None:
-                    decode = (start, time.monotonic_ns(), len(body) if ok else 0, threading.get_native_id())
-                decoded.append((job_id, ok, value, spans, seconds, decode))
+                decode = (start, time.monotonic_ns(), len(body) if ok else 0) if spans is not None else None
+                decoded.append(Arrived(job_id, ok, value, spans, seconds, decode))
         finally:
             for name in decoder.received:
                 self._book.received(name, worker.pid)
         # Releases after the values: a handle echoed back must be counted before the input's receipt drops.
         for name, n in result.releases:
             self._book.released(worker.pid, name, n)
-        if not isinstance(worker, _Gone):
-            self.events.on_outcomes(worker.slot, worker, decoded)
+        return [] if isinstance(worker, _Gone) else [Outcomes(worker.slot, worker, decoded)]
 
     # -- shared memory -------------------------------------------------------------------------------------
     def get_store(self, create: bool = True):
@@ -373,7 +425,7 @@ class WorkerPool(Receiving):
     def _host_release(self, name: str, n: int) -> None:
         self._host_released.append((name, n))  # any thread, maybe inside GC: only queue it
 
-    def settle(self) -> None:
+    def apply_host_releases(self) -> None:
         """Apply the host's own dead receipts, and hand segments the host owns back to its pool."""
         if not self._host_released and not self._book.has_frees:
             return
@@ -400,17 +452,21 @@ class WorkerPool(Receiving):
                     self._send(worker, protocol.pack(self.secret, protocol.Free(frees)), retry_s=0.0)
 
     # -- faults ----------------------------------------------------------------------------------------
-    def _check_workers(self) -> None:
-        for worker in list(self.workers):
-            if worker is not None and not worker.retired and not worker.alive():
-                self._drain()  # a result it sent before dying is still a result
-                self._retire(worker, reason=None)
+    def find_dead(self) -> list:
+        """Workers whose process has ended and whose end has not been handled (`retire` them)."""
+        return [w for w in list(self.workers) if w is not None and not w.retired and not w.alive()]
 
-    def _retire(self, worker, reason: str | None) -> None:
-        """A worker's end: settle its segments, start its replacement, tell the scheduler what it held."""
+    def retire(self, slot: int, reason: str | None = None):
+        """Kill and replace the worker of `slot` (it died, or a run timed out on it): the `Lost` it leaves,
+        or None when its end was handled already."""
+        worker = self.workers[slot]
+        return self.retire_worker(worker, reason) if worker is not None else None
+
+    def retire_worker(self, worker, reason: str | None = None):
+        """A worker's end: settle its segments, start its replacement, and say what it held (`Lost`)."""
         with self._changed:
             if worker.retired:
-                return
+                return None
             running = worker.running()
             worker.kill()
             worker.retired = True
@@ -425,7 +481,7 @@ class WorkerPool(Receiving):
             if not self.closing and not self.broken(worker.slot):
                 self._spawn(worker.slot)
             self._changed.notify_all()
-        self.events.on_lost(worker.slot, worker, ended, running)
+        return Lost(worker.slot, worker, ended, running)
 
 
 class _Gone:

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import itertools
 
-from ...errors import GraphError, PlacementError
-from ...plan import Plan, Seq, Step, Wave
+from ...errors import PlacementError
+from ...node import copy_limit
+from ...plan import Plan, Seq, Step, Wave, fold
 from ...wire.protocol import pack_piece
 
 _piece_ids = itertools.count(1)
@@ -38,14 +39,14 @@ class Piece(Plan):
     """A part of the plan that runs whole on one worker.
 
     `keys`: node id → node key. `devices`: node id → declared device (placed nodes).
-    `cuda`: the device its worker must be pinned to, if any. `copies`: at most
+    `cuda`: the device its worker must be pinned to, if any. `max_copies`: at most
     this many copies of it may exist (None: as many as there are workers).
     `spec`: the piece as the protocol carries it (packed once).
     """
 
-    __slots__ = ("id", "plan", "keys", "devices", "cuda", "copies", "spec", "entry")
+    __slots__ = ("id", "plan", "keys", "devices", "cuda", "max_copies", "spec", "entry", "checked_outputs")
 
-    def __init__(self, plan: Plan, keys: dict, devices: dict, copies: int | None):
+    def __init__(self, plan: Plan, keys: dict, devices: dict, max_copies: int | None):
         ids = list(plan.steps())
         cuda = {devices[n] for n in ids if devices.get(n, "").startswith("cuda")}
         for name, value in (
@@ -54,9 +55,10 @@ class Piece(Plan):
             ("keys", {n: keys[n] for n in ids}),
             ("devices", {n: devices[n] for n in ids if n in devices}),
             ("cuda", next(iter(cuda)) if cuda else None),
-            ("copies", copies),
+            ("max_copies", max_copies),
             ("spec", pack_piece(plan, keys, devices)),
             ("entry", ids[0]),  # the first node: the one its input is for
+            ("checked_outputs", outputs_to_check(plan, devices)),  # its output → what the postcondition checks
         ):
             object.__setattr__(self, name, value)
 
@@ -90,24 +92,13 @@ def compile_program(g, key_of, worker_devices: list[str], whole: bool = False) -
     """
     devices = g.devices()
     check_placement(devices, worker_devices)
-    keys = {nid: key_of(g._catalog[nid]) for nid in g.nodes()}
-    limits = {nid: copies_of(nid, g._catalog[nid]) for nid in g.nodes()}
+    keys = {nid: key_of(g.node(nid)) for nid in g.nodes()}
+    limits = {nid: copy_limit(nid, g.node(nid)) for nid in g.nodes()}
     compiler = _Compiler(keys, devices, limits)
     plan = g.plan()
     if whole and compiler.whole(plan) and all(limit is None for limit in limits.values()):
         return compiler.piece(plan)
     return compiler.top(plan)
-
-
-def copies_of(node_id: str, node) -> int | None:
-    """A node's `copies` (class attribute): None (the runner decides) or a positive int."""
-    copies = getattr(node, "copies", None)
-    if copies is None:
-        return None
-    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
-        raise GraphError(f"node `{node_id}` ({type(node).__name__}) has copies = {copies!r}: it must be None "
-                         f"(let the runner decide) or a positive int (1: every input goes through one instance)")
-    return copies
 
 
 def check_placement(devices: dict, worker_devices: list[str]) -> None:
@@ -124,39 +115,49 @@ def check_placement(devices: dict, worker_devices: list[str]) -> None:
 
 
 class _Compiler:
+    """Cuts a plan into pieces: a fold whose value for each part is a call making that part's program
+    when it stands at the top or in a wave (made only where it is used: a part that joins a larger
+    piece is never cut itself)."""
+
     def __init__(self, keys: dict, devices: dict, limits: dict):
         self.keys, self.devices, self.limits = keys, devices, limits
 
     def top(self, plan: Plan) -> Plan:
-        """A plan at the top (or a branch that cannot be one piece): cut it into pieces."""
-        if isinstance(plan, Step):
-            return self.piece(plan)
-        if isinstance(plan, Wave):
-            return Wave(tuple(self.branch(b) for b in plan.branches))
-        parts: list = []
-        group: list = []
+        """The plan at the top: cut into pieces."""
+        return fold(plan, self._leaf, self._seq, self._wave)()
 
-        def flush():
-            if group:
-                parts.append(self.piece(group[0] if len(group) == 1 else Seq(tuple(group))))
-                group.clear()
+    def _leaf(self, step: Step):
+        return lambda: self.piece(step)
 
-        for item in plan.items:
-            if isinstance(item, Wave) or not self.whole(item) or self.limited(item):
-                flush()
-                parts.append(self.top(item) if not isinstance(item, Step) else self.piece(item))
-                continue
-            if group and len(self.cuda_of(Seq(tuple(group + [item])))) > 1:
-                flush()
-            group.append(item)
-        flush()
-        return parts[0] if len(parts) == 1 else Seq(tuple(parts))
+    def _wave(self, wave: Wave, cuts: list):
+        """A wave's branches: each one piece when it can run whole on one worker, else cut further."""
+        return lambda: Wave(tuple(self.piece(b) if self._one_piece(b) else cut() for b, cut in zip(wave.branches, cuts)))
 
-    def branch(self, plan: Plan) -> Plan:
-        """A wave's branch: one piece when it can run whole on one worker."""
-        if self.whole(plan) and (isinstance(plan, Step) or not any(self.limited(Step(n)) for n in plan.steps())):
-            return self.piece(plan)
-        return self.top(plan)
+    def _seq(self, seq: Seq, cuts: list):
+        """A sequence: runs of items that one worker can run together become one piece each."""
+        def cut_seq():
+            parts: list = []
+            group: list = []
+
+            def flush():
+                if group:
+                    parts.append(self.piece(group[0] if len(group) == 1 else Seq(tuple(group))))
+                    group.clear()
+
+            for item, cut in zip(seq.items, cuts):
+                if isinstance(item, Wave) or not self.whole(item) or self.limited(item):
+                    flush()
+                    parts.append(cut())
+                    continue
+                if group and len(self.cuda_of(Seq(tuple(group + [item])))) > 1:
+                    flush()
+                group.append(item)
+            flush()
+            return parts[0] if len(parts) == 1 else Seq(tuple(parts))
+        return cut_seq
+
+    def _one_piece(self, plan: Plan) -> bool:
+        return self.whole(plan) and (isinstance(plan, Step) or not any(self.limited(Step(n)) for n in plan.steps()))
 
     def whole(self, plan: Plan) -> bool:
         """Whether a worker pinned to one device can run all of it."""
@@ -173,20 +174,35 @@ class _Compiler:
         return Piece(plan, self.keys, self.devices, min(limits) if limits else None)
 
 
-def output_devices(plan: Plan, devices: dict, value):
+def output_devices(plan: Plan, devices: dict, value) -> list:
     """Pairs `(node id, declared device, value)` to check on what a piece returned.
 
     A piece's output is its last step's output; a piece ending in a wave returns a
     tuple, one element per branch.
     """
-    if isinstance(plan, Step):
-        dev = devices.get(plan.id)
-        return [(plan.id, dev, value)] if dev is not None else []
-    if isinstance(plan, Seq):
-        return output_devices(plan.items[-1], devices, value)
-    if not isinstance(value, tuple) or len(value) != len(plan.branches):
-        return []
-    pairs = []
-    for branch, item in zip(plan.branches, value):
-        pairs.extend(output_devices(branch, devices, item))
-    return pairs
+    return outputs_to_check(plan, devices)(value)
+
+
+def outputs_to_check(plan: Plan, devices: dict):
+    """`output_devices` for one plan, compiled once (a fold): a call from a piece's output to its pairs."""
+    def leaf(step: Step):
+        device = devices.get(step.id)
+        return (lambda value: [(step.id, device, value)]) if device is not None else (lambda value: [])
+
+    def wave(_, branches: list):
+        def pairs(value):
+            if type(value) is not tuple or len(value) != len(branches):
+                return []
+            return [pair for branch, item in zip(branches, value) for pair in branch(item)]
+        return pairs
+
+    return fold(plan, leaf, lambda _, items: items[-1], wave)
+
+
+def pieces(program) -> list:
+    """Every Piece of a program, in order."""
+    return fold(program, lambda piece: [piece], _joined, _joined)
+
+
+def _joined(_, parts: list) -> list:
+    return [piece for part in parts for piece in part]

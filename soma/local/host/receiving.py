@@ -1,33 +1,37 @@
-"""Who receives on a pool's results socket, and when: the caller waiting for its outcome, or the listener.
+"""Who receives from the workers, and when: the caller waiting for its outcome, or the listener thread.
 
-    caller A: await_item ── nobody receives? ── yes ─▶ _lead: receive (≤ LEAD_S), handle every
-                │                                        frame (outcomes go to their sinks), drain;
-                │                                        leaving with work still out: hand the
-                │ no                                     receiving to a waiting caller, or wake
-                ▼                                        the listener
-              sleep on its own sink ◀── its outcome, put there by whoever receives
+    caller A: await_item ── nobody receives? ── yes ─▶ _lead: receive (≤ LEAD_S); each frame:
+                │                                        pool.handle(frame) → events → scheduler
+                │                                        (outcomes go to their sinks); drain;
+                │ no                                     leaving with work still out: hand the
+                ▼                                        receiving to a waiting caller, or wake
+              sleep on its own sink ◀── its outcome,     the listener
+                                        put there by whoever receives
                                     ◀── _LEAD: "you receive now"
     listener thread: sleeps while a caller receives; otherwise polls the socket's descriptor
-                     (and a wake pipe for close()), drains, and looks at the workers every PUMP_S
+                     (and a wake pipe for close()), drains, and every PUMP_S asks the pool for
+                     dead workers: each one's `Lost` goes to the scheduler
 
-One thread at a time holds `_recv_lock` and only it touches the socket. Every
-hand-off between threads is a wake-up, which on two cores costs about as much as
-the Python work of a small run: the caller that waits receives for itself.
+One thread at a time holds `_recv_lock` and only it touches the results socket
+(through the pool). Every hand-off between threads is a wake-up, which on two
+cores costs about as much as the Python work of a small run: the caller that
+waits receives for itself.
 
-A mixin of `WorkerPool` (pool.py), apart because it is one idea of its own; it
-uses the pool's socket, locks and `_handle`.
+Calls go down: this module asks the pool for frames and hands what they mean to
+the scheduler; neither of them calls back up here.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from collections import deque
 
 from ..._log import warn
+from .pool import PUMP_S
 
-PUMP_S = 0.05  # the listener looks at the worker processes this often
 LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
 _LEAD = object()  # put in a waiting caller's sink: "nobody is receiving: you do"
 
@@ -41,15 +45,42 @@ class _Waiter:
 
 
 class Receiving:
-    """The receiving half of `WorkerPool`: `await_item` for callers, `_listen` for its listener thread."""
+    """Receives the pool's frames for the scheduler: `await_item` for callers, a listener thread otherwise."""
 
-    def _init_receiving(self) -> None:
+    def __init__(self, pool, scheduler):
+        self.pool = pool
+        self.scheduler = scheduler
+        self.closing = False
         self._recv_lock = threading.Lock()  # whoever holds it may use the results socket
         self._leading = False  # a caller holds it to receive its own outcome
         self._quiet = threading.Condition()  # the listener sleeps on it meanwhile
         self._waiters: deque = deque()  # callers asleep on their sinks, who could receive next
         self._waiters_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it at once
+        os.set_blocking(self._wake_w, False)
+        self._listener = None
 
+    # -- life ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._listener = threading.Thread(target=self._listen, name="soma-listener", daemon=True)
+        self._listener.start()
+
+    def close(self) -> None:
+        """Stop receiving: the listener lets go of the results socket and ends (within a few PUMP_S)."""
+        self.closing = True
+        try:
+            os.write(self._wake_w, b"\0")  # the listener, asleep on its poll: look now
+        except OSError:
+            pass
+        with self._quiet:
+            self._quiet.notify_all()  # ... or asleep while a caller was receiving
+        listener = self._listener
+        if listener is not None and listener is not threading.current_thread():
+            listener.join(5 * PUMP_S + 1)  # it closes the results socket on the way out
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    # -- the listener --------------------------------------------------------------------------------
     def _listen(self) -> None:
         """The pool's receiver whenever no caller is: wake on the socket's descriptor, drain, watch workers.
 
@@ -59,9 +90,9 @@ class Receiving:
         """
         import select
 
-        self.listener_tid = threading.get_native_id()
+        pool = self.pool
         poller = select.poll()
-        poller.register(self._results.get(self._zmq.FD), select.POLLIN)
+        poller.register(pool.results_fd(), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         last_check = 0.0
         try:
@@ -79,18 +110,30 @@ class Receiving:
                             now = time.monotonic()
                             if now - last_check >= PUMP_S:
                                 last_check = now
-                                self._check_workers()
+                                self._look_at_workers()
                     finally:
                         self._recv_lock.release()
-                self.settle()
-                self.flush_frees()
+                pool.apply_host_releases()
+                pool.flush_frees()
         except Exception as err:  # the pool cannot work without its listener: say so loudly
             warn("soma.local", "soma: the pool's listener stopped: %s: %s", type(err).__name__, err)
             raise
         finally:
             with self._recv_lock:
-                self._results.close(0)
+                pool.close_results()
 
+    def _look_at_workers(self) -> None:
+        """Dead workers: what they sent before dying is received first (still a result), then their end."""
+        dead = self.pool.find_dead()
+        if not dead:
+            return
+        self._drain()
+        for worker in dead:
+            lost = self.pool.retire_worker(worker)
+            if lost is not None:
+                self.scheduler.handle([lost])
+
+    # -- callers ---------------------------------------------------------------------------------------
     def await_item(self, sink, timeout: float | None):
         """The next item put in `sink` (queue.Empty after `timeout` seconds), received on this thread.
 
@@ -158,17 +201,18 @@ class Receiving:
         try:
             if self.closing:
                 return
+            pool, handle = self.pool, self.scheduler.handle
             deadline = time.monotonic() + seconds
             wait_ms = max(1, int(seconds * 1000))  # one receive timeout: changing it costs a call each time
             while not done() and time.monotonic() < deadline:
-                frame = self._receiver.wait(wait_ms)
+                frame = pool.frame(wait_ms)
                 if frame is not None:
-                    self._handle(frame)
+                    handle(pool.handle(frame))
             self._drain()
         finally:
             self._leading = False
             self._recv_lock.release()
-        if self.events.busy():
+        if self.scheduler.busy():
             with self._waiters_lock:
                 waiter = self._waiters.popleft() if self._waiters else None
                 if waiter is not None:
@@ -181,9 +225,8 @@ class Receiving:
 
     def _drain(self) -> None:
         """Handle every frame queued now (receive lock held)."""
-        receiver = self._receiver
-        while receiver.ready():
-            frame = receiver.now()
-            if frame is None:
-                break
-            self._handle(frame)
+        pool, handle = self.pool, self.scheduler.handle
+        frame = pool.frame_now()
+        while frame is not None:
+            handle(pool.handle(frame))
+            frame = pool.frame_now()

@@ -1,0 +1,149 @@
+"""Which worker takes a job: what the scheduler knows of each worker, and how it chooses.
+
+    choose(piece, usable slots, depth) → a slot, or None (no worker can take one more of its jobs)
+
+A worker pinned to the piece's CUDA device, if it has one; among those, the one
+with the fewest jobs outstanding, preferring the worker that already holds copies
+of most of the piece's nodes (their state lives there), then the one that holds
+the fewest copies; a worker without a copy qualifies only while the nodes'
+`copies` allow another. A worker runs its jobs of one piece one after another (a
+lane), so at most `depth` of them wait there.
+
+`depth` comes from measuring: how long a piece's jobs take in a worker, and how
+long their way there and back takes. Everything here runs under the scheduler's
+lock; nothing here sends or receives.
+"""
+
+from __future__ import annotations
+
+from .program import Piece
+
+MAX_DEPTH = 64  # at most this many jobs per worker in flight when inputs are tiny (see depth)
+EMA = 0.2
+
+
+class WorkerChoice:
+    def __init__(self, worker_devices: list[str]):
+        self.worker_devices = worker_devices
+        self.load = [0] * len(worker_devices)  # jobs outstanding per worker (sent, or parked)
+        self.lanes: dict = {}  # (slot, piece id) → that piece's jobs outstanding at that worker
+        self.holders: dict[int, set] = {}  # node key → slots holding a copy
+        self.copies_at = [0] * len(worker_devices)  # copies held per worker
+        self.service_s: dict = {}  # piece id → EMA of one job's time in a worker
+        self.latency_s: dict = {}  # piece id → EMA of its jobs' way to a worker and back, less their time there
+        self.first_seen: set = set()  # pieces whose first job's outcome has come
+
+    # -- choosing ----------------------------------------------------------------------------------------
+    def has_room(self, usable) -> bool:
+        """Whether any of these workers can take one more job at all."""
+        return any(self.load[slot] < MAX_DEPTH for slot in usable)
+
+    def choose(self, piece: Piece, usable, depth: int):
+        """A worker for a job of `piece`, or None; the copies it will hold there are counted."""
+        best, best_rank = None, None
+        keys = piece.keys.values()
+        holders = self.holders
+        lanes = self.lanes
+        for slot in usable:
+            load = self.load[slot]
+            if (load >= MAX_DEPTH or lanes.get((slot, piece.id), 0) >= depth
+                    or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda)):
+                continue
+            holds = 0
+            for key in keys:
+                if slot in holders.get(key, ()):
+                    holds += 1
+            if holds < len(keys) and piece.max_copies is not None and not self._may_copy(piece, slot):
+                continue
+            rank = (load, -holds, self.copies_at[slot], slot)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = slot, rank
+        if best is not None:
+            for key in keys:
+                slots = holders.setdefault(key, set())
+                if best not in slots:
+                    slots.add(best)
+                    self.copies_at[best] += 1
+        return best
+
+    def _may_copy(self, piece: Piece, slot: int) -> bool:
+        """Whether another copy of the piece's limited nodes may be made on `slot`."""
+        return all(len(self.holders.get(key, ())) < piece.max_copies or slot in self.holders.get(key, ())
+                   for key in piece.keys.values())
+
+    def serving(self, piece: Piece) -> list[int]:
+        """The slots whose workers could ever run `piece` (its CUDA device's, or all)."""
+        return [s for s in range(len(self.load)) if piece.cuda is None or self.worker_devices[s] == piece.cuda]
+
+    # -- counting what is out ---------------------------------------------------------------------------
+    def take(self, job, slot: int) -> None:
+        """`job` goes to the worker of `slot`."""
+        lane = (slot, job.piece.id)
+        job.slot = slot
+        job.behind = self.lanes.get(lane, 0)  # the piece's jobs it will wait behind there
+        self.lanes[lane] = job.behind + 1
+        self.load[slot] += 1
+
+    def give_back(self, job) -> None:
+        """`job` is no longer at its worker (its outcome came, or the worker is gone)."""
+        lane = (job.slot, job.piece.id)
+        left = self.lanes[lane] - 1
+        if left:
+            self.lanes[lane] = left
+        else:
+            del self.lanes[lane]
+        self.load[job.slot] -= 1
+
+    def slot_lost(self, slot: int) -> None:
+        """The worker of `slot` is gone: the copies it held are gone with it."""
+        for slots in self.holders.values():
+            slots.discard(slot)
+        self.copies_at[slot] = 0
+
+    def forget(self, keys: list) -> None:
+        """Nodes the host let go: nobody holds their copies any more."""
+        for key in keys:
+            for slot in self.holders.pop(key, ()):
+                self.copies_at[slot] -= 1
+
+    # -- measuring ---------------------------------------------------------------------------------------
+    def measure(self, job, service_s: float, now: float) -> None:
+        """Learn how long a piece's jobs take in a worker, and how long the way there and back takes.
+
+        The way is measured only on jobs that found their worker idle: the time one spends
+        queued behind others is not latency, and counting it would let the depth feed on itself.
+        """
+        piece = job.piece.id
+        known = self.service_s.get(piece)
+        if known is None and piece not in self.first_seen:
+            self.first_seen.add(piece)  # a piece's first job loads its code and runs setup: not its pace
+            return
+        self.service_s[piece] = service_s if known is None else known + EMA * (service_s - known)
+        if job.behind == 0:
+            latency = max(0.0, now - job.sent_at - service_s)
+            known = self.latency_s.get(piece)
+            self.latency_s[piece] = latency if known is None else known + EMA * (latency - known)
+
+    def depth(self, piece: Piece) -> int:
+        """Jobs of `piece` worth having in flight per worker: enough that the worker runs the next ones
+        while the last outcomes travel. 2 (one running, one waiting) for jobs that take longer than a
+        round trip; up to MAX_DEPTH for jobs of microseconds. MAX_DEPTH until measured."""
+        service = self.service_s.get(piece.id)
+        latency = self.latency_s.get(piece.id)
+        if service is None or latency is None:
+            return MAX_DEPTH
+        return max(2, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
+
+    def parallelism(self, pieces: list) -> int:
+        """How many inputs of a program (its `pieces`) the pool works on at once: map's default window
+        is twice this.
+
+        One per worker until its pieces are measured; then as many per worker as the slowest
+        piece's depth (2 for jobs longer than the way to a worker and back: one running, one
+        waiting; more for jobs of microseconds). A window of exactly one round per worker
+        would leave a worker idle whenever the input the caller waits for, to keep order,
+        is the slow one.
+        """
+        if not pieces or any(p.id not in self.service_s or p.id not in self.latency_s for p in pieces):
+            return len(self.load)
+        return len(self.load) * min(self.depth(p) for p in pieces)
