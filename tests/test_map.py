@@ -12,8 +12,18 @@ import soma
 from soma import Graph, NodeError, RunTimeout, WorkerDied
 from tests.conftest import in_threads, wait_for
 from tests.nodes import (
-    AddOne, AppendLine, Double, FailOn, Identity, Join, NotReentrant, OneCopyCounter, OneCopySleep, PidAfter,
-    SetupCounter, Sleep,
+    AddOne,
+    AppendLine,
+    Double,
+    FailOn,
+    Identity,
+    Join,
+    NotReentrant,
+    OneCopyCounter,
+    OneCopySleep,
+    PidAfter,
+    SetupCounter,
+    Sleep,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -111,30 +121,50 @@ def test_progress_callable_hears_done_and_total(runner):
     assert calls == [(1, None), (2, None), (3, None)]
 
 
-def test_progress_true_draws_one_line_on_a_terminal_only(runner, monkeypatch):
-    class Terminal:
-        def __init__(self, tty):
-            self.tty, self.text = tty, ""
+class _Stderr:
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
 
-        def isatty(self):
-            return self.tty
+    def isatty(self):
+        return self.tty
 
-        def write(self, text):
-            self.text += text
+    def write(self, text):
+        self.text += text
 
-        def flush(self):
-            pass
+    def flush(self):
+        pass
 
-    for tty in (True, False):
-        term = Terminal(tty)
-        monkeypatch.setattr("sys.stderr", term)
-        list(runner.map(Graph.somatize(AddOne()), range(5), progress=True))
-        monkeypatch.undo()
-        if tty:
-            last = term.text.split("\r")[-1]
-            assert last.startswith("soma map: 5/5 done, ") and "/s, " in last and last.endswith("\n")
-        else:
-            assert term.text == ""
+
+def test_progress_true_draws_one_line_on_a_terminal(runner, monkeypatch):
+    term = _Stderr(tty=True)
+    monkeypatch.setattr("sys.stderr", term)
+    list(runner.map(Graph.somatize(AddOne()), range(5), progress=True))
+    monkeypatch.undo()
+    last = term.text.split("\r")[-1]
+    assert last.startswith("soma map: 5/5 done, ") and "/s, " in last and last.endswith("\n")
+
+
+def test_progress_true_in_a_log_writes_whole_lines_every_few_seconds_and_one_at_the_end(monkeypatch):
+    from soma.run import progress
+
+    monkeypatch.setattr(progress._Line, "LOG_EVERY_S", 0.05)  # (the real interval is seconds)
+    log = _Stderr(tty=False)
+    monkeypatch.setattr("sys.stderr", log)
+    list(soma.Executor().map(Graph.somatize(Sleep(0.05)), range(6), progress=True))
+    monkeypatch.undo()
+    lines = log.text.splitlines()
+    assert "\r" not in log.text and log.text.endswith("\n")
+    assert len(lines) >= 3, lines  # outputs every 50 ms, a line every 50 ms at most, and the last
+    assert lines[-1].startswith("soma map: 6/6 done, ") and "/s, " in lines[-1], lines
+    assert all(line.startswith("soma map: ") and " done, " in line for line in lines), lines
+
+
+def test_progress_true_in_a_log_says_nothing_before_its_first_interval(runner, monkeypatch):
+    log = _Stderr(tty=False)
+    monkeypatch.setattr("sys.stderr", log)
+    list(runner.map(Graph.somatize(AddOne()), range(5), progress=True))
+    monkeypatch.undo()
+    assert log.text.count("\n") == 1 and log.text.startswith("soma map: 5/5 done, ")  # the end's line only
 
 
 def test_map_arguments_are_checked(runner):

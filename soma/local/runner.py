@@ -136,7 +136,7 @@ class Local(RunnerBase):
                 trace.thread(pid, tid, threading.current_thread().name)
                 trace.span("run", "host", start, time.monotonic_ns(), pid, tid, {"input": None})
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool (SPEC 7.4).
 
         With at least as many inputs in flight as workers, each input runs whole on one worker
@@ -145,7 +145,8 @@ class Local(RunnerBase):
         """
         scheduler, program = self._ready(g, whole=window is None or window >= self.n_workers)
         inflight = LocalInflight(scheduler, self._receiving, g, program, self, timeout)
-        return map_outputs(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout)
+        return map_outputs(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout,
+                           errors=errors)
 
     def _ready(self, g, whole: bool = False):
         if self._pool is None:

@@ -37,10 +37,10 @@ class Executor(RunnerBase):
         """
         return self._run(g, g.devices(), x, timeout, index=None)
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
-        """The outputs for the inputs of `xs`, lazily, one input at a time (see SPEC 7.4)."""
-        return map_outputs(_OneAtATime(self, g, g.devices(), timeout), xs, window=window, ordered=ordered,
-                           progress=progress, timeout=timeout)
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
+        """The outputs for the inputs of `xs`, lazily, one input at a time (docs/design.md, "Many inputs")."""
+        return map_outputs(ExecutorInflight(self, g, g.devices(), timeout), xs, window=window, ordered=ordered,
+                           progress=progress, timeout=timeout, errors=errors)
 
     def _run(self, g, devices: dict, x, timeout, index):
         interpreter = self._interpreter(g, devices)
@@ -98,7 +98,7 @@ def _record(trace: Trace, spans: list, devices: dict, index, start: int) -> None
     trace.node_spans(spans, pid, None, devices, index)
 
 
-class _OneAtATime(Inflight):
+class ExecutorInflight(Inflight):
     """The Executor's in-flight set: inputs wait in a queue, `wait` runs the next one."""
 
     enforces_timeout = True  # run() itself times out, on a helper thread

@@ -6,18 +6,24 @@ every runner: taking inputs lazily from `xs` within the window, order, errors
 in their place with their `.index`, per-input timeouts, progress, and stopping
 cleanly when the caller leaves the loop.
 
-    xs ──take (only while taken - yielded < window)──▶ inflight.start([(index, x), ...])
-                                                            │  (the runner's workers)
-    caller ◀── yield in input order (or as ready) ◀── inflight.wait() → [(index, ok, value)]
+    xs ──1. take (only while taken - yielded < window)──▶ inflight.start([(index, x), ...])
+                                                               │  (the runner's workers)
+    caller ◀──2. yield in input order (or as ready)◀── 3. inflight.wait() → [(index, ok, value)]
+
+`MapLoop` keeps the books of those three steps (the window, the order, the
+deadlines); `map_outputs` drives it with a plain iterator. Each step is a method
+of its own, so another driver (an async one) walks the same loop.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import deque
 
 from ..errors import SomaError
+from .progress import reporter
+
+ERRORS = ("raise", "yield")
 
 
 class Inflight:
@@ -46,112 +52,184 @@ class Inflight:
         """The map is over: cancel what has not started, let the rest finish, release everything."""
 
 
-def map_outputs(inflight: Inflight, xs, *, window=None, ordered=True, progress=False, timeout=None):
-    """The iterator behind every runner's `map` (see SPEC 7.4)."""
-    window = _checked_window(window)
-    total = _length(xs)
+def map_outputs(inflight: Inflight, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
+    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs")."""
+    loop = MapLoop(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors)
     source = iter(xs)  # a TypeError for something that is not iterable, here, before anything starts
-    report = _progress(progress, total)
-    return _outputs(inflight, source, window, ordered, report, timeout)
+    return _drive(loop, source)
 
 
-def _outputs(inflight: Inflight, source, window, ordered, report, timeout):
-    taken = yielded = 0
-    exhausted = False
-    source_error = None  # xs itself raised: the caller gets it after every earlier output
-    failure = None  # (index, error) of the earliest input known to have failed
-    pending: set = set()  # started and not finished
-    done: dict = {}  # index → (ok, value): finished and not yet yielded
-    arrived: deque = deque()  # ordered=False: finished indices in arrival order (failures aside)
-    deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
-    next_index = 0  # ordered=True: the index to yield next
+def _drive(loop: "MapLoop", source):
     try:
         while True:
-            # 1. Take inputs while there is room; in chunks, so a deep window ships in batches.
-            if not exhausted and failure is None:
-                limit = window or default_window(inflight.parallelism())
-                in_window = taken - yielded
-                if in_window == 0 or in_window <= limit - max(1, limit // 4):
-                    items = []
-                    while in_window + len(items) < limit:
-                        try:
-                            x = next(source)
-                        except StopIteration:
-                            exhausted = True
-                            break
-                        except Exception as exc:
-                            exhausted, source_error = True, exc
-                            break
-                        items.append((taken, x))
-                        taken += 1
-                    if items:
-                        if timeout is not None and not inflight.enforces_timeout:
-                            deadline = time.monotonic() + timeout
-                            deadlines.update((index, deadline) for index, _ in items)
-                        pending.update(index for index, _ in items)
-                        inflight.start(items)
-
-            # 2. Yield what may be yielded now; an input's error is raised in its place.
-            if ordered:
-                while next_index in done:
-                    ok, value = done.pop(next_index)
-                    if not ok:
-                        raise _indexed(value, next_index)
-                    next_index += 1
-                    yielded += 1
-                    report(yielded)
-                    yield value
-            else:
-                while arrived:
-                    index = arrived.popleft()
-                    ok, value = done.pop(index)
-                    if failure is not None and index > failure[0]:
-                        continue  # after a failure: cancelled with the rest
-                    yielded += 1
-                    report(yielded)
-                    yield value
-                if failure is not None and not any(i < failure[0] for i in pending):
-                    raise _indexed(failure[1], failure[0])
-            if not pending and not done and (exhausted or failure is not None):
-                if source_error is not None:
-                    raise source_error
+            wanted = loop.wanted()
+            if wanted:
+                loop.start(_take(source, wanted, loop))
+            yield from loop.outputs()
+            if loop.over():
                 return
-            if not pending or (not exhausted and failure is None and taken - yielded <= limit - max(1, limit // 4)):
+            if not loop.must_wait():
                 continue  # room for more inputs: take them before waiting
-
-            # 3. Wait for what the runner finishes, or for the oldest input's deadline.
-            wait_s = None
-            if deadlines:
-                wait_s = max(0.0, deadlines[next(iter(deadlines))] - time.monotonic())
-            finished = inflight.wait(wait_s)
-            now = time.monotonic()
-            while deadlines:
-                index = next(iter(deadlines))
-                if deadlines[index] > now:
-                    break
-                del deadlines[index]
-                if index in pending and not any(f[0] == index for f in finished):
-                    finished.append((index, False, inflight.expire(index)))
-            for index, ok, value in finished:
-                if index not in pending:
-                    continue
-                pending.discard(index)
-                deadlines.pop(index, None)
-                done[index] = (ok, value)
-                if not ok:
-                    if failure is None or index < failure[0]:
-                        failure = (index, value)
-                    if not ordered:
-                        del done[index]
-                elif not ordered:
-                    arrived.append(index)
+            loop.finished(loop.inflight.wait(loop.wait_s()))
     finally:
-        inflight.close()
-        report(None)
+        loop.close()
+
+
+def _take(source, wanted: int, loop: "MapLoop") -> list:
+    """Up to `wanted` inputs from `source`; its end, or its own exception, is told to the loop."""
+    items = []
+    while len(items) < wanted:
+        try:
+            x = next(source)
+        except StopIteration:
+            loop.source_ended()
+            break
+        except Exception as exc:
+            loop.source_ended(exc)
+            break
+        items.append(x)
+    return items
+
+
+class MapLoop:
+    """The books of one map: what was taken, what is in flight, what is done and not yet handed out.
+
+    `errors="raise"`: a failed input's error is raised in its place (after every earlier output, in
+    order), and no input after it is taken. `errors="yield"`: the error object is handed out in its
+    place (`.index` set) and the map goes on. The iterable's own exception is raised either way.
+    """
+
+    def __init__(self, inflight: Inflight, xs, *, window, ordered: bool, progress, timeout, errors: str):
+        if errors not in ERRORS:
+            raise ValueError(f"map's errors must be 'raise' or 'yield', got {errors!r}")
+        self.inflight = inflight
+        self.window = _checked_window(window)
+        self.ordered = ordered
+        self.timeout = timeout
+        self.yield_errors = errors == "yield"
+        self.report = reporter(progress, _length(xs), "soma map")
+        self.taken = self.yielded = 0
+        self.exhausted = False
+        self.source_error = None  # xs itself raised: the caller gets it after every earlier output
+        self.failure = None  # (index, error) of the earliest input known to have failed (errors="raise")
+        self.pending: set = set()  # started and not finished
+        self.done: dict = {}  # index → (ok, value): finished and not yet handed out
+        self.arrived: deque = deque()  # ordered=False: finished indices in arrival order
+        self.deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
+        self.next_index = 0  # ordered=True: the index to hand out next
+
+    # -- 1. taking inputs ----------------------------------------------------------------------------------
+    def _limit(self) -> int:
+        return self.window or default_window(self.inflight.parallelism())
+
+    def wanted(self) -> int:
+        """How many inputs to take now: none until a quarter of the window is free (inputs ship in chunks)."""
+        if self.exhausted or self.failure is not None:
+            return 0
+        limit = self._limit()
+        in_window = self.taken - self.yielded
+        if in_window == 0 or in_window <= limit - max(1, limit // 4):
+            return limit - in_window
+        return 0
+
+    def source_ended(self, error: Exception | None = None) -> None:
+        self.exhausted = True
+        self.source_error = error
+
+    def start(self, xs: list) -> None:
+        """Start inputs just taken from the source."""
+        if not xs:
+            return
+        items = [(self.taken + i, x) for i, x in enumerate(xs)]
+        self.taken += len(items)
+        if self.timeout is not None and not self.inflight.enforces_timeout:
+            deadline = time.monotonic() + self.timeout
+            self.deadlines.update((index, deadline) for index, _ in items)
+        self.pending.update(index for index, _ in items)
+        self.inflight.start(items)
+
+    # -- 2. handing outputs out ----------------------------------------------------------------------------
+    def outputs(self):
+        """Every output that may be handed out now, in its turn; a failure is raised in its place."""
+        if self.ordered:
+            while self.next_index in self.done:
+                ok, value = self.done.pop(self.next_index)
+                index = self.next_index
+                self.next_index += 1
+                if not ok and not self.yield_errors:
+                    raise _indexed(value, index)
+                yield self._handed(value if ok else _indexed(value, index))
+            return
+        while self.arrived:
+            index = self.arrived.popleft()
+            ok, value = self.done.pop(index)
+            if self.failure is not None and index > self.failure[0]:
+                continue  # after a failure: cancelled with the rest
+            yield self._handed(value if ok else _indexed(value, index))
+        if self.failure is not None and not any(i < self.failure[0] for i in self.pending):
+            raise _indexed(self.failure[1], self.failure[0])
+
+    def _handed(self, value):
+        self.yielded += 1
+        self.report(self.yielded)
+        return value
+
+    def over(self) -> bool:
+        """Whether the map has ended (its source's own exception, if any, is raised here)."""
+        if self.pending or self.done or not (self.exhausted or self.failure is not None):
+            return False
+        if self.source_error is not None:
+            raise self.source_error
+        return True
+
+    # -- 3. waiting for the runner ---------------------------------------------------------------------------
+    def must_wait(self) -> bool:
+        """Whether nothing can be done before the runner finishes something (no room to take more)."""
+        if not self.pending:
+            return False
+        if self.exhausted or self.failure is not None:
+            return True
+        limit = self._limit()
+        return self.taken - self.yielded > limit - max(1, limit // 4)
+
+    def wait_s(self) -> float | None:
+        """How long to wait at most: until the oldest input's deadline (None: as long as it takes)."""
+        if not self.deadlines:
+            return None
+        return max(0.0, self.deadlines[next(iter(self.deadlines))] - time.monotonic())
+
+    def finished(self, results: list) -> None:
+        """What the runner reports finished, and inputs whose time ran out meanwhile."""
+        now = time.monotonic()
+        deadlines = self.deadlines
+        while deadlines:
+            index = next(iter(deadlines))
+            if deadlines[index] > now:
+                break
+            del deadlines[index]
+            if index in self.pending and not any(r[0] == index for r in results):
+                results.append((index, False, self.inflight.expire(index)))
+        for index, ok, value in results:
+            if index not in self.pending:
+                continue
+            self.pending.discard(index)
+            deadlines.pop(index, None)
+            if not ok and not self.yield_errors:
+                if self.failure is None or index < self.failure[0]:
+                    self.failure = (index, value)
+                if not self.ordered:
+                    continue  # raised in its turn by outputs(), never handed out as a value
+            self.done[index] = (ok, value)
+            if not self.ordered:
+                self.arrived.append(index)
+
+    def close(self) -> None:
+        self.inflight.close()
+        self.report(None)
 
 
 def default_window(parallelism: int) -> int:
-    """The window of a `map` given none: twice the inputs the runner can work on at once (SPEC 7.4)."""
+    """The window of a `map` given none: twice the inputs the runner can work on at once."""
     return 2 * max(1, parallelism)
 
 
@@ -174,44 +252,3 @@ def _length(xs):
         return len(xs)
     except TypeError:
         return None
-
-
-def _progress(progress, total):
-    """A callable taking the number of outputs so far (None at the end)."""
-    if progress is False or progress is None:
-        return lambda done: None
-    if progress is True:
-        return _Bar(total) if sys.stderr.isatty() else (lambda done: None)
-    if callable(progress):
-        return lambda done: None if done is None else progress(done, total)
-    raise TypeError(f"map's progress must be True, False or a callable progress(done, total), got {progress!r}")
-
-
-class _Bar:
-    """One line on stderr: done (of total), rate, elapsed, and time left when the total is known."""
-
-    EVERY_S = 0.1
-
-    def __init__(self, total):
-        self.total = total
-        self.start = time.monotonic()
-        self.last = 0.0
-        self.done = 0
-
-    def __call__(self, done) -> None:
-        now = time.monotonic()
-        if done is not None:
-            self.done = done
-            if now - self.last < self.EVERY_S and done != self.total:
-                return
-        self.last = now
-        elapsed = now - self.start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        text = f"soma map: {self.done}"
-        if self.total is not None:
-            text += f"/{self.total}"
-        text += f" done, {rate:,.1f}/s, {elapsed:.1f} s"
-        if self.total is not None and rate > 0 and self.done < self.total:
-            text += f", {(self.total - self.done) / rate:.1f} s left"
-        sys.stderr.write("\r" + text + "\x1b[K" + ("\n" if done is None else ""))
-        sys.stderr.flush()

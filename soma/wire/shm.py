@@ -290,15 +290,6 @@ class SegmentStore:
         return out
 
     # -- lifetime --------------------------------------------------------------------------
-    def stats(self) -> dict:
-        with self._lock:
-            return {
-                "owned": len(self._owned),
-                "pooled": len(self._pool),
-                "pooled_bytes": self._pooled_bytes,
-                "live_storages": len(self._by_ptr),
-            }
-
     def close(self) -> None:
         """Unlink every segment this process owns. Mappings still in use stay valid."""
         with self._lock:

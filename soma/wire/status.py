@@ -45,24 +45,24 @@ class StatusPage:
     # -- writer side (the worker) ------------------------------------------------------------------
     def enter(self, job: int, node: str) -> None:
         """This thread now runs `node` for `job`."""
-        held = getattr(self._local, "held", None)
-        if held is None:
+        mine = getattr(self._local, "mine", None)
+        if mine is None:
             with self._lock:
                 if not self._free:
                     return  # more threads than slots: this one goes unnamed
-                held = self._local.held = _Held(self._free.pop())
+                mine = self._local.mine = _Slot(self._free.pop())
             # The thread's locals die with it (a wave's branch threads come and go): its slot comes back.
-            weakref.finalize(held, self._free.append, held.slot)
-        if held.showing != (job, node):
-            held.showing = (job, node)
-            self._put(held.slot, f"{job} {node}".encode()[: SLOT - 6])
+            weakref.finalize(mine, self._free.append, mine.slot)
+        if mine.showing != (job, node):
+            mine.showing = (job, node)
+            self._put(mine.slot, f"{job} {node}".encode()[: SLOT - 6])
 
     def leave(self) -> None:
         """This thread runs nothing now."""
-        held = getattr(self._local, "held", None)
-        if held is not None and held.showing is not None:
-            held.showing = None
-            self._put(held.slot, b"")
+        mine = getattr(self._local, "mine", None)
+        if mine is not None and mine.showing is not None:
+            mine.showing = None
+            self._put(mine.slot, b"")
 
     def _put(self, slot: int, data: bytes) -> None:
         base = slot * SLOT
@@ -93,7 +93,7 @@ class StatusPage:
         self._map.close()
 
 
-class _Held:
+class _Slot:
     __slots__ = ("slot", "showing", "__weakref__")
 
     def __init__(self, slot: int):

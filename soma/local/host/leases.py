@@ -56,7 +56,7 @@ class LeaseBook:
             entry.held[holder] -= n
             if entry.held[holder] <= 0:
                 del entry.held[holder]
-            self._settle(name, entry)
+            self._free_if_unheld(name, entry)
 
     def holder_gone(self, pid: int) -> None:
         """Process `pid` died: it holds nothing any more, and the segments it owned cannot be reused."""
@@ -65,9 +65,9 @@ class LeaseBook:
             self._frees.pop(pid, None)
             for name, entry in list(self._entries.items()):
                 entry.held.pop(pid, None)
-                self._settle(name, entry)
+                self._free_if_unheld(name, entry)
 
-    def _settle(self, name: str, entry: _Entry) -> None:
+    def _free_if_unheld(self, name: str, entry: _Entry) -> None:
         # lock held
         if entry.held:
             return

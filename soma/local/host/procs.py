@@ -16,10 +16,9 @@ from ...wire.status import StatusPage
 class WorkerProcess:
     """One incarnation of a worker slot: its process, its readiness, what it has been sent."""
 
-    def __init__(self, slot: int, device: str, proc: subprocess.Popen, status_path: str):
+    def __init__(self, slot: int, proc: subprocess.Popen, status_path: str):
         self.slot = slot
         self.id = f"w{slot}"
-        self.device = device
         self.proc = proc
         self.pid = proc.pid
         self.identity = f"{self.id}.{self.pid}".encode()  # its socket's identity (see soma.local.worker)
@@ -105,4 +104,4 @@ def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: byt
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
     proc = subprocess.Popen(argv, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL, close_fds=True)
-    return WorkerProcess(slot, device, proc, status_path)
+    return WorkerProcess(slot, proc, status_path)
