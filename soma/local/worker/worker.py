@@ -29,6 +29,7 @@ TICK_S = 0.002  # how often a follower looks, while jobs keep coming (a wakeup e
 ACTIVE_S = 0.1  # after this long without a job, followers sleep until the next one
 FLUSH_S = 0.001  # outcomes of short jobs wait at most this long to travel together
 MAX_THREADS = 64  # serving threads: one per piece running at once, and one receiving
+_STOP = object()  # next_turn's answer when the worker is stopping
 
 
 class Lane:
@@ -150,29 +151,9 @@ class Worker:
         me = threading.current_thread()
         self.local.serving = True  # (see leave: jobs run on this thread, not a wave's branches)
         while not self.stopping.is_set():
-            lane = None
-            with self.cv:
-                while True:
-                    if self.stopping.is_set():
-                        return
-                    if self.runnable:
-                        lane = self.runnable.popleft()
-                        self.running += 1
-                        break
-                    if self.receiving is None or self.receiving is me:
-                        self.receiving, self.receiver_busy_since = me, None
-                        break
-                    now = time.monotonic()
-                    busy = self.receiver_busy_since
-                    if busy is not None and now - busy > PROMOTE_S:
-                        self.receiving, self.receiver_busy_since = me, None  # the busy one follows when done
-                        break
-                    if now < self.active_until:
-                        self.cv.wait(TICK_S)
-                    else:
-                        self.idle += 1
-                        self.cv.wait()
-                        self.idle -= 1
+            lane = self.next_turn(me)
+            if lane is _STOP:
+                return
             if lane is not None:
                 self.run_lane(lane)
                 with self.lock:
@@ -186,6 +167,35 @@ class Worker:
                 self.run_lane(lane, receiving=True)
                 with self.lock:
                     self.running -= 1
+
+    def next_turn(self, me):
+        """What this serving thread does next: a runnable lane, None (it receives), or _STOP.
+
+        It waits until one of those is there: a follower ticks every TICK_S while jobs keep
+        coming (the receiver may have gone off to run one), and sleeps untimed when the
+        worker is idle.
+        """
+        with self.cv:
+            while True:
+                if self.stopping.is_set():
+                    return _STOP
+                if self.runnable:
+                    self.running += 1
+                    return self.runnable.popleft()
+                if self.receiving is None or self.receiving is me:
+                    self.receiving, self.receiver_busy_since = me, None
+                    return None
+                now = time.monotonic()
+                busy = self.receiver_busy_since
+                if busy is not None and now - busy > PROMOTE_S:
+                    self.receiving, self.receiver_busy_since = me, None  # the busy one follows when done
+                    return None
+                if now < self.active_until:
+                    self.cv.wait(TICK_S)
+                else:
+                    self.idle += 1
+                    self.cv.wait()
+                    self.idle -= 1
 
     def receive(self):
         frame = self.receiver.wait(POLL_MS)
