@@ -35,7 +35,7 @@ from typing import NamedTuple
 import msgpack
 
 from .._log import warn
-from ..plan import Plan, Seq, Step, Wave
+from ..plan import Plan, Seq, Step, Wave, fold
 from .codec import ThreadPacker
 
 try:  # keyed BLAKE2 straight from its module: hashlib would load OpenSSL first (5 ms per worker start)
@@ -196,15 +196,9 @@ _dropped = _DropLog()
 
 def pack_piece(plan: Plan, keys: dict, devices: dict) -> bytes:
     """A piece's spec: its plan tree, each step with its node key and declared device."""
-    return msgpack.packb(_tree(plan, keys, devices), use_bin_type=True)
-
-
-def _tree(plan: Plan, keys: dict, devices: dict) -> list:
-    if isinstance(plan, Step):
-        return ["Step", plan.id, keys[plan.id], devices.get(plan.id)]
-    if isinstance(plan, Seq):
-        return ["Seq", [_tree(item, keys, devices) for item in plan.items]]
-    return ["Wave", [_tree(branch, keys, devices) for branch in plan.branches]]
+    tree = fold(plan, lambda step: ["Step", step.id, keys[step.id], devices.get(step.id)],
+                lambda _, items: ["Seq", items], lambda _, branches: ["Wave", branches])
+    return msgpack.packb(tree, use_bin_type=True)
 
 
 def parse_piece(spec: bytes) -> tuple[Plan, dict]:
