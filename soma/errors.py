@@ -98,13 +98,17 @@ class SharedMemoryFull(NodeError):
 
 
 class WorkerDied(SomaError):
-    """A worker process ended (crash, kill, OOM) while it held work of a run."""
+    """A worker process ended (crash, kill, OOM) while it held work of a run.
 
-    def __init__(self, message: str, *, worker: str, pid: int | None, node: str | None):
+    `.tries`: how many times the input was run, each try lost to a dead worker (1 + the retries made).
+    """
+
+    def __init__(self, message: str, *, worker: str, pid: int | None, node: str | None, tries: int = 1):
         super().__init__(message)
         self.worker = worker
         self.pid = pid
         self.node = node
+        self.tries = tries
 
 
 class Cancelled(SomaError):

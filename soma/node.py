@@ -88,6 +88,12 @@ class Expr:
 
     __slots__ = ()
 
+    def run(self, x, *, timeout: float | None = None):
+        """Shorthand for `soma.Executor().run(expr, x)`: the expression's graph is made once and kept."""
+        from .run.executor import Executor
+
+        return Executor().run(self, x, timeout=timeout)
+
     def __rshift__(self, other) -> "Chain":
         other = as_expr(other, ">>", self)
         return Chain(_flat(self, Chain) + _flat(other, Chain))

@@ -10,13 +10,14 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import re
 import threading
 import time
 import weakref
 
 from ..device import Device
 from ..errors import DeviceError, SomaError
-from ..run.base import RunnerBase
+from ..run.base import RunnerBase, as_graph, checked_retries
 from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
 from ..run.trace import Trace
@@ -44,10 +45,17 @@ class Local(RunnerBase):
     after it starts (default False: a worker imports torch when a tensor or a torch
     node first needs it; True spares the first torch run the ~1 s import).
     `start_timeout`: how long `start()` waits for the workers to say hello.
+    `max_memory`: bytes (an int) or a size such as "4GiB" or "512MiB"; a worker whose own
+    memory (resident, less libraries and the shared memory values cross in) is above it
+    after an input is replaced before it takes another (default None: never).
+
+    A Local belongs to the process that made it: in a child process (a fork) it is a
+    SomaError to use it, and closing it there touches nothing of the parent's.
     """
 
     def __init__(self, workers: int | None = None, devices=None, *, threads: int | None = None,
-                 arena: int | None = None, preload_torch: bool = False, start_timeout: float = 60.0):
+                 arena: int | None = None, preload_torch: bool = False, start_timeout: float = 60.0,
+                 max_memory=None):
         self.n_workers = int(workers) if workers is not None else (os.cpu_count() or 1)
         if self.n_workers < 1:
             raise ValueError(f"soma.Local needs at least one worker, got workers={workers}")
@@ -58,6 +66,8 @@ class Local(RunnerBase):
         self.arena = arena if arena is not None else _default_arena(self.n_workers)
         self.preload_torch = bool(preload_torch)
         self.start_timeout = start_timeout
+        self.max_memory = parse_bytes(max_memory, "max_memory") if max_memory is not None else None
+        self._owner_pid = os.getpid()
         self._start_lock = threading.Lock()
         self._pool: WorkerPool | None = None
         self._scheduler: Scheduler | None = None
@@ -71,12 +81,14 @@ class Local(RunnerBase):
     # -- life ------------------------------------------------------------------------------------
     def start(self) -> "Local":
         """Start the workers (in parallel) and wait until each has said hello."""
+        self._check_process()
         with self._start_lock:
             if self._closed:
                 raise SomaError("this soma.Local is closed; make a new one")
             if self._pool is None:
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
-                                  preload_torch=self.preload_torch, registry=self._registry)
+                                  preload_torch=self.preload_torch, registry=self._registry,
+                                  max_memory=self.max_memory)
                 scheduler = Scheduler(pool, self.worker_devices)
                 receiving = Receiving(pool, scheduler)
                 try:
@@ -94,8 +106,11 @@ class Local(RunnerBase):
         """Stop the workers; leave no processes, segments or socket files. Results already returned stay valid.
 
         Any thread may call it at any time: runs and maps in flight in other threads
-        raise `SomaError` ("... was closed while this run was in flight").
+        raise `SomaError` ("... was closed while this run was in flight"). In a process
+        other than the one that made it (a fork), it does nothing.
         """
+        if os.getpid() != self._owner_pid:
+            return  # the parent's workers, sockets and segments are the parent's
         with self._start_lock:
             if self._closed:
                 return
@@ -110,13 +125,19 @@ class Local(RunnerBase):
         return [] if self._pool is None else self._pool.pids()
 
     # -- running ------------------------------------------------------------------------------------
-    def run(self, g, x, *, timeout: float | None = None):
-        """Run graph `g` on input `x` on the workers and return its output."""
-        scheduler, program = self._ready(g)
+    def run(self, g, x, *, timeout: float | None = None, retries: int = 0):
+        """Run graph `g` (or a node, or an expression) on input `x` on the workers and return its output.
+
+        `retries`: how many more times the input runs, from the graph's start on a live worker,
+        when the worker running it dies (a node's own exception, a PostconditionError and a
+        RunTimeout are never retried). `timeout`: seconds for the whole input, tries included.
+        """
+        retries = checked_retries(retries)
+        scheduler, _, program = self._ready(g, "Local.run")
         sink = queue.SimpleQueue()
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
-        flow = scheduler.start(program, [(None, x)], sink, trace)[None]
+        flow = scheduler.start(program, [(None, x)], sink, trace, retries)[None]
         receiving = self._receiving
         try:
             try:
@@ -127,6 +148,9 @@ class Local(RunnerBase):
                 if item is None:
                     raise err from None
                 _, ok, value = item
+            except KeyboardInterrupt:  # the caller gave up (Ctrl-C): its input is not wanted any more
+                scheduler.cancel([flow])
+                raise KeyboardInterrupt from None  # (the traceback stops here, not deep in soma's receiving)
             if not ok:
                 raise value
             return value
@@ -136,19 +160,22 @@ class Local(RunnerBase):
                 trace.thread(pid, tid, threading.current_thread().name)
                 trace.span("run", "host", start, time.monotonic_ns(), pid, tid, {"input": None})
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
-        """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool (SPEC 7.4).
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+        """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool.
 
-        With at least as many inputs in flight as workers, each input runs whole on one worker
-        when the graph allows (see program.compile_program); with fewer, a wave's branches
-        spread over workers as in `run`.
+        docs/design.md ("Many inputs") says what each option does. With at least as many inputs
+        in flight as workers, each input runs whole on one worker when the graph allows (see
+        host/program.compile_program); with fewer, a wave's branches spread over workers as in `run`.
         """
-        scheduler, program = self._ready(g, whole=window is None or window >= self.n_workers)
-        inflight = LocalInflight(scheduler, self._receiving, g, program, self, timeout)
+        retries = checked_retries(retries)
+        scheduler, g, program = self._ready(g, "Local.map", whole=window is None or window >= self.n_workers)
+        inflight = LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries)
         return map_outputs(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout,
                            errors=errors)
 
-    def _ready(self, g, whole: bool = False):
+    def _ready(self, g, where: str, whole: bool = False):
+        self._check_process()
+        g = as_graph(g, where)
         if self._pool is None:
             self.start()
         if self._closed:
@@ -158,7 +185,7 @@ class Local(RunnerBase):
             dead = self._registry.take_dead()
             self._scheduler.forget(dead)
             self._pool.forget(dead)
-        return self._scheduler, program
+        return self._scheduler, g, program
 
     def _program(self, g, whole: bool = False):
         """Compiled once per graph, placement and kind (placing after a run compiles again)."""
@@ -176,6 +203,11 @@ class Local(RunnerBase):
             self._programs[g] = tuple(programs)
         return program
 
+    def _check_process(self) -> None:
+        if os.getpid() != self._owner_pid:
+            raise SomaError(f"this soma.Local belongs to process {self._owner_pid}; this is process {os.getpid()} "
+                            f"(a fork of it, say): make a new soma.Local in this process")
+
     def _trace_started(self, trace: Trace) -> None:
         trace.process(os.getpid(), f"host (soma.Local, pid {os.getpid()})")
         if self._pool is not None:
@@ -188,9 +220,10 @@ class Local(RunnerBase):
 class LocalInflight(Inflight):
     """Local's in-flight set for map: flows on the scheduler, their outcomes in one queue."""
 
-    def __init__(self, scheduler: Scheduler, receiving: Receiving, g, program, tracer, timeout):
+    def __init__(self, scheduler: Scheduler, receiving: Receiving, g, program, tracer, timeout, retries: int):
         self.scheduler, self.receiving, self.program, self.timeout = scheduler, receiving, program, timeout
         self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
+        self.retries = retries
         self.tracer = tracer  # whose trace block, if any, each input is recorded in when it starts
         self.pieces = pieces(program)  # (asked for at every turn of the map: found once)
         self.sink = queue.SimpleQueue()
@@ -200,7 +233,8 @@ class LocalInflight(Inflight):
         return self.scheduler.parallelism(self.pieces)
 
     def start(self, items: list) -> None:
-        self.flows.update(self.scheduler.start(self.program, items, self.sink, self.tracer.current_trace))
+        self.flows.update(self.scheduler.start(self.program, items, self.sink, self.tracer.current_trace,
+                                               self.retries))
 
     def wait(self, timeout):
         try:
@@ -254,6 +288,26 @@ def _pinning(devices, n: int) -> list[str]:
     return [parsed[i % len(parsed)] for i in range(n)]
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
+
+
+def parse_bytes(value, name: str) -> int:
+    """Bytes from an int or a size such as "4GiB", "512MiB", "1.5GB"; anything else is a ValueError naming `name`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > 0:
+            return value
+    elif isinstance(value, str):
+        match = _SIZE.match(value.lower())
+        if match is not None and match.group(2) in _UNITS:
+            nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
+            if nbytes > 0:
+                return nbytes
+    raise ValueError(f"soma.Local's {name}= is a number of bytes (an int > 0) or a size such as \"4GiB\" or "
+                     f"\"512MiB\", got {value!r}")
+
+
 def _default_arena(workers: int) -> int:
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -267,7 +321,7 @@ _live_pools: "weakref.WeakSet[Local]" = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    for pool in list(_live_pools):
+    for pool in list(_live_pools):  # (in a forked child, close does nothing: they are the parent's)
         try:
             pool.close()
         except Exception:

@@ -16,7 +16,7 @@ import time
 import weakref
 
 from ..errors import RunTimeout
-from .base import RunnerBase
+from .base import RunnerBase, as_graph, checked_retries
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
 from .trace import Trace
@@ -28,17 +28,21 @@ class Executor(RunnerBase):
     def __init__(self):
         self._interpreters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (version, it)
 
-    def run(self, g, x, *, timeout: float | None = None):
+    def run(self, g, x, *, timeout: float | None = None, retries: int = 0):
         """Run graph `g` on input `x` and return its output.
 
         With `timeout`, the run happens on a helper thread and `RunTimeout` names
         the nodes still running when it expires. Threads cannot be killed: a
         node already running finishes, and no further node of that run starts.
         """
+        checked_retries(retries)  # (accepted, and changes nothing: no worker to lose here)
+        g = as_graph(g, "Executor.run")
         return self._run(g, g.devices(), x, timeout, index=None)
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, one input at a time (docs/design.md, "Many inputs")."""
+        checked_retries(retries)
+        g = as_graph(g, "Executor.map")
         return map_outputs(ExecutorInflight(self, g, g.devices(), timeout), xs, window=window, ordered=ordered,
                            progress=progress, timeout=timeout, errors=errors)
 

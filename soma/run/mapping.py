@@ -71,6 +71,8 @@ def _drive(loop: "MapLoop", source):
             if not loop.must_wait():
                 continue  # room for more inputs: take them before waiting
             loop.finished(loop.inflight.wait(loop.wait_s()))
+    except KeyboardInterrupt:  # Ctrl-C while waiting: the traceback stops here, not deep in the runner
+        raise KeyboardInterrupt from None
     finally:
         loop.close()
 

@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover
     from hmac import compare_digest
 
 SECRET_ENV = "SOMA_SECRET"
+OVER_MEMORY_EXIT = 75  # a worker's exit code when it leaves because it went over max_memory after a job
 MAC_SIZE = 16
 
 HELLO, TASK, RESULT, FREE, CANCEL, STOP = range(1, 7)

@@ -12,6 +12,7 @@ never takes half a line, and threads never wait for each other.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -27,8 +28,6 @@ class StatusPage:
     SIZE = SLOT * SLOTS
 
     def __init__(self, path: str, create: bool):
-        import mmap
-
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
         fd = os.open(path, flags, 0o600)
         try:

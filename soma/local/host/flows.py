@@ -26,18 +26,29 @@ from .program import Piece
 
 
 class Flow:
-    """One input on its way through a program."""
+    """One input on its way through a program.
 
-    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "outcome")
+    A try is one walk of the program from its start. `retries`: how many more tries the input
+    gets when a worker dies while running it (the input `x` is kept for them); `tries`: how many
+    have been made (the current one included). Jobs remember their try: those of an earlier try
+    are stale, and their outcomes are dropped.
+    """
 
-    def __init__(self, index, sink, trace):
+    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "outcome", "program", "x", "retries",
+                 "tries")
+
+    def __init__(self, index, sink, trace, program, x, retries: int = 0):
         self.index = index
         self.sink = sink  # receives (index, ok, value) once
         self.trace = trace  # the runner's Trace when this input is traced, else None
         self.finished = False
-        self.jobs: set = set()  # its jobs queued or outstanding
+        self.jobs: set = set()  # its jobs of the current try, queued or outstanding
         self.started_ns = time.monotonic_ns() if trace is not None else 0
         self.outcome = None  # (ok, value) once its walk has ended, until the scheduler delivers it
+        self.program = program
+        self.x = x if retries else None  # (kept only for a try to come)
+        self.retries = retries
+        self.tries = 1
 
     def __call__(self, ok, value) -> list:
         """The flow as the last continuation of its program's walk: the input's outcome is known."""
@@ -48,15 +59,17 @@ class Flow:
 class Job:
     """One input for one piece: queued, then outstanding at a worker."""
 
-    __slots__ = ("id", "flow", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns", "behind",
-                 "traced")
+    __slots__ = ("id", "flow", "try_", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
+                 "behind", "traced")
 
     def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then):
         self.id = job_id
         self.flow = flow
+        self.try_ = flow.tries  # the try of its flow it belongs to
         self.piece = piece
-        # `keep` holds the encoder until the send is counted: the shared-memory copies it made must
-        # not look idle to their owner in between (it would reuse them under the worker).
+        # `keep` holds the encoder as long as the job lives: every tensor its handles name stays held by
+        # the host until the job is over, so a segment cannot be reused under the worker (before the send
+        # is counted), and a job its worker never started can be sent again, as it is, to another.
         self.payload, self.shared, self.keep = encoded
         self.then = then  # then(ok, value) → the jobs it makes, when the job is over
         self.slot = None
@@ -77,12 +90,18 @@ class Walker:
         self.job_ids = itertools.count(1)
         self._starters: dict = {}  # program → its starter
 
-    def start(self, program, x, flow: Flow) -> list:
-        """The first jobs of `x` on `program` (a NodeError when `x` cannot be sent)."""
+    def start(self, flow: Flow, x) -> list:
+        """The first jobs of a try of `flow` on input `x` (a NodeError when `x` cannot be sent)."""
+        program = flow.program
         starter = self._starters.get(program)
         if starter is None:
             starter = self._starters[program] = fold(program, self._piece, _seq, _wave)
         return starter(x, flow, flow, {})
+
+    @staticmethod
+    def stale(job: Job) -> bool:
+        """Whether `job` is of no use any more: its flow is over, or it belongs to an earlier try."""
+        return job.flow.finished or job.try_ != job.flow.tries
 
     def _piece(self, piece: Piece):
         def start_piece(x, flow: Flow, then, encoded: dict) -> list:

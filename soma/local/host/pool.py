@@ -18,6 +18,7 @@ context terminated under its feet.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -84,12 +85,14 @@ class Lost(NamedTuple):
 class WorkerPool:
     """Worker processes and the sockets to them."""
 
-    def __init__(self, devices: list[str], *, arena: int, threads: int, preload_torch: bool, registry):
+    def __init__(self, devices: list[str], *, arena: int, threads: int, preload_torch: bool, registry,
+                 max_memory: int | None = None):
         self.devices = devices
         self.arena = arena
         self.threads = threads
         self.preload_torch = preload_torch
         self.registry = registry
+        self.max_memory = max_memory
         self.secret = os.urandom(32)
         self.host_pid = os.getpid()
         self.prefix = pool_prefix(self.host_pid, os.urandom(4).hex())
@@ -101,6 +104,7 @@ class WorkerPool:
         self._state_lock = threading.RLock()
         self._changed = threading.Condition(self._state_lock)  # a worker said hello or died
         self._start_failures = Counter()
+        self._spawn_errors: dict = {}  # slot → why its worker could not be started again (tried again later)
         self._book = LeaseBook(self.host_pid)
         self._store = None
         self._host_released: deque = deque()
@@ -159,7 +163,7 @@ class WorkerPool:
     def _spawn(self, slot: int):
         worker = spawn(slot, self.devices[slot], endpoints=self.endpoints, run_dir=self.run_dir,
                        secret=self.secret, prefix=self.prefix, threads=self.threads,
-                       arena=self.arena, preload_torch=self.preload_torch)
+                       arena=self.arena, preload_torch=self.preload_torch, max_memory=self.max_memory)
         self.workers[slot] = worker
         self._by_pid[worker.pid] = worker
         self._changed_slots()
@@ -270,6 +274,24 @@ class WorkerPool:
         """The slot's worker died before saying hello too many times: nothing will run there."""
         return self._start_failures[slot] >= START_FAILURES
 
+    def why_down(self, slot: int) -> str | None:
+        """Why no worker of `slot` can take jobs now, in words that follow "worker w1"; None when one can."""
+        if self.broken(slot):
+            return f"died before it was ready {START_FAILURES} times in a row; its stderr says why"
+        err = self._spawn_errors.get(slot)
+        if err is None:
+            return None
+        hint = ""
+        if getattr(err, "errno", None) == errno.EMFILE:
+            hint = (" (this process has run out of file descriptors: close some, or raise the limit with "
+                    "`ulimit -n`; the pool starts it again at the next run)")
+        return f"could not be started again: {type(err).__name__}: {err}{hint}"
+
+    def worker_starting(self, slot: int) -> bool:
+        """Whether the slot has a worker on its way (spawned, no hello yet)."""
+        worker = self.workers[slot]
+        return worker is not None and not worker.retired and not worker.ready.is_set()
+
     def send(self, slot: int, jobs: list) -> bool:
         """Send jobs to the worker of `slot` in one Task, with the code and piece specs it lacks.
 
@@ -347,7 +369,7 @@ class WorkerPool:
     def running(self, slot: int) -> list[tuple[int, str]]:
         """`(job id, node id)` the worker of `slot` runs now, from its status page."""
         worker = self.workers[slot]
-        return worker.running() if worker is not None else []
+        return (worker.running() or []) if worker is not None else []
 
     def worker(self, slot: int):
         """The worker process of `slot` now (its `.id`, `.pid`), or None before the first start."""
@@ -458,9 +480,17 @@ class WorkerPool:
 
     def retire(self, slot: int, reason: str | None = None):
         """Kill and replace the worker of `slot` (it died, or a run timed out on it): the `Lost` it leaves,
-        or None when its end was handled already."""
+        or None when its end was handled already (then a replacement that could not be started before is
+        tried again)."""
         worker = self.workers[slot]
-        return self.retire_worker(worker, reason) if worker is not None else None
+        if worker is None:
+            return None
+        if worker.retired:
+            with self._changed:
+                if self._spawn_errors.get(slot) is not None and not self.closing:
+                    self._respawn(slot)
+            return None
+        return self.retire_worker(worker, reason)
 
     def retire_worker(self, worker, reason: str | None = None):
         """A worker's end: settle its segments, start its replacement, and say what it held (`Lost`)."""
@@ -479,9 +509,20 @@ class WorkerPool:
             unlink_all(self.prefix, owner=worker.pid, keep=self._book.held_names())
             worker.close()
             if not self.closing and not self.broken(worker.slot):
-                self._spawn(worker.slot)
+                self._respawn(worker.slot)
             self._changed.notify_all()
         return Lost(worker.slot, worker, ended, running)
+
+    def _respawn(self, slot: int) -> None:
+        """A new worker for `slot`; when the machine cannot start one now (no file descriptors, no memory)
+        the reason is kept (`why_down`) and the next look at the slot tries again (lock held)."""
+        try:
+            self._spawn(slot)
+        except OSError as err:
+            self._spawn_errors[slot] = err
+            warn("soma.local", "soma: could not start a new worker w%s: %s: %s", slot, type(err).__name__, err)
+            return
+        self._spawn_errors.pop(slot, None)
 
 
 class _Gone:

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from ...wire.protocol import SECRET_ENV
+from ...wire.protocol import OVER_MEMORY_EXIT, SECRET_ENV
 from ...wire.status import StatusPage
 
 
@@ -50,18 +50,22 @@ class WorkerProcess:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            hint = "; the kernel's OOM killer sends this too" if -code == signal.SIGKILL else ""
+            hint = (": what the kernel's out-of-memory killer sends; soma.Local(max_memory=...) replaces a worker "
+                    "before it grows that far") if -code == signal.SIGKILL else ""
             return f"was killed by signal {-code} ({name}{hint})"
+        if code == OVER_MEMORY_EXIT:
+            return "left after an input because its memory went over max_memory, and was replaced"
         return f"exited with code {code}"
 
-    def running(self) -> list[tuple[int, str]]:
-        """`(job id, node id)` its status page says it is (or was, when it died) running."""
+    def running(self) -> list[tuple[int, str]] | None:
+        """`(job id, node id)` its status page says it is (or was, when it died) running; None when the page
+        cannot be read (no file descriptor left, say): then nobody knows what it had started."""
         try:
             if self._status is None:
                 self._status = StatusPage(self.status_path, create=False)
             return self._status.read()
         except (OSError, ValueError):
-            return []
+            return None
 
     def kill(self) -> None:
         if self.alive():
@@ -85,7 +89,7 @@ class WorkerProcess:
 
 
 def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: bytes, prefix: str,
-          threads: int, arena: int, preload_torch: bool) -> WorkerProcess:
+          threads: int, arena: int, preload_torch: bool, max_memory: int | None = None) -> WorkerProcess:
     """Start `python -m soma.local.worker` for a slot: the host's interpreter, sys.path and working directory."""
     status_path = os.path.join(run_dir, f"status-w{slot}-{os.urandom(4).hex()}")
     argv = [
@@ -93,7 +97,7 @@ def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: byt
         "--tasks", endpoints[0], "--results", endpoints[1],
         "--id", f"w{slot}", "--device", device, "--threads", str(threads),
         "--host-pid", str(os.getpid()), "--prefix", prefix, "--arena", str(arena),
-        "--status", status_path,
+        "--status", status_path, "--max-memory", str(max_memory or 0),
     ]
     if preload_torch:
         argv.append("--preload-torch")
@@ -103,5 +107,8 @@ def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: byt
     # Its share of the cores: two processes each using every core run 1.5-3x slower here.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
-    proc = subprocess.Popen(argv, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL, close_fds=True)
+    # A session of its own: the terminal's Ctrl-C (SIGINT to the foreground process group) is the host's to
+    # handle, not every worker's (they would die, be replaced, and run every setup again).
+    proc = subprocess.Popen(argv, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL, close_fds=True,
+                            start_new_session=True)
     return WorkerProcess(slot, proc, status_path)

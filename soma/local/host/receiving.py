@@ -29,7 +29,6 @@ import threading
 import time
 from collections import deque
 
-from ..._log import warn
 from .pool import PUMP_S
 
 LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
@@ -59,6 +58,8 @@ class Receiving:
         self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it at once
         os.set_blocking(self._wake_w, False)
         self._listener = None
+        self._looked_at = 0.0  # when the workers were last looked at (by the listener or a leading caller)
+        self._faults = _FaultLog()
 
     # -- life ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -94,33 +95,41 @@ class Receiving:
         poller = select.poll()
         poller.register(pool.results_fd(), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        last_check = 0.0
         try:
             while not self.closing:
-                if self._leading:
-                    with self._quiet:
-                        if self._leading:
-                            self._quiet.wait(PUMP_S)
-                else:
-                    poller.poll(int(PUMP_S * 1000))  # the descriptor says "look again", not "a message is there"
-                if self._recv_lock.acquire(blocking=False):
-                    try:
-                        if not self.closing:
-                            self._drain()
-                            now = time.monotonic()
-                            if now - last_check >= PUMP_S:
-                                last_check = now
-                                self._look_at_workers()
-                    finally:
-                        self._recv_lock.release()
-                pool.apply_host_releases()
-                pool.flush_frees()
-        except Exception as err:  # the pool cannot work without its listener: say so loudly
-            warn("soma.local", "soma: the pool's listener stopped: %s: %s", type(err).__name__, err)
-            raise
+                try:
+                    self._listen_once(poller)
+                except Exception as err:  # never silent, never dead: the pool cannot work without its listener
+                    self._faults.note(err)
+                    time.sleep(PUMP_S)  # (a resource that ran out is given time to come back)
         finally:
             with self._recv_lock:
                 pool.close_results()
+
+    def _listen_once(self, poller) -> None:
+        if self._leading:
+            with self._quiet:
+                if self._leading:
+                    self._quiet.wait(PUMP_S)
+        else:
+            poller.poll(int(PUMP_S * 1000))  # the descriptor says "look again", not "a message is there"
+        if self._recv_lock.acquire(blocking=False):
+            try:
+                if not self.closing:
+                    self._drain()
+                    self._look_at_workers_now_and_then()
+            finally:
+                self._recv_lock.release()
+        self.pool.apply_host_releases()
+        self.pool.flush_frees()
+
+    def _look_at_workers_now_and_then(self) -> None:
+        """Every PUMP_S, whoever receives (the listener, or a caller that leads for long) looks for dead
+        workers: a caller busy with a stream of outputs must not keep a death from being noticed."""
+        now = time.monotonic()
+        if now - self._looked_at >= PUMP_S:
+            self._looked_at = now
+            self._look_at_workers()
 
     def _look_at_workers(self) -> None:
         """Dead workers: what they sent before dying is received first (still a result), then their end."""
@@ -209,6 +218,7 @@ class Receiving:
                 if frame is not None:
                     handle(pool.handle(frame))
             self._drain()
+            self._look_at_workers_now_and_then()
         finally:
             self._leading = False
             self._recv_lock.release()
@@ -230,3 +240,28 @@ class Receiving:
         while frame is not None:
             handle(pool.handle(frame))
             frame = pool.frame_now()
+
+
+class _FaultLog:
+    """The listener's own failures (a resource ran out under it, or a bug): the first one at once, with its
+    traceback; then one line per interval with how many came since, so a lasting fault is not a flood."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self):
+        self.since = 0
+        self.last = float("-inf")
+
+    def note(self, err: BaseException) -> None:
+        now = time.monotonic()
+        if now - self.last < self.INTERVAL_S:
+            self.since += 1
+            return
+        more = f" ({self.since} more since the last report)" if self.since else ""
+        first = self.last == float("-inf")
+        self.since, self.last = 0, now
+        import logging
+
+        logging.getLogger("soma.local").warning(
+            "soma: the pool's listener met %s: %s%s; it goes on (runs it touches fail with a SomaError that says "
+            "why)", type(err).__name__, err, more, exc_info=err if first else None)

@@ -35,7 +35,7 @@ from ...plan import last_step
 from ...run.postcondition import check_postcondition
 from .choice import WorkerChoice
 from .flows import Flow, Job, Walker
-from .pool import START_FAILURES, Lost, Outcomes, Ready, Undecodable
+from .pool import Lost, Outcomes, Ready, Undecodable
 
 
 class Scheduler:
@@ -52,19 +52,20 @@ class Scheduler:
         self.walker = Walker(pool.get_store)
 
     # -- starting inputs ---------------------------------------------------------------------------------
-    def start(self, program, items: list, sink, trace) -> dict:
+    def start(self, program, items: list, sink, trace, retries: int = 0) -> dict:
         """Start `(index, x)` inputs on `program`; each one's `(index, ok, value)` goes to `sink` once.
 
         Returns index → Flow. An input that cannot even be sent (unpicklable, a tensor
         with an autograd graph, /dev/shm full) goes to the sink at once as its error.
+        `retries`: tries each input gets beyond the first when a worker dies while running it.
         """
         flows = {}
         jobs: list = []
         for index, x in items:
-            flow = Flow(index, sink, trace)
+            flow = Flow(index, sink, trace, program, x, retries)
             flows[index] = flow
             try:
-                jobs += self.walker.start(program, x, flow)
+                jobs += self.walker.start(flow, x)
             except NodeError as err:
                 flow.finished = True
                 sink.put((index, False, err))
@@ -105,7 +106,7 @@ class Scheduler:
         depths: dict = {}
         full: set = set()  # pieces no worker can take more of in this pump (loads only grow during it)
         for job in queue:
-            if job.flow.finished:
+            if self.walker.stale(job):
                 continue
             slot = None if job.piece.id in full else self._place(job, usable, depths)
             if slot is None:
@@ -131,8 +132,9 @@ class Scheduler:
                 lost = self.pool.retire(slot)
                 if lost is not None:
                     self._lost(lost)
-                usable += (slot,)
-                starting += (slot,)
+                if self.pool.worker_starting(slot):
+                    usable += (slot,)
+                    starting += (slot,)
         return usable, starting
 
     def _place(self, job: Job, usable, depths: dict):
@@ -161,8 +163,6 @@ class Scheduler:
                 if job.id in self.outstanding:
                     self._give_back(job)
                 self._finish(job.flow, False, _internal(err, f"sending node `{job.piece.entry}` to a worker"))
-        for job in jobs:
-            job.keep = None  # counted as sent (or its worker is gone): the copies may go
 
     def _give_back(self, job: Job) -> None:
         """`job` is no longer at its worker (its outcome came, or the worker is gone): lock held."""
@@ -170,19 +170,20 @@ class Scheduler:
         self.choice.give_back(job)
 
     def _fail_unplaceable(self) -> None:
-        """Jobs whose only workers cannot start any more would wait forever: fail them."""
-        broken = [self.pool.broken(s) for s in range(len(self.worker_devices))]
-        if not any(broken):
+        """Jobs whose only workers cannot start (now, or any more) would wait forever: fail them, saying why."""
+        why = [self.pool.why_down(s) for s in range(len(self.worker_devices))]
+        if not any(why):
             return
         for job in list(self.queue):
             slots = self.choice.serving(job.piece)
-            if all(broken[s] for s in slots):
+            if all(why[s] for s in slots):
                 self.queue.remove(job)
+                if self.walker.stale(job):
+                    continue
                 worker = self.pool.worker(slots[0])
                 self._end_job(job, False, WorkerDied(
-                    f"no worker can run node `{job.piece.entry}`: worker {worker.id} died before it was ready "
-                    f"{START_FAILURES} times in a row; its stderr says why", worker=worker.id, pid=worker.pid,
-                    node=job.piece.entry))
+                    f"no worker can run node `{job.piece.entry}`: worker {worker.id} {why[slots[0]]}",
+                    worker=worker.id, pid=worker.pid, node=job.piece.entry, tries=job.flow.tries))
 
     def parallelism(self, pieces: list) -> int:
         """How many inputs of a program this pool works on at once (see WorkerChoice.parallelism)."""
@@ -214,7 +215,7 @@ class Scheduler:
         for job in parked:
             if job.id not in self.outstanding:
                 continue
-            if job.flow.finished:  # cancelled or timed out while its worker started: never sent
+            if self.walker.stale(job):  # cancelled, timed out or tried again while its worker started: never sent
                 self._give_back(job)
                 job.flow.jobs.discard(job)
                 job.keep = None
@@ -232,8 +233,12 @@ class Scheduler:
                 continue
             self._give_back(job)
             value = arrived.value
-            if type(value) is Cancelled or job.flow.finished:
+            if self.walker.stale(job):
                 job.flow.jobs.discard(job)
+                continue
+            if type(value) is Cancelled:  # not started by a worker leaving (over max_memory): it runs elsewhere
+                job.slot = None
+                self.queue.append(job)
                 continue
             self.choice.measure(job, arrived.seconds, now)
             try:
@@ -277,36 +282,57 @@ class Scheduler:
             self._finish(flow, *flow.outcome)
 
     def _lost(self, lost: Lost) -> None:
-        """The worker of `lost.slot` ended: every job it held fails with WorkerDied; its copies are gone
-        (lock held; the caller pumps)."""
-        slot, worker = lost.slot, lost.worker
+        """The worker of `lost.slot` ended; its copies are gone (lock held; the caller pumps).
+
+        A job it had not started (parked for it, or sent and not yet begun, as its status page
+        says) is innocent: it goes back to the queue, no try counted. A job it was running is
+        lost: its input runs again from the start if it has tries left, else fails (WorkerDied).
+        """
+        slot = lost.slot
         self.choice.slot_lost(slot)
-        running_by_job = dict(lost.running)
+        running = dict(lost.running) if lost.running is not None else None  # None: its page could not be read
         jobs = [job for job in self.outstanding.values() if job.slot == slot]
         parked = set(map(id, self.parked[slot]))
         self.parked[slot] = []
         requeued = []
         for job in jobs:
             self._give_back(job)
-            if job.flow.finished:
+            if self.walker.stale(job):
                 job.flow.jobs.discard(job)
                 continue
-            if id(job) in parked:  # never sent: it goes to another worker (or this one's replacement)
+            started = id(job) not in parked and (running is None or job.id in running)
+            if not started:
                 job.slot = None
                 requeued.append(job)
                 continue
-            node = running_by_job.get(job.id)
-            if node is not None:
-                what = f"while running node `{node}`"
-            else:
-                node = job.piece.entry
-                others = sorted(set(running_by_job.values()))
-                what = f"before it ran node `{node}`" + (
-                    f" (it was running {', '.join(f'`{n}`' for n in others)} for other inputs)" if others else "")
-            self._end_job(job, False, WorkerDied(
-                f"worker {worker.id} (pid {worker.pid}) {lost.ended} {what}; the pool replaced it: run again",
-                worker=worker.id, pid=worker.pid, node=node))
+            node = running.get(job.id, job.piece.entry) if running is not None else job.piece.entry
+            self._lost_running(job, lost, node)
         self.queue.extendleft(reversed(requeued))
+
+    def _lost_running(self, job: Job, lost: Lost, node: str) -> None:
+        """A worker died while running `job`: another try of its input, or its WorkerDied."""
+        flow, worker = job.flow, lost.worker
+        if flow.tries <= flow.retries:
+            self._try_again(flow)
+            return
+        then = "run again, or pass retries=N" if not flow.retries else (
+            f"{flow.tries} tries, each lost to a dead worker (retries={flow.retries})")
+        down = self.pool.why_down(lost.slot)
+        replaced = "the pool replaced it" if down is None else f"a new worker {down}"
+        self._end_job(job, False, WorkerDied(
+            f"worker {worker.id} (pid {worker.pid}) {lost.ended} while running node `{node}`; {replaced}: {then}",
+            worker=worker.id, pid=worker.pid, node=node, tries=flow.tries))
+
+    def _try_again(self, flow: Flow) -> None:
+        """Run the input again from the program's start; what is left of its last try is dropped."""
+        stale = list(flow.jobs)
+        flow.jobs.clear()
+        flow.tries += 1
+        self._cancel_jobs([job for job in stale if job.id in self.outstanding])
+        try:
+            self._enqueue(self.walker.start(flow, flow.x))
+        except NodeError as err:
+            self._finish(flow, False, err)
 
     # -- stopping inputs ---------------------------------------------------------------------------------------
     def expire(self, flow: Flow, timeout: float) -> RunTimeout:
@@ -344,9 +370,13 @@ class Scheduler:
 
     def _cancel_at_workers(self, flows) -> None:
         flows = set(flows)
+        self._cancel_jobs([job for job in self.outstanding.values() if job.flow in flows])
+
+    def _cancel_jobs(self, jobs: list) -> None:
+        """Ask workers to drop these jobs unless they have started (their outcomes come back and are dropped)."""
         by_slot: dict[int, list] = {}
-        for job in self.outstanding.values():
-            if job.flow in flows and job not in self.parked[job.slot]:  # (parked ones are dropped at hello)
+        for job in jobs:
+            if job not in self.parked[job.slot]:  # (parked ones are dropped at hello)
                 by_slot.setdefault(job.slot, []).append(job.id)
         for slot, ids in by_slot.items():
             self.pool.cancel(slot, ids)

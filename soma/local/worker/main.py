@@ -43,6 +43,10 @@ def parse_args(argv):
     parser.add_argument("--host-pid", type=int, required=True, help="the host's pid: exit when it is gone")
     parser.add_argument("--prefix", required=True, help="the pool's shared-memory segment prefix")
     parser.add_argument("--arena", type=int, default=256 << 20, help="bytes of free segments kept for reuse")
+    parser.add_argument("--max-memory", type=int, default=0,
+                        help="soma.Local(max_memory=...): after a job, a worker whose own memory (resident, less "
+                             "libraries and shared memory) is above this many bytes runs nothing more and exits, "
+                             "so the host replaces it; 0: no cap")
     parser.add_argument("--preload-torch", action="store_true", help="import torch right after saying hello, in the background (the host uses it)")
     return parser.parse_args(argv)
 

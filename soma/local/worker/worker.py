@@ -32,6 +32,17 @@ MAX_THREADS = 64  # serving threads: one per piece running at once, and one rece
 _STOP = object()  # next_turn's answer when the worker is stopping
 
 
+def private_memory() -> int:
+    """This process's own resident memory: its resident set less file-backed and shared pages (libraries,
+    and the shared-memory segments values cross in, which soma bounds itself)."""
+    with open("/proc/self/statm", "rb") as f:
+        fields = f.read().split()
+    return (int(fields[1]) - int(fields[2])) * _PAGE
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 class Lane:
     """The jobs of one piece waiting in this worker: run in arrival order, by one thread at a time."""
 
@@ -80,6 +91,8 @@ class Worker:
         self.running = 0  # threads running a lane
         self.serving = 1
         self.stopping = threading.Event()
+        self.max_memory = args.max_memory  # bytes, or 0: no cap
+        self.over_memory = False  # above max_memory after a job: it takes no more and leaves
         self.cancelled: set = set()  # job ids the host no longer wants (dropped unless started)
         # What this worker knows: node code, nodes, pieces.
         self.library = Library(self.id, self.make_interpreter)
@@ -288,10 +301,12 @@ class Worker:
                 cancelled = job.id in self.cancelled
                 if cancelled:
                     self.cancelled.discard(job.id)
-            if cancelled:
+            if cancelled or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
                 outcome = Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
             else:
                 outcome = self.run_job(job)
+                if self.max_memory and not self.over_memory:
+                    self.over_memory = private_memory() > self.max_memory
             now = time.monotonic()
             if not outcomes:
                 first_at = now
@@ -301,6 +316,18 @@ class Worker:
                 outcomes = []
         if outcomes:
             self.flush(outcomes)
+        if self.over_memory:
+            self.leave_if_idle()
+
+    def leave_if_idle(self) -> None:
+        """Over max_memory: once no other lane runs, exit, so the host starts a fresh worker in our place.
+
+        Our segments are not unlinked here: the host receives what we sent before it handles our end,
+        and it unlinks what nobody holds (as for any worker that dies)."""
+        with self.lock:
+            if self.running > 1:  # (this thread's own lane counts until its caller lets go of it)
+                return
+        os._exit(protocol.OVER_MEMORY_EXIT)
 
     def flush(self, outcomes: list) -> None:
         # Inputs and outputs of these jobs are dropped by now: what died is reported with them.

@@ -1,0 +1,194 @@
+"""Long jobs survive what goes wrong: retries after a dead worker, errors in their place, memory caps.
+
+Every death here is real (a worker's process ends: os._exit, SIGKILL); "once" is kept in
+files, so a node knows across processes whether it already died for an input.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+import soma
+from soma import Done, Graph, Node, NodeError, RunTimeout, WorkerDied
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class DieOnceFor(Node):
+    """Ends its process the first time it sees each input listed in `doomed` (a file per input says it did)."""
+
+    def __init__(self, folder, doomed, how="exit"):
+        self.folder, self.doomed, self.how = str(folder), set(doomed), how
+
+    def forward(self, x, ctx):
+        mark = os.path.join(self.folder, f"died-{x}")
+        with open(os.path.join(self.folder, f"ran-{x}"), "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if x in self.doomed and not os.path.exists(mark):
+            open(mark, "w").close()
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3)
+        return Done(x * 10)
+
+
+class AlwaysDie(Node):
+    def forward(self, x, ctx):
+        os._exit(3)
+
+
+class Raise(Node):
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def forward(self, x, ctx):
+        with open(os.path.join(self.folder, "raised"), "a") as f:
+            f.write("x\n")
+        raise ValueError(f"bad input {x}")
+
+
+class Slow(Node):
+    def forward(self, x, ctx):
+        time.sleep(x)
+        return Done(x)
+
+
+def runs_of(folder, x) -> int:
+    path = os.path.join(str(folder), f"ran-{x}")
+    return len(open(path).read().split()) if os.path.exists(path) else 0
+
+
+def test_run_with_retries_runs_an_input_again_when_its_worker_dies(local, tmp_path):
+    g = Graph.somatize(DieOnceFor(tmp_path, {7}))
+    before = set(local.pids())
+    assert local.run(g, 7, retries=1) == 70
+    assert runs_of(tmp_path, 7) == 2  # once in the worker that died, once more
+    wait_for(lambda: len(local.pids()) == 2 and set(local.pids()) != before, what="the replacement")
+
+
+def test_without_retries_the_death_is_worker_died_with_one_try(local, tmp_path):
+    with pytest.raises(WorkerDied) as info:
+        local.run(Graph.somatize(DieOnceFor(tmp_path, {1})), 1)
+    assert info.value.tries == 1
+    assert "exited with code 3 while running node `die_once_for`; the pool replaced it: run again, or pass " \
+           "retries=N" in str(info.value)
+
+
+def test_retries_exhausted_say_how_many_tries_were_made(local):
+    with pytest.raises(WorkerDied) as info:
+        local.run(Graph.somatize(AlwaysDie()), 0, retries=2)
+    err = info.value
+    assert err.tries == 3 and err.node == "always_die"
+    assert str(err).endswith("3 tries, each lost to a dead worker (retries=2)")
+
+
+def test_a_node_exception_is_never_retried(local, tmp_path):
+    with pytest.raises(NodeError, match=r"^node `raise` failed: ValueError: bad input 4"):
+        local.run(Graph.somatize(Raise(tmp_path)), 4, retries=3)
+    assert open(tmp_path / "raised").read().count("x") == 1
+
+
+def test_a_timeout_is_never_retried(local):
+    with pytest.raises(RunTimeout):
+        local.run(Graph.somatize(Slow()), 5, timeout=0.5, retries=3)
+    assert local.run(Graph.somatize(Slow()), 0) == 0  # the pool goes on
+
+
+def test_retries_must_be_a_count(local):
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match=r"^retries must be a number of tries beyond the first"):
+            local.run(Graph.somatize(Slow()), 0, retries=bad)
+        with pytest.raises(ValueError, match=r"^retries must be a number of tries beyond the first"):
+            soma.Executor().run(Graph.somatize(Slow()), 0, retries=bad)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_map_with_retries_yields_every_output_once_in_order(local, tmp_path, ordered):
+    doomed = {3, 11, 12, 30}
+    g = Graph.somatize(DieOnceFor(tmp_path, doomed, how="kill"))
+    out = list(local.map(g, range(40), retries=2, ordered=ordered))
+    if ordered:
+        assert out == [10 * i for i in range(40)]
+    else:
+        assert sorted(out) == [10 * i for i in range(40)]
+    assert all(runs_of(tmp_path, i) >= 2 for i in doomed)
+
+
+def test_inputs_a_dead_worker_had_not_started_go_elsewhere_without_an_error(local, tmp_path):
+    # One worker: every input of the window is queued at it; only the one it ran dies with it.
+    with soma.Local(workers=1) as one:
+        g = Graph.somatize(DieOnceFor(tmp_path, {0}))
+        out = list(one.map(g, range(12), window=12, errors="yield"))
+    assert isinstance(out[0], WorkerDied) and out[0].index == 0 and out[0].tries == 1
+    assert out[1:] == [10 * i for i in range(1, 12)]
+    assert all(runs_of(tmp_path, i) == 1 for i in range(12))  # each ran once: nothing was tried twice
+
+
+def test_errors_yield_puts_each_failure_in_its_place_and_goes_on(local, tmp_path):
+    g = Graph.somatize(FailOdd())
+    for runner in (soma.Executor(), local):
+        for ordered in (True, False):
+            out = list(runner.map(g, range(10), errors="yield", ordered=ordered))
+            errs = sorted((e.index, str(e)) for e in out if isinstance(e, NodeError))
+            assert errs == [(i, f"node `fail_odd` failed: ValueError: odd {i}") for i in (1, 3, 5, 7, 9)]
+            values = [v for v in out if not isinstance(v, NodeError)]
+            assert (values if ordered else sorted(values)) == [0, 2, 4, 6, 8]
+            if ordered:
+                assert [isinstance(v, NodeError) for v in out] == [i % 2 == 1 for i in range(10)]
+
+
+def test_errors_must_be_raise_or_yield(local):
+    for runner in (soma.Executor(), local):
+        with pytest.raises(ValueError, match=r"^map's errors must be 'raise' or 'yield', got 'skip'$"):
+            runner.map(Graph.somatize(FailOdd()), [1], errors="skip")
+
+
+class FailOdd(Node):
+    def forward(self, x, ctx):
+        if x % 2:
+            raise ValueError(f"odd {x}")
+        return Done(x)
+
+
+class Grow(Node):
+    """Keeps `mib` more MiB of its own memory per input; returns (its pid, its private memory before)."""
+
+    def __init__(self, mib):
+        self.mib = mib
+        self.kept = []
+
+    def forward(self, x, ctx):
+        with open("/proc/self/statm") as f:
+            fields = f.read().split()
+        before = (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+        self.kept.append(bytearray(os.urandom(1)) * (self.mib << 20))  # written: resident, not just reserved
+        return Done((os.getpid(), before))
+
+
+def test_a_worker_over_max_memory_after_an_input_is_replaced_before_the_next(tmp_path):
+    with soma.Local(workers=1, max_memory="100MiB") as capped:
+        out = list(capped.map(Graph.somatize(Grow(60)), range(6)))
+    pids = [pid for pid, _ in out]
+    # Two inputs make any worker 120 MiB bigger than it started, over the cap: no worker runs more than two.
+    assert all(pids.count(pid) <= 2 for pid in pids) and len(set(pids)) >= 3, pids
+    assert all(before < 100 << 20 for _, before in out), out  # never ran an input while over the cap
+
+
+def test_max_memory_is_parsed_and_nonsense_is_refused():
+    assert soma.Local(workers=1, max_memory="512MiB").max_memory == 512 << 20
+    assert soma.Local(workers=1, max_memory="4GiB").max_memory == 4 << 30
+    assert soma.Local(workers=1, max_memory="1.5GB").max_memory == 1_500_000_000
+    assert soma.Local(workers=1, max_memory=1 << 20).max_memory == 1 << 20
+    for bad in ("lots", -1, 0, "12 parsecs", True):
+        with pytest.raises(ValueError, match=r"^soma.Local's max_memory= is a number of bytes"):
+            soma.Local(workers=1, max_memory=bad)
+
+
+def test_a_worker_killed_by_sigkill_names_the_oom_killer_and_max_memory(local, tmp_path):
+    with pytest.raises(WorkerDied) as info:
+        local.run(Graph.somatize(DieOnceFor(tmp_path, {2}, how="kill")), 2)
+    assert ("was killed by signal 9 (SIGKILL: what the kernel's out-of-memory killer sends; "
+            "soma.Local(max_memory=...) replaces a worker before it grows that far)") in str(info.value)
