@@ -54,6 +54,8 @@ def error_from(body: dict) -> NodeError:
         except Exception:
             cause = None
     if cause is not None:
+        if remote is not None:  # the cause is shown below it: its frames alone, not its message a second time
+            remote = RemoteTraceback(frames_only(body["traceback"]))
         cause.__cause__ = remote
         err.__cause__ = cause
     else:
@@ -73,3 +75,11 @@ def pickled_exception(exc: BaseException) -> bytes | None:
         return data
     except Exception:
         return None
+
+
+def frames_only(text: str) -> str:
+    """A traceback's text without its last exception's own lines (type and message): what is left once the
+    exception itself is displayed next to it."""
+    lines = text.rstrip("\n").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.startswith("  ")), default=len(lines) - 1)
+    return "\n".join(lines[:last + 1]) + "\n"

@@ -64,6 +64,12 @@ def _remember_lines(filename: str, lines: tuple) -> None:
     linecache.cache[filename] = (sum(map(len, known)), None, known, filename)
 
 
+def _file_name(f) -> str:
+    name, mode = getattr(f, "name", None), getattr(f, "mode", None)
+    return ", ".join(part for part in (repr(name) if name is not None else type(f).__name__,
+                                       f"mode {mode!r}" if mode else "") if part)
+
+
 _PICKLER = None
 
 
@@ -85,6 +91,11 @@ def _pickler_class():
             def reducer_override(self, obj):
                 if type(obj) is types.CodeType and base_reduce is not None:
                     return self.reduce_code(obj)
+                if isinstance(obj, io.IOBase) and not isinstance(obj, (io.BytesIO, io.StringIO)):
+                    # cloudpickle would send a file open for reading as a snapshot of its content: every
+                    # copy of the node would read the same lines again. A file belongs to one process.
+                    raise TypeError(f"it holds an open file ({_file_name(obj)}), which cannot be shared with "
+                                    f"another process")
                 return super().reducer_override(obj)
 
             def reduce_code(self, code):
