@@ -120,3 +120,45 @@ def test_one_trace_at_a_time(runner, tmp_path):
             with runner.trace(tmp_path / "b.json"):
                 pass
     assert (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+
+
+class SlowSetup(soma.Node):
+    """A setup that takes 0.3 s (a model loading), then a quick forward."""
+
+    def setup(self, ctx):
+        time.sleep(0.3)
+
+    def forward(self, x, ctx):
+        return soma.Done(x)
+
+
+def test_setup_is_a_span_of_its_own_and_the_first_forward_does_not_include_it(runner, tmp_path):
+    path = tmp_path / "setup.json"
+    with runner.trace(path):
+        runner.run(Graph.somatize(SlowSetup()), 1)
+        runner.run(Graph.somatize(SlowSetup()), 2)  # (a new node: its own setup again)
+    doc, events, nodes, meta = load(path)
+    setups = [e for e in events if e.get("cat") == "setup"]
+    assert [e["name"] for e in setups] == ["setup slow_setup"] * 2
+    assert all(e["dur"] >= 300_000 for e in setups)
+    for forward in nodes:
+        setup = next(e for e in setups if e["tid"] == forward["tid"] and e["pid"] == forward["pid"]
+                     and e["ts"] <= forward["ts"])
+        assert setup["ts"] + setup["dur"] <= forward["ts"] + 1  # the forward starts after its setup ends
+        assert forward["dur"] < 300_000
+
+
+def test_a_workers_loading_of_node_code_and_its_start_are_spans_and_threads_are_named_by_role(tmp_path):
+    path = tmp_path / "start.json"
+    pool = soma.Local(workers=2)
+    with pool.trace(path):  # started inside the block: its workers' starts are in it
+        pool.run(Graph.somatize(AddOne() | Double()), 1)
+    pool.close()
+    doc, events, nodes, meta = load(path)
+    starts = sorted(e["name"] for e in events if e.get("cat") == "start")
+    assert starts == ["start worker w0", "start worker w1"]
+    loads = [e for e in events if e.get("cat") == "load"]
+    assert sorted(e["name"] for e in loads) == ["load add_one", "load double"]
+    threads = {e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    assert {"w0 lane 0", "w1 lane 0"} <= threads
+    assert not any("thread " in name for name in threads), threads  # named by what they do, not by their tid

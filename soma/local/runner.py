@@ -89,7 +89,7 @@ class Local(RunnerBase):
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
                                   preload_torch=self.preload_torch, registry=self._registry,
                                   max_memory=self.max_memory)
-                scheduler = Scheduler(pool, self.worker_devices)
+                scheduler = Scheduler(pool, self.worker_devices, tracer=self)
                 receiving = Receiving(pool, scheduler)
                 try:
                     pool.start_workers()

@@ -130,7 +130,7 @@ def on_threads(calls: list, kept: "KeptThreads | None" = None) -> list:
     if kept is not None:
         kept.run([lambda i=i: one(i) for i in range(len(calls))])
         return results
-    threads = [threading.Thread(target=one, args=(i,), name=f"soma-branch-{i}", daemon=True)
+    threads = [threading.Thread(target=one, args=(i,), name=f"branch {i + 1}", daemon=True)
                for i in range(len(calls))]
     for t in threads:
         t.start()
@@ -150,6 +150,7 @@ class KeptThreads:
     def __init__(self):
         self._idle: list = []
         self._lock = threading.Lock()
+        self._made = 0  # threads made so far (they are named "branch 1", "branch 2", ...)
 
     def run(self, calls: list) -> None:
         left = [len(calls) - 1]
@@ -168,7 +169,8 @@ class KeptThreads:
                 inbox = self._idle.pop() if self._idle else None
             if inbox is None:
                 inbox = queue.SimpleQueue()
-                threading.Thread(target=self._serve, args=(inbox,), name="soma-branch", daemon=True).start()
+                self._made += 1
+                threading.Thread(target=self._serve, args=(inbox,), name=f"branch {self._made}", daemon=True).start()
             inbox.put((call, finished))
         calls[0]()
         all_done.wait()
@@ -271,7 +273,7 @@ class Interpreter:
         self._compiled: dict = {}  # plan → its compiled call
 
     def run(self, plan: Plan, x, state: RunState | None = None, spans: list | None = None):
-        """Run `plan` on `x`. With `spans`, append `[node, start ns, end ns, thread id, outcome]` per node."""
+        """Run `plan` on `x`. With `spans`, append one `span(...)` per node run (and per setup)."""
         return self.compile(plan)(x, state if state is not None else RunState(), spans)
 
     def compile(self, plan: Plan):
@@ -320,8 +322,10 @@ class Interpreter:
         try:
             with guard.lock:  # one input at a time per node object
                 if not guard.ready:
-                    self.setup(node, node_id, ctx)
+                    self.setup(node, node_id, ctx, spans)
                     guard.ready = True
+                    if spans is not None:
+                        start = time.monotonic_ns()  # (the node's own span starts after its setup's)
                 try:
                     out = node.forward(x, ctx)
                 except self._caught as exc:
@@ -336,20 +340,29 @@ class Interpreter:
             raise
         finally:
             state.leave(node_id)
-            if spans is not None:
-                spans.append([node_id, start, time.monotonic_ns(), threading.get_native_id(), outcome])
+            if spans is not None and start:
+                spans.append(span(node_id, start, outcome))
         return unwrap(out.value)
 
-    def setup(self, node, node_id: str, ctx: Ctx) -> None:
-        """`node.setup(ctx)`, once per node object, before its first forward (when the node defines it)."""
+    def setup(self, node, node_id: str, ctx: Ctx, spans: list | None = None) -> None:
+        """`node.setup(ctx)`, once per node object, before its first forward (when the node defines it).
+
+        Traced, it is a span of its own (kind "setup"): loading a model must not look like a slow forward.
+        """
         setup = getattr(node, "setup", None)
         if setup is None:
             return
+        start = time.monotonic_ns() if spans is not None else 0
+        outcome = "ok"
         try:
             setup(ctx)
         except self._caught as exc:
+            outcome = type(exc).__name__
             err = self.node_failed(node_id, exc, doing="setup raised")
             raise err from exc
+        finally:
+            if spans is not None:
+                spans.append(span(node_id, start, outcome, "setup"))
 
     def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:
         """The NodeError for an exception a node raised (a full /dev/shm has its own)."""
@@ -361,6 +374,14 @@ class Interpreter:
         if missing:
             what = f"it is placed on `{device}`, but {missing}; {what}"
         return NodeError.failed(node_id, f"{what}: {exc}", remote_traceback=text)
+
+
+def span(node_id: str, start_ns: int, outcome: str, kind: str = "node") -> list:
+    """What a trace records of one node's work, ending now on this thread:
+    `[node, start ns, end ns, thread id, outcome, kind, thread name]`; kind "node" (a forward), "setup",
+    or "load" (a worker loading the node's code)."""
+    thread = threading.current_thread()
+    return [node_id, start_ns, time.monotonic_ns(), thread.native_id, outcome, kind, thread.name]
 
 
 def missing_device(device: str | None) -> str | None:

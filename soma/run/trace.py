@@ -75,12 +75,16 @@ class Trace:
             self._events.extend((begin, end))
 
     def node_spans(self, spans, pid: int, worker, devices: dict, index, offset_ns: int = 0) -> None:
-        """The spans a runner's interpreter recorded (`[node, start, end, tid, outcome]`), as node events."""
-        for node, start, end, tid, outcome in spans:
-            self.thread(pid, tid, f"{worker} thread {tid}" if worker is not None else f"thread {tid}")
-            self.span(node, "node", start + offset_ns, end + offset_ns, pid, tid,
-                      {"node": node, "device": devices.get(node), "worker": worker, "input": index,
-                       "outcome": outcome})
+        """The spans a runner's interpreter recorded (`soma.run.interpreter.span`), as events: category
+        `node` for a node's run (named by the node), `setup` and `load` (named "setup x", "load x")."""
+        for span in spans:
+            node, start, end, tid, outcome = span[:5]
+            kind = span[5] if len(span) > 5 else "node"
+            name = span[6] if len(span) > 6 else f"thread {tid}"
+            self.thread(pid, tid, f"{worker} {name}" if worker is not None else name)
+            self.span(node if kind == "node" else f"{kind} {node}", kind, start + offset_ns, end + offset_ns, pid,
+                      tid, {"node": node, "device": devices.get(node), "worker": worker, "input": index,
+                            "outcome": outcome})
 
     @contextlib.contextmanager
     def host_step(self, name: str, **args):

@@ -21,6 +21,7 @@ class WorkerProcess:
         self.id = f"w{slot}"
         self.proc = proc
         self.pid = proc.pid
+        self.spawned_ns = time.monotonic_ns()  # (a trace shows its start: from here to its hello)
         self.identity = f"{self.id}.{self.pid}".encode()  # its socket's identity (see soma.local.worker)
         self.status_path = status_path
         self.ready = threading.Event()  # set by its HELLO

@@ -63,7 +63,7 @@ class Receiving:
 
     # -- life ------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._listener = threading.Thread(target=self._listen, name="soma-listener", daemon=True)
+        self._listener = threading.Thread(target=self._listen, name="listener", daemon=True)
         self._listener.start()
 
     def close(self) -> None:

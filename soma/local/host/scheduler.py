@@ -39,8 +39,9 @@ from .pool import Lost, Outcomes, Ready, Undecodable
 
 
 class Scheduler:
-    def __init__(self, pool, worker_devices: list[str]):
+    def __init__(self, pool, worker_devices: list[str], tracer=None):
         self.pool = pool
+        self.tracer = tracer  # whose open trace block (`current_trace`), if any, a worker's start is shown in
         self.worker_devices = worker_devices
         self.lock = threading.RLock()
         self.choice = WorkerChoice(worker_devices)
@@ -210,6 +211,13 @@ class Scheduler:
             self._pump()
 
     def _on_ready(self, slot: int) -> None:
+        trace = self.tracer.current_trace if self.tracer is not None else None
+        if trace is not None:  # a worker started inside a trace block: its start (imports, connecting) is a span
+            worker = self.pool.worker(slot)
+            trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
+            trace.thread(worker.pid, 0, "start")
+            trace.span(f"start worker {worker.id}", "start", worker.spawned_ns, time.monotonic_ns(), worker.pid, 0,
+                       {"worker": worker.id})
         parked, self.parked[slot] = self.parked[slot], []
         wanted = []
         for job in parked:

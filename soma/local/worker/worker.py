@@ -14,7 +14,7 @@ import zmq
 
 from ..._log import warn
 from ...errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
-from ...run.interpreter import Interpreter, RunState
+from ...run.interpreter import Interpreter, RunState, span
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
 from ...wire.shm import unlink_all
@@ -107,6 +107,7 @@ class Worker:
 
     # -- life --------------------------------------------------------------------------------
     def serve(self) -> int:
+        threading.current_thread().name = "lane 0"  # serving threads are named by what they do (the trace shows them)
         signal.signal(signal.SIGTERM, self.terminated)
         self.when_torch_imports()
         threading.Thread(target=self.watch_host, name="soma-watchdog", daemon=True).start()
@@ -270,7 +271,7 @@ class Worker:
             self.running += 1
             for _ in range(min(wanted - free, MAX_THREADS - self.serving)):
                 self.serving += 1
-                threading.Thread(target=self.serve_forever, name="soma-serving", daemon=True).start()
+                threading.Thread(target=self.serve_forever, name=f"lane {self.serving - 1}", daemon=True).start()
             if self.runnable or (waking and self.idle):
                 self.cv.notify(len(self.runnable) + 1)
         return mine
@@ -351,7 +352,12 @@ class Worker:
                 plan, steps, entry, producer = self.library.describe(job.piece)
                 status.enter(job.id, entry)
                 self.on_thread()  # (a node's code may touch CUDA as it loads)
-                piece = self.library.load(job.piece, plan, steps, entry, producer)
+                loading = time.monotonic_ns() if spans is not None else 0
+                try:  # its imports (torch: a second or more) are a span of their own, not a silent gap
+                    piece = self.library.load(job.piece, plan, steps, entry, producer)
+                finally:
+                    if spans is not None:
+                        spans.append(span(entry, loading, "ok" if piece is not None else "failed", "load"))
             else:
                 entry, producer = piece.entry, piece.producer
                 status.enter(job.id, entry)
