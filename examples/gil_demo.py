@@ -164,17 +164,25 @@ def _own_cpu() -> float:
                                                                           resource.RUSAGE_CHILDREN)))
 
 
-def machine_report(share: tuple[float, float] | None, cores: int) -> list[str]:
-    """What other programs took while the demo ran, and a warning when it was enough to lower the speed-up."""
+def machine_report(share: tuple[float, float] | None, cores: int, speedup: float | None = None,
+                   limit: int | None = None) -> list[str]:
+    """What other programs took while the demo ran; when it was enough to lower the speed-up, what this run's
+    own share of the cores allowed, and what a quiet machine shows."""
     if share is None:
         return []
     others, steal = share
     lines = ["", f"while it ran, other programs used {others:.0f}% of a core and the hypervisor stole {steal:.0f}% "
                  f"(of {cores} cores: {cores * 100}%)"]
     if others + steal >= BUSY:
-        lines.append(f"Other programs took the cores during this run ({others + steal:.0f}% of a core on average): "
-                     f"the speed-up above is lower than this machine gives when it is quiet. Run `soma demo` again "
-                     f"when it is.")
+        had = max(1.0, cores - (others + steal) / 100)
+        text = (f"Other programs took the cores during this run ({others + steal:.0f}% of a core on average), so "
+                f"it had about {had:.1f} of its {cores} cores")
+        if speedup is not None and limit is not None:
+            allowed = min(limit, had)
+            text += (f": the most a speed-up could be here was about {allowed:.1f}x, and Local reached "
+                     f"{speedup:.2f}x ({100 * speedup / allowed:.0f}% of that); on a quiet machine it shows about "
+                     f"{limit}x")
+        lines.append(text + ".")
     return lines
 
 
@@ -234,7 +242,7 @@ def main(ms: float = 100.0, rounds: int = 7, workers: int | None = None, map_inp
     if trace:
         print(f"\ntrace of Local's wave and map: {trace} (open it in https://ui.perfetto.dev)")
 
-    for line in machine_report(machine.others(), cores):  # after close: the workers' CPU now counts as ours
+    for line in machine_report(machine.others(), cores, speedup, limit):  # after close: the workers' CPU counts
         print(line)
     return speedup
 

@@ -169,8 +169,12 @@ def test_the_demo_says_when_other_programs_took_the_cores():
     assert demo.machine_report((3.0, 0.0), 2) == [
         "", "while it ran, other programs used 3% of a core and the hypervisor stole 0% (of 2 cores: 200%)"]
     assert demo.machine_report((60.0, 5.0), 2)[2] == (
-        "Other programs took the cores during this run (65% of a core on average): the speed-up above is lower "
-        "than this machine gives when it is quiet. Run `soma demo` again when it is.")
+        "Other programs took the cores during this run (65% of a core on average), so it had about 1.4 of its 2 "
+        "cores.")
+    assert demo.machine_report((60.0, 5.0), 2, speedup=1.2, limit=2)[2] == (
+        "Other programs took the cores during this run (65% of a core on average), so it had about 1.4 of its 2 "
+        "cores: the most a speed-up could be here was about 1.4x, and Local reached 1.20x (89% of that); on a "
+        "quiet machine it shows about 2x.")
     assert demo.machine_report(None, 2) == []  # no /proc/stat: nothing to say
 
 
