@@ -17,6 +17,7 @@ import weakref
 
 from ..device import Device
 from ..errors import DeviceError, SomaError
+from ..run.aio import FutureSink, InputFuture, LoopSink
 from ..run.base import RunnerBase, as_graph, checked_retries
 from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
@@ -160,6 +161,26 @@ class Local(RunnerBase):
                 trace.thread(pid, tid, threading.current_thread().name)
                 trace.span("run", "host", start, time.monotonic_ns(), pid, tid, {"input": None})
 
+    def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> InputFuture:
+        """`run(g, x)` without waiting: a `concurrent.futures.Future` at once, set when the outcome comes.
+
+        No thread waits for it: the thread that receives the workers' results sets it.
+        `future.cancel()` cancels the input (dropped if not started; its result dropped if it was).
+        """
+        retries = checked_retries(retries)
+        scheduler, _, program = self._ready(g, "Local.submit")
+        future = InputFuture()
+        flow = scheduler.start(program, [(None, x)], FutureSink(future), self._trace, retries)[None]
+        future.on_cancel = lambda: scheduler.cancel([flow])
+        if timeout is not None:
+            self._receiving.at(time.monotonic() + timeout, lambda: _expired(scheduler, flow, future, timeout))
+        return future
+
+    def _async_inflight(self, g, timeout, retries):
+        retries = checked_retries(retries)
+        scheduler, g, program = self._ready(g, "Local.amap")
+        return LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries, asynchronous=True)
+
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool.
 
@@ -220,19 +241,24 @@ class Local(RunnerBase):
 class LocalInflight(Inflight):
     """Local's in-flight set for map: flows on the scheduler, their outcomes in one queue."""
 
-    def __init__(self, scheduler: Scheduler, receiving: Receiving, g, program, tracer, timeout, retries: int):
+    def __init__(self, scheduler: Scheduler, receiving: Receiving, g, program, tracer, timeout, retries: int,
+                 asynchronous: bool = False):
         self.scheduler, self.receiving, self.program, self.timeout = scheduler, receiving, program, timeout
         self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
         self.retries = retries
         self.tracer = tracer  # whose trace block, if any, each input is recorded in when it starts
         self.pieces = pieces(program)  # (asked for at every turn of the map: found once)
-        self.sink = queue.SimpleQueue()
+        # amap: outcomes go to the event loop (made at the first start, in the loop); map: to a queue the
+        # iterating thread receives on
+        self.sink = None if asynchronous else queue.SimpleQueue()
         self.flows: dict = {}
 
     def parallelism(self) -> int:
         return self.scheduler.parallelism(self.pieces)
 
     def start(self, items: list) -> None:
+        if self.sink is None:
+            self.sink = LoopSink()
         self.flows.update(self.scheduler.start(self.program, items, self.sink, self.tracer.current_trace,
                                                self.retries))
 
@@ -250,6 +276,12 @@ class LocalInflight(Inflight):
             self.flows.pop(index, None)
         return got
 
+    async def await_wait(self, timeout):
+        got = await self.sink.take(timeout)
+        for index, _, _ in got:
+            self.flows.pop(index, None)
+        return got
+
     def expire(self, index: int) -> BaseException:
         flow = self.flows.pop(index)
         return self.scheduler.expire(flow, self.timeout)
@@ -258,6 +290,13 @@ class LocalInflight(Inflight):
         if self.flows:
             self.scheduler.cancel(list(self.flows.values()))
             self.flows.clear()
+
+
+def _expired(scheduler: Scheduler, flow, future, timeout: float) -> None:
+    """A submitted input's time is up (on the receiving thread): its RunTimeout, unless its outcome came first."""
+    err = scheduler.expire(flow, timeout)
+    if not future.done():
+        FutureSink(future).put((None, False, err))
 
 
 def _shut_down(pool: WorkerPool, receiving: Receiving) -> None:

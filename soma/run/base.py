@@ -1,5 +1,5 @@
-"""What every runner (Executor, Local, Ray) shares: a context manager, `trace(path)`, and the checks of
-what every `run` and `map` is given.
+"""What every runner (Executor, Local, Ray) shares: a context manager (async too), `trace(path)`, `arun`
+and `amap` over each runner's `submit` (soma.run.aio), and the checks of what every `run` and `map` is given.
 
     with soma.Local(workers=2) as local:    __enter__ → start(), __exit__ → close()
         y = local.run(g, x)                 g: a Graph, or a Node or an expression (compiled once)
@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from .aio import AsyncRunner
 from .trace import Traced
 
 
-class RunnerBase(Traced):
+class RunnerBase(AsyncRunner, Traced):
     """A runner's life: `start()` makes it ready (nothing to do by default), `close()` releases what it
     holds (an Executor holds no threads or processes between runs: nothing)."""
 

@@ -1,15 +1,24 @@
 """`Executor`: runs a graph in this process.
 
-A sequence runs in order on the caller's thread; a wave runs each branch whole on
-a thread of its own (torch's current device is thread-local, so a branch never
-hops threads). See `soma.run.interpreter` for the interpreter itself. `map` runs one
-input at a time: in one process there is one instance of each node and one GIL,
-so there is nothing to overlap (use `Local` for that); it has the same laziness,
-order and errors as every runner's `map`.
+`run` runs on the caller's thread: a sequence in order, a wave with each branch whole
+on a thread of its own (torch's current device is thread-local, so a branch never
+hops threads). See `soma.run.interpreter` for the interpreter itself.
+
+Many inputs (`map`, `submit`, `arun`, `amap`) run on the Executor's own threads, at
+most `threads` at once, each input whole on one of them:
+
+    map(g, xs) ── up to `window` inputs ──▶ threads: input i+1 in the first node while input i
+                                            is in the second (a pipeline); each node object still
+                                            runs one input (or one batch) at a time: its own lock
+
+One process has one GIL: the pipeline overlaps what releases it (I/O, sleeps, torch
+and numpy kernels) and lets a batching node see several inputs at once; for Python
+that holds the GIL, use `Local`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import threading
 import time
@@ -17,49 +26,96 @@ import weakref
 
 from ..errors import RunTimeout
 from .base import RunnerBase, as_graph, checked_retries
-from .interpreter import Interpreter, RunState
+from .interpreter import Interpreter, RunState, thread_modes
 from .mapping import Inflight, map_outputs
 from .trace import Trace
 
+THREADS = 32  # inputs the Executor runs at once at most (threads kept while it is open)
+
 
 class Executor(RunnerBase):
-    """The in-process runner: `Executor().run(g, x)`, `Executor().map(g, xs)`."""
+    """The in-process runner: `Executor().run(g, x)`, `Executor().map(g, xs)`.
 
-    def __init__(self):
+    `threads`: how many inputs it runs at once for `map`, `submit`, `arun` and `amap`
+    (default 32); they are kept until `close()`.
+    """
+
+    def __init__(self, threads: int = THREADS):
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"Executor's threads= is how many inputs run at once, a positive int; got {threads!r}")
+        self.threads = threads
         self._interpreters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (version, it)
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Let go of the threads (inputs already running finish; none queued starts)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def run(self, g, x, *, timeout: float | None = None, retries: int = 0):
-        """Run graph `g` on input `x` and return its output.
+        """Run graph `g` (or a node, or an expression) on input `x` and return its output.
 
         With `timeout`, the run happens on a helper thread and `RunTimeout` names
         the nodes still running when it expires. Threads cannot be killed: a
         node already running finishes, and no further node of that run starts.
+        `retries` is accepted and changes nothing: there is no worker to lose here.
         """
-        checked_retries(retries)  # (accepted, and changes nothing: no worker to lose here)
+        checked_retries(retries)
         g = as_graph(g, "Executor.run")
         return self._run(g, g.devices(), x, timeout, index=None)
 
+    def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> cf.Future:
+        """`run(g, x)` on one of the Executor's threads: a `concurrent.futures.Future` at once."""
+        checked_retries(retries)
+        g = as_graph(g, "Executor.submit")
+        return self._threads().submit(self._run, g, g.devices(), x, timeout, None, thread_modes())
+
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
-        """The outputs for the inputs of `xs`, lazily, one input at a time (docs/design.md, "Many inputs")."""
+        """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
+        (docs/design.md, "Many inputs")."""
         checked_retries(retries)
         g = as_graph(g, "Executor.map")
-        return map_outputs(ExecutorInflight(self, g, g.devices(), timeout), xs, window=window, ordered=ordered,
-                           progress=progress, timeout=timeout, errors=errors)
+        return map_outputs(self._inflight(g, timeout), xs, window=window, ordered=ordered, progress=progress,
+                           timeout=timeout, errors=errors)
 
-    def _run(self, g, devices: dict, x, timeout, index):
+    def _inflight(self, g, timeout) -> "ExecutorInflight":
+        return ExecutorInflight(self, g, g.devices(), timeout)
+
+    def _async_inflight(self, g, timeout, retries):
+        checked_retries(retries)
+        g = as_graph(g, "Executor.amap")
+        return self._inflight(g, timeout)
+
+    def _threads(self) -> cf.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input")
+            return self._pool
+
+    def _run(self, g, devices: dict, x, timeout, index, modes=None, state: RunState | None = None):
         interpreter = self._interpreter(g, devices)
         plan = g.plan()
-        state = RunState()
+        state = state if state is not None else RunState()
         trace = self._trace
         spans = [] if trace is not None else None
         start = time.monotonic_ns()
         try:
-            if timeout is None:
-                return interpreter.run(plan, x, state, spans)
-            return _with_timeout(interpreter, plan, x, state, spans, timeout)
+            if modes is not None:
+                with modes():  # (torch's grad and inference mode of the thread that asked)
+                    return self._run_plan(interpreter, plan, x, state, spans, timeout)
+            return self._run_plan(interpreter, plan, x, state, spans, timeout)
         finally:
             if trace is not None:
                 _record(trace, spans, devices, index, start)
+
+    @staticmethod
+    def _run_plan(interpreter, plan, x, state, spans, timeout):
+        if timeout is None:
+            return interpreter.run(plan, x, state, spans)
+        return _with_timeout(interpreter, plan, x, state, spans, timeout)
 
     def _interpreter(self, g, devices: dict) -> Interpreter:
         """One per graph and placement (its plan compiled once); placing a node again makes a new one."""
@@ -76,14 +132,16 @@ class Executor(RunnerBase):
 
 def _with_timeout(interpreter: Interpreter, plan, x, state: RunState, spans, timeout: float):
     box: dict = {}
+    modes = thread_modes()
 
     def whole_run() -> None:
         try:
-            box["value"] = interpreter.run(plan, x, state, spans)
+            with modes():
+                box["value"] = interpreter.run(plan, x, state, spans)
         except BaseException as exc:
             box["error"] = exc
 
-    thread = threading.Thread(target=whole_run, name="soma-run", daemon=True)
+    thread = threading.Thread(target=whole_run, name="run", daemon=True)
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
@@ -103,26 +161,51 @@ def _record(trace: Trace, spans: list, devices: dict, index, start: int) -> None
 
 
 class ExecutorInflight(Inflight):
-    """The Executor's in-flight set: inputs wait in a queue, `wait` runs the next one."""
-
-    enforces_timeout = True  # run() itself times out, on a helper thread
+    """The Executor's in-flight set: each input on one of its threads; a timeout stops an input before its
+    next node (a thread cannot be killed) and names what was running."""
 
     def __init__(self, executor: Executor, g, devices: dict, timeout):
         self.executor, self.g, self.devices, self.timeout = executor, g, devices, timeout
-        self.queue: list = []
+        self.running: dict = {}  # future → (index, its RunState)
+        self.modes = thread_modes()  # the map's caller's torch modes, for every input
 
     def parallelism(self) -> int:
-        return 1
+        # A pipeline has a stage per node, and a batching node wants a batch's worth of inputs at it.
+        batches = [getattr(self.g.node(n), "max_batch", 1) for n in self.g.nodes()
+                   if callable(getattr(self.g.node(n), "forward_batch", None))]
+        return min(self.executor.threads, max([len(self.g.nodes())] + batches))
 
     def start(self, items: list) -> None:
-        self.queue.extend(items)
+        threads = self.executor._threads()
+        for index, x in items:
+            state = RunState()
+            future = threads.submit(self.executor._run, self.g, self.devices, x, None, index, self.modes, state)
+            self.running[future] = (index, state)
 
     def wait(self, timeout):
-        index, x = self.queue.pop(0)
-        try:
-            return [(index, True, self.executor._run(self.g, self.devices, x, self.timeout, index))]
-        except Exception as exc:
-            return [(index, False, exc)]
+        done, _ = cf.wait(list(self.running), timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        return [self._outcome(future) for future in done]
+
+    async def await_wait(self, timeout):
+        import asyncio
+
+        wrapped = {asyncio.wrap_future(f): f for f in self.running}
+        done, _ = await asyncio.wait(list(wrapped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        return [self._outcome(wrapped[f]) for f in done]
+
+    def _outcome(self, future) -> tuple:
+        index, _ = self.running.pop(future)
+        exc = future.exception()
+        return (index, False, exc) if exc is not None else (index, True, future.result())
+
+    def expire(self, index: int) -> BaseException:
+        future, state = next((f, s) for f, (i, s) in self.running.items() if i == index)
+        del self.running[future]
+        state.cancelled = True  # it stops before its next node
+        return RunTimeout.after(self.timeout, dict.fromkeys(state.running_now()), ())
 
     def close(self) -> None:
-        self.queue.clear()
+        for future, (_, state) in self.running.items():
+            future.cancel()  # not started: never starts
+            state.cancelled = True  # started: stops before its next node
+        self.running.clear()

@@ -118,7 +118,7 @@ def on_threads(calls: list, kept: "KeptThreads | None" = None) -> list:
     `kept` (in a worker) this thread runs the first call and kept threads the others.
     """
     results: list = [None] * len(calls)
-    inherit = _thread_modes()
+    inherit = thread_modes()
 
     def one(i: int) -> None:
         try:
@@ -224,7 +224,7 @@ def wave_outcome(outcomes: list) -> tuple:
     return False, first
 
 
-def _thread_modes():
+def thread_modes():
     """What a branch thread must inherit from the thread that started the wave.
 
     torch keeps grad and inference mode per thread: without this, `with torch.no_grad(): g.run(x)`

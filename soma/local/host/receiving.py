@@ -23,6 +23,8 @@ the scheduler; neither of them calls back up here.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import queue
 import threading
@@ -55,11 +57,15 @@ class Receiving:
         self._quiet = threading.Condition()  # the listener sleeps on it meanwhile
         self._waiters: deque = deque()  # callers asleep on their sinks, who could receive next
         self._waiters_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it at once
+        self._wake_r, self._wake_w = os.pipe()  # close() and new timers wake the listener through it at once
         os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
         self._listener = None
         self._looked_at = 0.0  # when the workers were last looked at (by the listener or a leading caller)
         self._faults = _FaultLog()
+        self._timers: list = []  # heap of (when, n, call): the listener calls each once its time has come
+        self._timers_lock = threading.Lock()
+        self._timer_count = itertools.count()
 
     # -- life ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -80,6 +86,28 @@ class Receiving:
             listener.join(5 * PUMP_S + 1)  # it closes the results socket on the way out
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
+
+    def at(self, when: float, call) -> None:
+        """Call `call()` on the listener thread once time.monotonic() reaches `when` (within ~PUMP_S): how a
+        submitted input's timeout is kept without a thread waiting for it."""
+        with self._timers_lock:
+            heapq.heappush(self._timers, (when, next(self._timer_count), call))
+        try:
+            os.write(self._wake_w, b"\0")  # (the listener may be asleep for longer than this timer waits)
+        except OSError:
+            pass
+
+    def _due(self) -> float:
+        """Run the timers whose time has come; seconds until the next one (PUMP_S at most)."""
+        now = time.monotonic()
+        due = []
+        with self._timers_lock:
+            while self._timers and self._timers[0][0] <= now:
+                due.append(heapq.heappop(self._timers)[2])
+            left = self._timers[0][0] - now if self._timers else PUMP_S
+        for call in due:
+            call()
+        return min(PUMP_S, max(0.0, left))
 
     # -- the listener --------------------------------------------------------------------------------
     def _listen(self) -> None:
@@ -107,12 +135,14 @@ class Receiving:
                 pool.close_results()
 
     def _listen_once(self, poller) -> None:
+        wait_s = self._due()
         if self._leading:
             with self._quiet:
                 if self._leading:
-                    self._quiet.wait(PUMP_S)
+                    self._quiet.wait(wait_s)
         else:
-            poller.poll(int(PUMP_S * 1000))  # the descriptor says "look again", not "a message is there"
+            if poller.poll(int(wait_s * 1000)):  # the descriptor says "look again", not "a message is there"
+                self._empty_wake_pipe()
         if self._recv_lock.acquire(blocking=False):
             try:
                 if not self.closing:
@@ -122,6 +152,13 @@ class Receiving:
                 self._recv_lock.release()
         self.pool.apply_host_releases()
         self.pool.flush_frees()
+
+    def _empty_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
 
     def _look_at_workers_now_and_then(self) -> None:
         """Every PUMP_S, whoever receives (the listener, or a caller that leads for long) looks for dead

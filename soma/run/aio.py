@@ -1,0 +1,166 @@
+"""asyncio and futures, for every runner: `submit`, `arun`, `amap`, `async with`.
+
+    runner.submit(g, x)  → a concurrent.futures.Future at once: the input in flight; its outcome is set
+                           by whoever receives it (Local: the thread that receives the workers' results)
+    await runner.arun(g, x)   the same input, awaited: asyncio.wrap_future, so the outcome reaches the
+                              event loop through call_soon_threadsafe (one wake-up of the loop, no thread
+                              waiting per input); cancelling the awaiting task cancels the future, which
+                              cancels the input (dropped if not started, its result dropped if it was)
+    async for y in runner.amap(g, xs)   the same MapLoop as `map` (soma.run.mapping), driven by a
+                              coroutine: `xs` may be an async iterable; the in-flight set's
+                              `await_wait` waits on the loop
+
+asyncio is imported on first use: `import soma` and a pool's start do not pay for it.
+
+Why call_soon_threadsafe and not an fd the loop watches: the receiving thread already wakes
+whoever waits for an outcome; handing it to the loop is one more wake-up either way, and
+wrap_future's is the one asyncio (and every future-based library) already knows, cancellation
+included.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+from .mapping import MapLoop
+
+
+class InputFuture(cf.Future):
+    """A Future for one input of a runner: `cancel()` also tells the runner it is no longer wanted."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_cancel = None  # what cancels the input itself (set by the runner once it is in flight)
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        if self.on_cancel is not None:
+            self.on_cancel()
+        return True
+
+
+class FutureSink:
+    """Where a runner puts an input's `(index, ok, value)`: into its future (nothing if it was cancelled)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: cf.Future):
+        self.future = future
+
+    def put(self, item) -> None:
+        _, ok, value = item
+        future = self.future
+        if future.done():
+            return
+        try:
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+        except cf.InvalidStateError:  # cancelled between the look and the set
+            pass
+
+
+class LoopSink:
+    """Where a runner puts the outcomes of an `amap`'s inputs: an asyncio queue of the loop that iterates it."""
+
+    def __init__(self):
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody waits for it any more
+            pass
+
+    async def take(self, timeout) -> list:
+        """What came, at least one item unless `timeout` (seconds) passed first."""
+        import asyncio
+
+        try:
+            first = await asyncio.wait_for(self.queue.get(), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            return []
+        got = [first]
+        while not self.queue.empty():
+            got.append(self.queue.get_nowait())
+        return got
+
+
+async def arun(runner, g, x, timeout, retries):
+    """`await runner.arun(g, x)`: the runner's `submit`, awaited."""
+    import asyncio
+
+    return await asyncio.wrap_future(runner.submit(g, x, timeout=timeout, retries=retries))
+
+
+def amap_outputs(inflight, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
+    """The async iterator behind every runner's `amap`; `inflight` has an `await_wait(timeout)`."""
+    loop = MapLoop(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors)
+    source = xs.__aiter__() if hasattr(xs, "__aiter__") else iter(xs)  # (a TypeError now, not at the first turn)
+    return _adrive(loop, source)
+
+
+async def _adrive(loop: MapLoop, source):
+    try:
+        while True:
+            wanted = loop.wanted()
+            if wanted:
+                loop.start(await _atake(source, wanted, loop))
+            for value in loop.outputs():
+                yield value
+            if loop.over():
+                return
+            if not loop.must_wait():
+                continue
+            loop.finished(await loop.inflight.await_wait(loop.wait_s()))
+    finally:
+        loop.close()
+
+
+async def _atake(source, wanted: int, loop: MapLoop) -> list:
+    items = []
+    asynchronous = hasattr(source, "__anext__")
+    while len(items) < wanted:
+        try:
+            x = await source.__anext__() if asynchronous else next(source)
+        except (StopIteration, StopAsyncIteration):
+            loop.source_ended()
+            break
+        except Exception as exc:
+            loop.source_ended(exc)
+            break
+        items.append(x)
+    return items
+
+
+class AsyncRunner:
+    """Mixin of every runner: `arun`, `amap` over the runner's `submit` and `_async_inflight`, and
+    `async with` (start and close on a thread, so the loop is not blocked while workers start or stop)."""
+
+    async def arun(self, g, x, *, timeout: float | None = None, retries: int = 0):
+        """`run(g, x)` without blocking the event loop; cancelling the awaiting task cancels the input."""
+        return await arun(self, g, x, timeout, retries)
+
+    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+        """`map` as an async iterator: `async for y in runner.amap(g, xs)`; `xs` may be an async iterable."""
+        return amap_outputs(self._async_inflight(g, timeout, retries), xs, window=window, ordered=ordered,
+                            progress=progress, timeout=timeout, errors=errors)
+
+    def _async_inflight(self, g, timeout, retries):
+        raise NotImplementedError
+
+    async def __aenter__(self):
+        import asyncio
+
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.close)

@@ -1,0 +1,241 @@
+"""asyncio and futures: `arun`, `amap`, `submit`, `async with`, on every runner."""
+
+import asyncio
+import concurrent.futures as cf
+import os
+import threading
+import time
+
+import pytest
+
+import soma
+from soma import Done, Graph, Node, NodeError, RunTimeout
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Sleep(Node):
+    """Sleeps `x` seconds, then returns its pid."""
+
+    def forward(self, x, ctx):
+        time.sleep(x)
+        return Done(os.getpid())
+
+
+class AddOne(Node):
+    def forward(self, x, ctx):
+        return Done(x + 1)
+
+
+class Boom(Node):
+    def forward(self, x, ctx):
+        raise ValueError(f"boom {x}")
+
+
+class MarkAndSleep(Node):
+    """Writes a file named after its input, then sleeps: a file says the input started."""
+
+    def __init__(self, folder, seconds):
+        self.folder, self.seconds = str(folder), seconds
+
+    def forward(self, x, ctx):
+        open(os.path.join(self.folder, f"started-{x}"), "w").close()
+        time.sleep(self.seconds)
+        return Done(x)
+
+
+@pytest.fixture(params=["executor", "local"], scope="module")
+def runner(request, local):
+    return soma.Executor() if request.param == "executor" else local
+
+
+def test_arun_and_amap_give_what_run_and_map_give(runner):
+    g = Graph.somatize(AddOne() >> AddOne())
+
+    async def go():
+        one = await runner.arun(g, 1)
+        many = [y async for y in runner.amap(g, range(20))]
+        unordered = sorted([y async for y in runner.amap(g, range(20), ordered=False)])
+        return one, many, unordered
+
+    one, many, unordered = asyncio.run(go())
+    assert one == runner.run(g, 1) == 3
+    assert many == list(runner.map(g, range(20))) == unordered == [i + 2 for i in range(20)]
+
+
+def test_amap_takes_an_async_iterable_lazily(runner):
+    taken = []
+
+    async def source():
+        for i in range(10):
+            taken.append(i)
+            await asyncio.sleep(0)
+            yield i
+
+    async def go():
+        out = []
+        async for y in runner.amap(AddOne(), source(), window=3):
+            out.append(y)
+            assert len(taken) <= len(out) + 3  # never more taken than the window ahead
+        return out
+
+    assert asyncio.run(go()) == list(range(1, 11))
+
+
+def test_errors_are_raised_from_await_and_in_their_place_in_amap(runner):
+    async def go():
+        with pytest.raises(NodeError, match=r"^node `boom` failed: ValueError: boom 5$"):
+            await runner.arun(Boom(), 5)
+        out = [y async for y in runner.amap(Boom(), [1, 2], errors="yield")]
+        assert [e.index for e in out] == [0, 1]
+        with pytest.raises(NodeError) as info:
+            async for _ in runner.amap(Boom(), [7]):
+                pass
+        return info.value.index
+
+    assert asyncio.run(go()) == 0
+
+
+def test_the_loop_keeps_ticking_while_a_node_runs(runner):
+    async def go():
+        ticks = []
+
+        async def ticker():
+            while True:
+                await asyncio.sleep(0.02)
+                ticks.append(time.monotonic())
+
+        task = asyncio.create_task(ticker())
+        await runner.arun(Sleep(), 0.6)
+        task.cancel()
+        return ticks
+
+    assert len(asyncio.run(go())) >= 3  # a blocked loop would not tick at all while the node ran
+
+
+def test_concurrent_aruns_spread_over_the_workers(local):
+    async def go():
+        return await asyncio.gather(*(local.arun(Sleep(), 0.3) for _ in range(4)))
+
+    assert len(set(asyncio.run(go()))) == 2  # four inputs in flight at once, on both workers
+
+
+def test_many_concurrent_aruns_use_no_thread_each(local):
+    g = Graph.somatize(AddOne())
+    before = threading.active_count()
+    seen = []
+
+    async def go():
+        async def watch():
+            while True:
+                seen.append(threading.active_count())
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        out = await asyncio.gather(*(local.arun(g, i) for i in range(500)))
+        watcher.cancel()
+        return out
+
+    assert asyncio.run(go()) == [i + 1 for i in range(500)]
+    assert max(seen) <= before + 2, (before, max(seen))  # (asyncio's own helper threads at most)
+
+
+def test_cancelling_the_awaiting_task_cancels_its_input(local, tmp_path):
+    g = Graph.somatize(MarkAndSleep(tmp_path, 0.5))
+
+    async def go():
+        tasks = [asyncio.create_task(local.arun(g, i)) for i in range(8)]  # 2 run, 6 wait at the workers
+        while not os.listdir(tmp_path):  # (until one has started: its code loaded, a worker running it)
+            await asyncio.sleep(0.01)
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results
+
+    results = asyncio.run(go())
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    time.sleep(1.5)  # long enough for queued inputs to have started, had they not been dropped
+    started = sorted(int(n.split("-")[1]) for n in os.listdir(tmp_path))
+    assert len(started) <= 2, started  # only those already running when cancelled (one per worker)
+    assert local.run(Graph.somatize(AddOne()), 1) == 2  # usable
+
+
+def test_asyncio_timeout_around_arun_is_a_cancellation(local, tmp_path):
+    async def go():
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await local.arun(MarkAndSleep(tmp_path, 5), 0)
+        return await local.arun(AddOne(), 1)
+
+    assert asyncio.run(go()) == 2
+
+
+def test_arun_timeout_is_run_timeout(local):
+    async def go():
+        with pytest.raises(RunTimeout, match=r"^run timed out after 0.3 s; still running: `sleep`"):
+            await local.arun(Sleep(), 5, timeout=0.3)
+
+    asyncio.run(go())
+
+
+def test_async_with_starts_and_closes_a_pool_off_the_loop():
+    async def go():
+        async with soma.Local(workers=1) as local:
+            pids = local.pids()
+            assert await local.arun(AddOne(), 1) == 2
+        return local, pids
+
+    local, pids = asyncio.run(go())
+    assert local.pids() == [] or not any(os.path.exists(f"/proc/{p}/cmdline") and open(f"/proc/{p}/cmdline").read()
+                                         for p in pids)
+    with pytest.raises(soma.SomaError, match="closed"):
+        local.run(AddOne(), 1)
+
+
+def test_submit_gives_futures_for_threaded_code(runner):
+    futures = {runner.submit(AddOne(), i): i for i in range(10)}
+    done = [(futures[f], f.result()) for f in cf.as_completed(futures, timeout=60)]
+    assert sorted(done) == [(i, i + 1) for i in range(10)]
+    called = threading.Event()
+    f = runner.submit(AddOne(), 1)
+    f.add_done_callback(lambda _: called.set())
+    assert f.result(timeout=60) == 2 and called.wait(10)
+    with pytest.raises(NodeError):
+        runner.submit(Boom(), 1).result(timeout=60)
+
+
+def test_cancelling_a_future_cancels_an_input_not_yet_started(local, tmp_path):
+    g = Graph.somatize(MarkAndSleep(tmp_path, 0.5))
+    futures = [local.submit(g, i) for i in range(8)]
+    wait_for(lambda: len(os.listdir(tmp_path)) >= 1, what="an input to start")
+    cancelled = [f.cancel() for f in futures]
+    assert all(cancelled)  # soma's futures never say "running": cancel always drops what is left
+    time.sleep(1.5)
+    assert len(os.listdir(tmp_path)) <= 2  # only those already running when cancelled (one per worker)
+    assert local.submit(AddOne(), 1).result(timeout=60) == 2
+
+
+def test_the_executor_map_is_a_pipeline(tmp_path):
+    # Two stages that sleep: input i + 1 is in the first while input i is in the second.
+    spans = []
+
+    class Stage(Node):
+        def __init__(self, name):
+            self.name = name
+
+        def forward(self, x, ctx):
+            start = time.monotonic()
+            time.sleep(0.05)
+            spans.append((self.name, x, start, time.monotonic()))
+            return Done(x)
+
+    with soma.Executor() as ex:
+        assert list(ex.map(Stage("a").named("a") >> Stage("b").named("b"), range(6))) == list(range(6))
+    a = {x: (s, e) for name, x, s, e in spans if name == "a"}
+    b = {x: (s, e) for name, x, s, e in spans if name == "b"}
+    overlaps = [i for i in range(5) if a[i + 1][0] < b[i][1] and b[i][0] < a[i + 1][1]]
+    assert overlaps, spans  # at least once, two inputs were in two stages at once
+    for name in ("a", "b"):  # and each node ran one input at a time
+        mine = sorted((s, e) for n, _, s, e in spans if n == name)
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(mine, mine[1:])), name
