@@ -90,10 +90,12 @@ class SleepInput(Node):
 
 
 class HoldUntilFile(Node):
-    """Returns its input; an input that is a path waits (at most DEADLINE_S) until that file exists."""
+    """Returns its input; an input that is a path makes `<path>.started`, then waits (at most DEADLINE_S) until
+    the file `<path>` exists."""
 
     def forward(self, x, ctx):
         if isinstance(x, str):
+            Path(f"{x}.started").touch()
             deadline = time.monotonic() + DEADLINE_S
             while not os.path.exists(x) and time.monotonic() < deadline:
                 time.sleep(0.01)  # polling a condition, with a deadline
@@ -453,25 +455,54 @@ def traced(cluster, folder):
 
 
 def trace_blocks(cluster, folder):
-    """A traced map's input still running when its block ends: the next block has none of its spans."""
+    """A traced map's input still in flight when its block ends: neither that block nor the next has its spans.
+
+    Both inputs hold until released. Which one a copy starts first is Ray's choice (a fresh node's two inputs
+    go to its one starting actor, which may run them in either order), so the one that starts first is
+    released during the first block, and the other only after that block has ended.
+    """
+    import threading
+
     g = Graph.somatize(HoldUntilFile())
     first, second = Path(folder, "first.json"), Path(folder, "second.json")
-    release = str(Path(folder, "release"))
+    holds = [str(Path(folder, "hold-0")), str(Path(folder, "hold-1"))]
+    released: list = []
+
+    def release_the_first_to_start():
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            started = [i for i, hold in enumerate(holds) if os.path.exists(f"{hold}.started")]
+            if started:
+                released.append(started[0])
+                Path(holds[started[0]]).touch()
+                return
+            time.sleep(0.01)  # polling a condition, with a deadline
+
     with cluster.trace(first):
-        outputs = cluster.map(g, [0, release], window=2)
-        early = next(outputs)  # input 0; input 1 waits for `release`, which comes after the block's end
-    Path(release).touch()
+        releaser = threading.Thread(target=release_the_first_to_start)
+        releaser.start()
+        outputs = cluster.map(g, holds, window=2, ordered=False)
+        early = next(outputs)  # the released input; the other one waits, queued or running, past the block's end
+        releaser.join(DEADLINE_S)
+    [done] = released
+    Path(holds[1 - done]).touch()
     with cluster.trace(second):
         during = cluster.run(g, 0)
-        late = list(outputs)  # input 1 ends in this block: its spans reach its actor after the first one's end
-    return {"outputs": [early, during, [late == [release]]],
-            "first": _node_events(first), "second": _node_events(second)}
+        late = list(outputs)  # the other ends in this block: its spans reach its actor after the first one's end
+    return {"outputs": [early == holds[done], during, [late == [holds[1 - done]]]], "released": done,
+            "first": _node_events(first), "second": _node_events(second),
+            "first_us": _duration_us(first), "second_us": _duration_us(second)}
 
 
 def _node_events(path) -> list:
     doc = json.loads(Path(path).read_text())
-    return [{"input": e["args"]["input"], "ts": e["ts"]} for e in doc["traceEvents"]
+    return [{"input": e["args"]["input"], "ts": e["ts"], "end": e["ts"] + e["dur"]} for e in doc["traceEvents"]
             if e.get("ph") == "X" and e.get("cat") == "node"]
+
+
+def _duration_us(path) -> float:
+    """How long a trace block lasted, in µs on the driver's clock (`otherData.duration_us`)."""
+    return json.loads(Path(path).read_text())["otherData"]["duration_us"]
 
 
 def dropped_nodes_stop_their_actors(cluster):

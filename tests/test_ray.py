@@ -26,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "ray_checks.py"
-RUN_S = 200  # the whole subprocess; it takes ~50 s here
+RUN_S = 420  # the whole subprocess: ~50 s on a quiet machine, up to ~4 min with its 2 cores shared
 
 pytestmark = pytest.mark.timeout(RUN_S + 60)
 
@@ -303,10 +303,12 @@ def test_ray_trace_writes_node_events_with_the_actors_pids(observed):
 
 def test_ray_a_trace_block_has_no_spans_of_an_input_an_earlier_block_left_running(observed):
     seen = check(observed, "trace_blocks")
-    assert seen["outputs"] == [0, 0, [True]]
-    assert seen["first"] == [{"input": 0, "ts": seen["first"][0]["ts"]}]  # input 1 had not ended yet
-    assert [e["input"] for e in seen["second"]] == [None]  # the run's alone: none of input 1's
-    assert all(e["ts"] >= 0 for e in seen["first"] + seen["second"])
+    assert seen["outputs"] == [True, 0, [True]]
+    done = seen["released"]
+    assert [e["input"] for e in seen["first"]] == [done]  # the other input had not ended yet
+    assert [e["input"] for e in seen["second"]] == [None]  # the run's alone: none of the other input's
+    for block in ("first", "second"):  # every span inside its own block, on the driver's clock
+        assert all(0 <= e["ts"] <= e["end"] <= seen[f"{block}_us"] for e in seen[block]), (block, seen)
 
 
 def test_ray_a_session_soma_started_is_shut_down_at_close(observed):
