@@ -165,7 +165,8 @@ def map_throughput(suite, ray, cluster, Stage, soma):
         g = soma.Graph.somatize(soma.fn(func, name="work"))
         xs = list(range(n))
         expected = [x + 1 for x in xs]
-        pool = [Stage.remote(func) for _ in range(cluster._cpus)]  # as many actors as soma's copies
+        # as many actors as soma's copies: a node's default `copies` is the cluster's CPUs (docs/ray.md)
+        pool = [Stage.remote(func) for _ in range(max(1, int(ray.cluster_resources().get("CPU", 1))))]
         for ordered in (True, False):
             what = f"map, {kind}, {'ordered' if ordered else 'unordered (sorted)'}"
 

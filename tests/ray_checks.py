@@ -90,10 +90,12 @@ class SleepInput(Node):
 
 
 class HoldUntilFile(Node):
-    """Returns its input; an input that is a path waits (at most DEADLINE_S) until that file exists."""
+    """Returns its input; an input that is a path makes `<path>.started`, then waits (at most DEADLINE_S) until
+    the file `<path>` exists."""
 
     def forward(self, x, ctx):
         if isinstance(x, str):
+            Path(f"{x}.started").touch()
             deadline = time.monotonic() + DEADLINE_S
             while not os.path.exists(x) and time.monotonic() < deadline:
                 time.sleep(0.01)  # polling a condition, with a deadline
@@ -202,28 +204,42 @@ def map_spreads_over_actors(cluster):
 
 def map_batches(cluster):
     """A map of 24 inputs, window 4, over nodes of two copies: its inputs share calls (two per call), and
-    each input still has its own outcome: a value, its own NodeError, or WorkerDied when its call's actor died."""
-    from soma.ray.runner import _RayFlows
+    each input still has its own outcome: a value, its own NodeError, or WorkerDied when its call's actor died.
+    The calls are counted in a trace: one `ray call` event per Ray call, listing the inputs it carried."""
+    from soma.ray.inflight import RayInflight
 
+    folder = tempfile.mkdtemp(prefix="soma-batches-")
     xs = list(range(24))
     g = Graph.somatize(TwoCopies().named("add") >> Double())
     out: dict = {"executor": [Executor().run(g, x) for x in xs], "inputs": len(xs)}
-    out["ordered"] = list(cluster.map(g, xs, window=4))
-    out["calls_ordered"] = _calls(cluster, "add"), _calls(cluster, "double")
-    out["unordered"] = list(cluster.map(g, xs, window=4, ordered=False))
-    out["calls_both"] = _calls(cluster, "add"), _calls(cluster, "double")
+    out["untraced"] = list(cluster.map(g, xs, window=4))
+    with cluster.trace(Path(folder, "ordered.json")):
+        out["ordered"] = list(cluster.map(g, xs, window=4))
+    ordered = _ray_calls(Path(folder, "ordered.json"))
+    out["calls_ordered"] = len(ordered["add"]), len(ordered["double"])
+    with cluster.trace(Path(folder, "unordered.json")):
+        out["unordered"] = list(cluster.map(g, xs, window=4, ordered=False))
+    unordered = _ray_calls(Path(folder, "unordered.json"))
+    out["calls_both"] = [len(ordered[node]) + len(unordered[node]) for node in ("add", "double")]
+    # each input in exactly one call per node, each call's `batch` the number of inputs it lists
+    out["carried"] = [sorted(i for call in calls[node] for i in call["inputs"]) for calls in (ordered, unordered)
+                      for node in ("add", "double")]
+    out["batches_counted"] = all(call["batch"] == len(call["inputs"]) for calls in (ordered, unordered)
+                                 for node in calls for call in calls[node])
     out["copies"] = len(_copies(cluster, "add"))
 
     failing = Graph.somatize(TwoCopies(bad=11).named("fails") >> Double())
-    for ordered in (True, False):
-        seen = []
-        try:
-            for y in cluster.map(failing, xs, window=4, ordered=ordered):
-                seen.append(y)
-        except Exception as err:
-            out[f"failed_{ordered}"] = _error(err) | {"index": err.index, "before": seen}
-    out["failed_calls"] = _calls(cluster, "fails")
-    out["failing_batch"] = _one_batch(_RayFlows, cluster, failing, [10, 11])  # 11 fails, 10 beside it
+    with cluster.trace(Path(folder, "failing.json")):
+        for ordered in (True, False):
+            seen = []
+            try:
+                for y in cluster.map(failing, xs, window=4, ordered=ordered):
+                    seen.append(y)
+            except Exception as err:
+                out[f"failed_{ordered}"] = _error(err) | {"index": err.index, "before": seen}
+    out["failed_calls"] = len(_ray_calls(Path(folder, "failing.json"))["fails"])
+    shutil.rmtree(folder, ignore_errors=True)
+    out["failing_batch"] = _one_batch(RayInflight, cluster, failing, [10, 11])  # 11 fails, 10 beside it
 
     dying = Graph.somatize(TwoCopies(fatal=9).named("dies"))
     seen = []
@@ -232,34 +248,41 @@ def map_batches(cluster):
             seen.append(y)
     except Exception as err:
         out["died"] = _error(err) | {"index": err.index, "worker": err.worker, "before": seen}
-    out["dying_batch"] = _one_batch(_RayFlows, cluster, dying, [8, 9])  # 9 kills the actor running both
+    out["dying_batch"] = _one_batch(RayInflight, cluster, dying, [8, 9])  # 9 kills the actor running both
     out["after_run"] = cluster.run(dying, 1)
     out["after_map"] = list(cluster.map(dying, [0, 1, 2, 3, 4, 5], window=4))
     return out
 
 
-def _one_batch(flows_class, cluster, g, xs, start=None) -> list:
+def _one_batch(inflight_class, cluster, g, xs, start=None) -> list:
     """What map's in-flight set reports for each input of one batch (the inputs of `xs` share each call;
     their indices count from `start`, by default from the first input)."""
-    flows = flows_class(cluster, cluster._ready(g), None, True, len(xs))
-    flows.start(list(enumerate(xs, start=xs[0] if start is None else start)))
+    driver = cluster._driver
+    inflight = inflight_class(driver, driver.actor_graph(g), None, True, len(xs))
+    inflight.start(list(enumerate(xs, start=xs[0] if start is None else start)))
     outcomes = []
     deadline = time.monotonic() + DEADLINE_S
-    while flows.flows and time.monotonic() < deadline:
-        outcomes += flows.wait(1.0)
-    flows.close()
+    while inflight.submissions and time.monotonic() < deadline:
+        outcomes += inflight.wait(1.0)
+    inflight.close()
     return [[index, ok, value if ok else _error(value) | {"worker": getattr(value, "worker", None)}]
             for index, ok, value in sorted(outcomes, key=lambda o: o[0])]
 
 
 def _copies(cluster, node_id: str) -> list:
-    return [copy for key, copies in cluster._copies.items() if key[1] == node_id for copy in copies.copies]
+    """The actors holding copies of a node now."""
+    return [actor for actor in cluster._driver.book.actors() if actor.owner.node_id == node_id]
 
 
-def _calls(cluster, node_id: str) -> int:
-    """How many Ray calls brought inputs to the live copies of a node (a batch is one call)."""
-    return sum(ray.get([copy.actor.calls_taken.options(concurrency_group="control").remote()
-                        for copy in _copies(cluster, node_id)], timeout=DEADLINE_S))
+def _ray_calls(path) -> dict:
+    """The `ray call` events of a trace file, by node: {node: [{"worker", "inputs", "batch"}, ...]}."""
+    calls: dict = {}
+    for e in json.loads(Path(path).read_text())["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "ray" and e["name"] == "ray call":
+            args = e["args"]
+            calls.setdefault(args["node"], []).append({"worker": args["worker"], "inputs": args["inputs"],
+                                                       "batch": args["batch"]})
+    return calls
 
 
 def node_error(cluster):
@@ -305,7 +328,7 @@ def node_error(cluster):
 def unsendable_input(cluster):
     """An input Ray cannot serialize: soma's NodeError naming the entry node, for run (one entry: the input
     goes with its call; a wave first: it is put in the object store once) and, in its place, for map."""
-    from soma.ray.runner import _RayFlows
+    from soma.ray.inflight import RayInflight
 
     out = {}
     one_entry = Graph.somatize(AddOne() >> Double())
@@ -320,8 +343,8 @@ def unsendable_input(cluster):
             seen.append(y)
     except Exception as err:
         out["map"] = _error(err) | {"index": err.index, "before": seen}
-    out["batch"] = _one_batch(_RayFlows, cluster, one_entry, [1, Unpicklable(), 3], start=0)
-    out["load_after"] = sum(copy.load for copies in cluster._copies.values() for copy in copies.copies)
+    out["batch"] = _one_batch(RayInflight, cluster, one_entry, [1, Unpicklable(), 3], start=0)
+    out["load_after"] = sum(actor.load for actor in cluster._driver.book.actors())
     out["next_run"] = cluster.run(one_entry, 1)
     return out
 
@@ -446,32 +469,68 @@ def traced(cluster, folder):
     events = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "node"]
     names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
     reported = [[node, pid] for node, _, pid in first + second[1:] + [out[0] for out in mapped]]
+    calls = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "ray"]
     return {"events": [{"name": e["name"], "pid": e["pid"], "input": e["args"]["input"], "ts": e["ts"],
                         "worker": e["args"]["worker"]} for e in events],
+            "calls": [{"name": e["name"], "node": e["args"]["node"], "worker": e["args"]["worker"],
+                       "inputs": e["args"]["inputs"], "batch": e["args"]["batch"], "pid": e["pid"]} for e in calls],
+            # each node event inside a call event of its track (same pid and thread) that lists its input
+            "enclosed": [any(c["pid"] == e["pid"] and c["tid"] == e["tid"] and c["ts"] <= e["ts"]
+                             and e["ts"] + e["dur"] <= c["ts"] + c["dur"] and e["args"]["input"] in c["args"]["inputs"]
+                             for c in calls) for e in events],
             "process_names": {str(k): v for k, v in names.items()},
             "reported": reported, "driver_pid": os.getpid()}
 
 
 def trace_blocks(cluster, folder):
-    """A traced map's input still running when its block ends: the next block has none of its spans."""
+    """A traced map's input still in flight when its block ends: neither that block nor the next has its spans.
+
+    Both inputs hold until released. Which one a copy starts first is Ray's choice (a fresh node's two inputs
+    go to its one starting actor, which may run them in either order), so the one that starts first is
+    released during the first block, and the other only after that block has ended.
+    """
+    import threading
+
     g = Graph.somatize(HoldUntilFile())
     first, second = Path(folder, "first.json"), Path(folder, "second.json")
-    release = str(Path(folder, "release"))
+    holds = [str(Path(folder, "hold-0")), str(Path(folder, "hold-1"))]
+    released: list = []
+
+    def release_the_first_to_start():
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            started = [i for i, hold in enumerate(holds) if os.path.exists(f"{hold}.started")]
+            if started:
+                released.append(started[0])
+                Path(holds[started[0]]).touch()
+                return
+            time.sleep(0.01)  # polling a condition, with a deadline
+
     with cluster.trace(first):
-        outputs = cluster.map(g, [0, release], window=2)
-        early = next(outputs)  # input 0; input 1 waits for `release`, which comes after the block's end
-    Path(release).touch()
+        releaser = threading.Thread(target=release_the_first_to_start)
+        releaser.start()
+        outputs = cluster.map(g, holds, window=2, ordered=False)
+        early = next(outputs)  # the released input; the other one waits, queued or running, past the block's end
+        releaser.join(DEADLINE_S)
+    [done] = released
+    Path(holds[1 - done]).touch()
     with cluster.trace(second):
         during = cluster.run(g, 0)
-        late = list(outputs)  # input 1 ends in this block: its spans reach its actor after the first one's end
-    return {"outputs": [early, during, [late == [release]]],
-            "first": _node_events(first), "second": _node_events(second)}
+        late = list(outputs)  # the other ends in this block: its spans reach its actor after the first one's end
+    return {"outputs": [early == holds[done], during, [late == [holds[1 - done]]]], "released": done,
+            "first": _node_events(first), "second": _node_events(second),
+            "first_us": _duration_us(first), "second_us": _duration_us(second)}
 
 
 def _node_events(path) -> list:
     doc = json.loads(Path(path).read_text())
-    return [{"input": e["args"]["input"], "ts": e["ts"]} for e in doc["traceEvents"]
+    return [{"input": e["args"]["input"], "ts": e["ts"], "end": e["ts"] + e["dur"]} for e in doc["traceEvents"]
             if e.get("ph") == "X" and e.get("cat") == "node"]
+
+
+def _duration_us(path) -> float:
+    """How long a trace block lasted, in µs on the driver's clock (`otherData.duration_us`)."""
+    return json.loads(Path(path).read_text())["otherData"]["duration_us"]
 
 
 def dropped_nodes_stop_their_actors(cluster):

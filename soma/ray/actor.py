@@ -18,7 +18,13 @@ banner. A `Failed` carries soma's own error (class, text, remote traceback and
 cause, as `Local` carries them), every later node passes it on without running,
 and the driver raises exactly that error.
 
-The control methods (`hello`, `clock`, `running_token`, `calls_taken`, `take_spans`) are called
+Traced calls (their inputs carry a trace tag: (index, block)) are kept here until
+the driver takes them at the end of the block: one record per Ray call, its time
+and the inputs it carried, each input with its node spans (docs/trace.md):
+
+    (block, start ns, end ns, thread id, [(input index, [[node, start, end, tid, outcome]]), ...])
+
+The control methods (`hello`, `clock`, `running_token`, `take_spans`) are called
 in a concurrency group of their own (`copies.control`), so a busy copy answers
 which input it is running (a timeout) or what time it is (a trace) at once, also
 while one of the driver's calls to it still waits for its input (measured with
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from ..errors import NodeError, PostconditionError, SomaError, traceback_text
@@ -161,8 +168,7 @@ class NodeCopy:
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.broken: Failed | None = None  # this copy could not be made: every call answers with why
         self.running = None  # the token of the input running now (timed inputs only); read by `running_token`
-        self.spans: list = []  # (trace tag, spans) of traced inputs, until the driver takes them
-        self.calls = 0  # Ray calls that ran inputs (a batch is one): `calls_taken` tells the driver
+        self.traced: list = []  # the records of traced calls (see the module's docstring), until taken
         node = None
         try:
             arrange_cuda(node_id, device)
@@ -174,13 +180,12 @@ class NodeCopy:
                 node_id, f"its code could not be loaded in Ray actor {self.actor_id}: {type(err).__name__}: {err}",
                 remote_traceback=traceback_text(err)))
         devices = {node_id: device} if device is not None else {}
-        self.runner = Interpreter({node_id: node}, devices, worker=self.actor_id, remote=True)
+        self.interpreter = Interpreter({node_id: node}, devices, worker=self.actor_id, remote=True)
         self.plan = Step(node_id)
 
     def call(self, x):
         """Run the node on one input: the common call (a whole input, nothing to check, no timeout, not
         traced), with exactly the one arg a hand-written actor would take (every arg costs Ray a serialization)."""
-        self.calls += 1
         return self.run((x,), None, 0, (), None)
 
     def call_with(self, meta, *args):
@@ -188,28 +193,45 @@ class NodeCopy:
 
         `meta`: (the input's token or None, the input's shape, the checks, the trace tag or None).
         """
-        self.calls += 1
-        return self.run(args, *meta)
+        token, shape, checks, trace_tag = meta
+        if trace_tag is None:
+            return self.run(args, token, shape, checks, None)
+        start, spans = time.monotonic_ns(), []
+        try:
+            return self.run(args, token, shape, checks, spans)
+        finally:
+            self._keep(trace_tag[1], start, [(trace_tag[0], spans)])
 
     def call_many(self, *xs):
         """`call` for several inputs in one Ray call (a map's batch): one output per input, each its own
         return (the driver asks for `num_returns=len(xs)`), a failure in its own place, the others' values
         beside it. The calls a batch saves cost Ray ~400 µs of this actor's CPU and ~350 µs of the driver's."""
-        self.calls += 1
         return tuple([self.run((x,), None, 0, (), None) for x in xs])
 
     def call_many_with(self, metas, *args):
         """`call_with` for several inputs in one Ray call: `metas[i]` is (how many of `args` are input i's,
-        its shape, its checks, its trace tag); inputs with a timeout are never batched (no token)."""
-        self.calls += 1
-        outputs, start = [], 0
-        for count, shape, checks, trace_tag in metas:
-            outputs.append(self.run(args[start:start + count], None, shape, checks, trace_tag))
-            start += count
+        its shape, its checks, its trace tag); inputs with a timeout are never batched (no token). The inputs
+        of one call were submitted together, so the traced ones share one trace block."""
+        start_ns = time.monotonic_ns()
+        outputs, traced, start = [], [], 0
+        try:
+            for count, shape, checks, trace_tag in metas:
+                spans = [] if trace_tag is not None else None
+                if spans is not None:
+                    traced.append((trace_tag, spans))
+                outputs.append(self.run(args[start:start + count], None, shape, checks, spans))
+                start += count
+        finally:
+            if traced:
+                self._keep(traced[0][0][1], start_ns, [(tag[0], spans) for tag, spans in traced])
         return tuple(outputs)
 
-    def run(self, args: tuple, token, shape, checks, trace_tag):
-        """The value, or a `Failed` (see the module's drawing)."""
+    def _keep(self, block: int, start_ns: int, inputs: list) -> None:
+        """Keep a traced call's record for the driver: when it ran, on which thread, the inputs it carried."""
+        self.traced.append((block, start_ns, time.monotonic_ns(), threading.get_native_id(), inputs))
+
+    def run(self, args: tuple, token, shape, checks, spans):
+        """The value, or a `Failed` (see the module's drawing). With `spans`, the node's spans go there."""
         failed = first_failure(args)
         if failed is not None:
             return failed  # upstream first: the error the driver raises is the earliest one
@@ -221,16 +243,13 @@ class NodeCopy:
         except PostconditionError as err:
             return Failed(err)
         x = shaped(shape, args)
-        spans = [] if trace_tag is not None else None
         self.running = token
         try:
-            value = self.runner.run(self.plan, x, RunState(), spans)
+            value = self.interpreter.run(self.plan, x, RunState(), spans)
         except NodeError as err:
             return Failed(err)
         finally:
             self.running = None
-            if spans is not None:
-                self.spans.append((trace_tag, spans))
         if carries_autograd(value):
             return Failed(grad_crossing(self.node_id, "it returned"))
         return value
@@ -248,10 +267,7 @@ class NodeCopy:
     def running_token(self):
         return self.running
 
-    def calls_taken(self) -> int:
-        """How many calls brought inputs here (a batch of several inputs counts once)."""
-        return self.calls
-
     def take_spans(self) -> list:
-        spans, self.spans = self.spans, []
-        return spans
+        """The records of the traced calls so far (the driver keeps those of its open block)."""
+        traced, self.traced = self.traced, []
+        return traced

@@ -17,39 +17,40 @@ import contextlib
 import re
 
 from ..errors import NodeError, RunTimeout, SomaError, WorkerDied
-from .copies import control
-from .flows import Flow, first_line, release
+from .copies import ActorBook, control
+from .submission import Submission, first_line, release
 
 CONTROL_ANSWER_S = 2.0  # how long a timeout waits for the late actors to say what they run
 UNANSWERED = "soma: no answer"  # what `ask` reports for an actor that did not answer in time
 
 
-def translate(ray, flow: Flow, err, drop) -> SomaError:
-    """The soma error for a Ray error met while waiting for an input; `drop(copy)` replaces the copy at fault."""
+def translate(ray, submission: Submission, err, book: ActorBook) -> SomaError:
+    """The soma error for a Ray error met while waiting for an input; the actor at fault leaves the book."""
     exceptions = ray.exceptions
     if isinstance(err, exceptions.RayActorError):
-        task = next((t for t in flow.tasks if t[1].actor_id == err.actor_id), None) or culprit(ray, flow)
-        if task is not None:
-            node_id, copy, _ = task
-            if not copy.ready:
-                copy.owner.learn(copy)  # its hello came long ago if it ever started: the pid is there
-            if copy.pid is None:
-                copy.pid = _pid_in(str(err))
-            drop(copy)
-            how = f"was stopped: {copy.stopped}" if copy.stopped else f"died ({_death_reason(err)})"
-            return WorkerDied(f"{copy.describe()}, which held a copy of node `{node_id}`, {how}; soma starts a new "
-                              f"copy for the next input: run again", worker=copy.actor_id, pid=copy.pid, node=node_id)
+        call = next((c for c in submission.calls if c.actor.actor_id == err.actor_id), None) \
+            or culprit(ray, submission)
+        if call is not None:
+            node_id, actor = call.node_id, call.actor
+            book.learn(actor)  # its hello came long ago if it ever started: the pid is there
+            if actor.pid is None:
+                actor.pid = _pid_in(str(err))
+            book.drop(actor)
+            how = f"was stopped: {actor.stopped}" if actor.stopped else f"died ({_death_reason(err)})"
+            return WorkerDied(f"{actor.describe()}, which held a copy of node `{node_id}`, {how}; soma starts a new "
+                              f"copy for the next input: run again", worker=actor.actor_id, pid=actor.pid,
+                              node=node_id)
     if isinstance(err, exceptions.ObjectLostError):
         hex_id = getattr(err, "object_ref_hex", None)
-        task = next((t for t in flow.tasks if t[2].hex() == hex_id), None) or culprit(ray, flow)
-        if task is not None:
-            node_id, copy, _ = task
-            drop(copy)
+        call = next((c for c in submission.calls if c.ref.hex() == hex_id), None) or culprit(ray, submission)
+        if call is not None:
+            node_id, actor = call.node_id, call.actor
+            book.drop(actor)
             return WorkerDied(f"the output of node `{node_id}` was lost with the machine or process that held it "
-                              f"({copy.describe()}): {first_line(err)}; run again",
-                              worker=copy.actor_id, pid=copy.pid, node=node_id)
-    task = culprit(ray, flow)
-    node_id = task[0] if task is not None else flow.tasks[0][0]
+                              f"({actor.describe()}): {first_line(err)}; run again",
+                              worker=actor.actor_id, pid=actor.pid, node=node_id)
+    call = culprit(ray, submission)
+    node_id = (call or submission.calls[0]).node_id
     cause = getattr(err, "cause", None)
     cause = cause if isinstance(cause, BaseException) else err
     failed = NodeError.failed(node_id, f"Ray could not carry its input or output: {type(cause).__name__}: "
@@ -59,65 +60,66 @@ def translate(ray, flow: Flow, err, drop) -> SomaError:
     return failed
 
 
-def culprit(ray, flow: Flow):
+def culprit(ray, submission: Submission):
     """The first call of the input (in submission order, so upstream first) whose ref holds a Ray error.
 
     Only on a failure's path: a ready ref is fetched to see whether it holds an error.
     """
-    for task in flow.tasks:
-        ready, _ = ray.wait([task[2]], timeout=0, fetch_local=False)
+    for call in submission.calls:
+        ready, _ = ray.wait([call.ref], timeout=0, fetch_local=False)
         if not ready:
             continue
         try:
-            ray.get(task[2], timeout=0)
+            ray.get(call.ref, timeout=0)
         except ray.exceptions.RayError:
-            return task
+            return call
         except Exception:
             continue
     return None
 
 
-def expire(ray, flow: Flow, timeout: float, lock, drop) -> RunTimeout:
+def expire(ray, submission: Submission, timeout: float, book: ActorBook) -> RunTimeout:
     """The input's time is up: which of its nodes run now (their actors are stopped), which wait.
 
     Only an input with a timeout carries its token, which each actor reports from its control
     group ("which input are you running?") even while busy.
     """
-    done = _finished(ray, flow)
-    late = [t for t in flow.tasks if t[2] not in done]
-    asked: dict = {}  # actor id → Copy: the late calls' copies that are up
-    with lock:
-        for _, copy, _ in late:
-            if copy.ready or copy.owner.has_said_hello(copy):
-                asked[copy.actor_id] = copy
-    answer_of = dict(zip(asked, ask(ray, [copy.actor for copy in asked.values()], "running_token",
+    done = _finished(ray, submission)
+    late = [call for call in submission.calls if call.ref not in done]
+    asked: dict = {}  # actor id → CopyActor: the late calls' actors that are up
+    with book.lock:
+        for call in late:
+            if call.actor.ready or call.actor.owner.has_said_hello(call.actor):
+                asked[call.actor.actor_id] = call.actor
+    answer_of = dict(zip(asked, ask(ray, [actor.handle for actor in asked.values()], "running_token",
                                     CONTROL_ANSWER_S)))
     running, waiting, stop = {}, [], {}
-    for node_id, copy, ref in late:
-        if copy.actor_id not in answer_of:
-            waiting.append(node_id)  # its actor has not started yet
+    for call in late:
+        actor_id = call.actor.actor_id
+        if actor_id not in answer_of:
+            waiting.append(call.node_id)  # its actor has not started yet
             continue
-        answer = answer_of[copy.actor_id]
+        answer = answer_of[actor_id]
         # No answer even from the control group: stuck holding the GIL (in C code), as good as running.
-        busy_with_this = answer == flow.token or answer == UNANSWERED
+        busy_with_this = answer == submission.token or answer == UNANSWERED
         if busy_with_this:
-            running[node_id] = copy.actor_id
-            stop[copy.actor_id] = copy
+            running[call.node_id] = actor_id
+            stop[actor_id] = call.actor
         else:
-            waiting.append(node_id)
-            ray.cancel(ref)  # queued behind other inputs, or waiting for its args: it will not start
-    for copy in stop.values():
-        copy.stopped = f"another input timed out while it ran node `{copy.owner.node_id}` there"
-        drop(copy)
-    with lock:
-        release(flow, "RunTimeout")
+            waiting.append(call.node_id)
+            ray.cancel(call.ref)  # queued behind other inputs, or waiting for its args: it will not start
+    for actor in stop.values():
+        actor.stopped = f"another input timed out while it ran node `{actor.owner.node_id}` there"
+        book.drop(actor)
+    with book.lock:
+        release(submission, "RunTimeout")
     then = "the actors running them were stopped; new copies start for the next input" if stop else None
     return RunTimeout.after(timeout, {node: f"Ray actor {actor}" for node, actor in running.items()}, waiting, then)
 
 
-def ask(ray, actors: list, method: str, answer_s: float) -> list:
+def ask(ray, handles: list, method: str, answer_s: float) -> list:
     """Each actor's answer to a control method, or `UNANSWERED` where none came within `answer_s` seconds."""
-    refs = [control(actor, method) for actor in actors]
+    refs = [control(handle, method) for handle in handles]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=answer_s) if refs else ([], [])
     ready = set(ready)
     answers = []
@@ -129,20 +131,20 @@ def ask(ray, actors: list, method: str, answer_s: float) -> list:
     return answers
 
 
-def abandon(ray, flow: Flow, lock) -> None:
+def abandon(ray, submission: Submission, book: ActorBook) -> None:
     """Nobody waits for this input any more (a map that ended early): cancel what has not started."""
-    done = _finished(ray, flow)
-    for _, _, ref in flow.tasks:
-        if ref not in done:
+    done = _finished(ray, submission)
+    for call in submission.calls:
+        if call.ref not in done:
             with contextlib.suppress(Exception):
-                ray.cancel(ref)
-    with lock:
-        release(flow, "cancelled")
+                ray.cancel(call.ref)
+    with book.lock:
+        release(submission, "cancelled")
 
 
-def _finished(ray, flow: Flow) -> set:
+def _finished(ray, submission: Submission) -> set:
     """The refs of the input's calls that are ready now (never waits, fetches nothing)."""
-    refs = [t[2] for t in flow.tasks]
+    refs = [call.ref for call in submission.calls]
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
     return set(done)
 

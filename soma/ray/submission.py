@@ -1,10 +1,10 @@
-"""One input (or a map's batch) through a graph on Ray: the driver walks the plan once, submits every call at once.
+"""One input (or a map's batch) submitted to Ray: the driver walks the plan once and submits every call at once.
 
-    plan:   tokenize >> (encoder | other) >> join
-    flow:   r1 = tokenize#1.call(x)
-            r2 = encoder#1.call(r1)      r3 = other#2.call(r1)      (two actors: the branches overlap)
-            r4 = join#1.call(r2, r3)     shape (0, 1): join receives the tuple (encoder's, other's)
-            out = r4                     the driver waits for this ref alone
+    plan:        tokenize >> (encoder | other) >> join
+    submission:  r1 = tokenize#1.call(x)
+                 r2 = encoder#1.call(r1)      r3 = other#2.call(r1)      (two actors: the branches overlap)
+                 r4 = join#1.call_with(meta, r2, r3)   shape (0, 1): join receives (encoder's, other's)
+                 refs = [r4]                  the driver waits for this ref alone
 
 Every call is submitted before any has run: Ray starts each one when the refs it
 takes are ready, and the values go from the object store of the producing actor
@@ -19,10 +19,14 @@ actor can check the postcondition on what arrives. The driver does the same for
 the run's output (`outcome`).
 
 A map's batch (docs/ray.md, "Batches") walks the plan once for all its inputs:
-each node's copy gets one call for the batch, with one return per input.
+each node gets one call for the batch, with one return per input.
 
     batch:  [a1, a2] = add#1.call_many(x1, x2)        (num_returns=2)
             [d1, d2] = double#2.call_many(a1, a2)      the driver waits for d1 and d2 together
+
+The walk is `soma.plan.fold`, done once per `ActorGraph`: it folds the plan into
+one function that submits each step's call, a sequence's items in order and a
+wave's branches side by side.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import os
 import time
 
 from ..errors import NodeError
-from ..plan import Plan, Seq, Step
+from ..plan import Plan, fold
 from ..run.postcondition import check_postcondition
 from .actor import carries_autograd, first_failure, grad_crossing
 
@@ -46,24 +50,64 @@ class Out:
         self.producer = producer
 
 
-class Program:
-    """A graph under one placement, ready to submit: its plan and the copies of each of its nodes."""
+class Call:
+    """One Ray call an input took part in: the node, the actor it went to, the ref of this input's output."""
 
-    __slots__ = ("plan", "stages", "devices", "entry_nodes", "shares_input")
+    __slots__ = ("node_id", "actor", "ref")
 
-    def __init__(self, plan: Plan, stages: dict, devices: dict):
+    def __init__(self, node_id: str, actor, ref):
+        self.node_id = node_id
+        self.actor = actor  # the CopyActor (soma.ray.copies)
+        self.ref = ref
+
+
+class ActorGraph:
+    """A graph under one placement, ready to submit: its plan, the actors of each node, and the plan's walk."""
+
+    __slots__ = ("plan", "actors", "devices", "entry_nodes", "shares_input", "walk")
+
+    def __init__(self, plan: Plan, actors: dict, devices: dict):
         self.plan = plan
-        self.stages = stages  # node id → NodeCopies
+        self.actors = actors  # node id → NodeActors
         self.devices = devices
-        self.entry_nodes = _entries(plan)
+        self.entry_nodes = fold(plan, lambda step: [step.id], _first_item, _every_branch)
         # More than one call receives the input: put it in the object store once, not once per call.
         self.shares_input = len(self.entry_nodes) > 1
+        # walk(values, submissions) → each input's value after the plan, every call submitted on the way
+        self.walk = fold(plan, self._step, _in_sequence, _side_by_side)
+
+    def _step(self, step):
+        node_id = step.id
+        return lambda values, submissions: _call(self, node_id, values, submissions)
 
 
-class Flow:
-    """One input on its way: its calls (in submission order, which is a topological order) and its output."""
+def _first_item(_, entries: list) -> list:
+    return entries[0]
 
-    __slots__ = ("index", "token", "timed", "trace", "trace_tag", "started_ns", "tasks", "out", "leaves", "refs",
+
+def _every_branch(_, entries: list) -> list:
+    return [node for branch in entries for node in branch]
+
+
+def _in_sequence(_, walks: list):
+    def walk(values: list, submissions: list) -> list:
+        for item in walks:
+            values = item(values, submissions)
+        return values
+    return walk
+
+
+def _side_by_side(_, walks: list):
+    def walk(values: list, submissions: list) -> list:
+        branches = [branch(values, submissions) for branch in walks]
+        return [tuple(outs) for outs in zip(*branches)]
+    return walk
+
+
+class Submission:
+    """One input on its way: its calls (in submission order, which is a topological order) and its output refs."""
+
+    __slots__ = ("index", "token", "timed", "trace", "trace_tag", "started_ns", "calls", "out", "leaves", "refs",
                  "pending", "over", "batch")
 
     def __init__(self, index, token: int, timed: bool, trace):
@@ -76,84 +120,72 @@ class Flow:
         # block ended.
         self.trace_tag = (index, trace.start_ns) if trace is not None else None
         self.started_ns = time.monotonic_ns() if trace is not None else 0
-        self.tasks: list = []  # (node id, Copy, ref)
+        self.calls: list[Call] = []
         self.out = None  # tree of Out: one, or tuples of them (a plan ending in a wave)
         self.leaves: list[Out] = []
         self.refs: list = []
         self.pending = 0  # map: refs of `refs` not ready yet
-        self.over = False  # its copies' loads were given back
+        self.over = False  # its actors' loads were given back
         self.batch: list = [self]  # the inputs submitted with it, itself included: they share every call
 
 
-def submit_batch(program: Program, xs: list, flows: list, put) -> None:
+def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
     """Submit every call of one input, or of a map's batch of inputs: one Ray call per node for all of them
-    (the runner holds its lock: copies are picked here). One input: `call` (exactly the one arg a
-    hand-written actor takes). Several: `call_many`, one return per input, so each input still has its own
-    ref at every node, and downstream calls, failures, checks and spans stay per input.
+    (under the book's lock: actors are picked here). One input: `call` (exactly the one arg a hand-written
+    actor takes). Several: `call_many`, one return per input, so each input still has its own ref at every
+    node, and downstream calls, failures, checks and spans stay per input.
     """
-    entry = program.entry_nodes[0]
+    entry = graph.entry_nodes[0]
     for x in xs:
         if carries_autograd(x):
             raise grad_crossing(entry, "its input is")
-    if program.shares_input:
+    if graph.shares_input:
         try:
             first = [Out(put(x), None) for x in xs]
         except Exception as err:
             raise unsendable(entry, err) from None
     else:
         first = [Out(x, None) for x in xs]  # sent with the entry node's call (see `_call`)
-    outs = _walk(program, program.plan, first, flows)
-    for flow, out in zip(flows, outs):
-        flow.batch = flows
-        flow.out = out
-        _collect(out, flow.leaves)
-        flow.refs = [leaf.ref for leaf in flow.leaves]
-        flow.pending = len(flow.refs)
+    outs = graph.walk(first, submissions)
+    for submission, out in zip(submissions, outs):
+        submission.batch = submissions
+        submission.out = out
+        _collect(out, submission.leaves)
+        submission.refs = [leaf.ref for leaf in submission.leaves]
+        submission.pending = len(submission.refs)
 
 
-def _walk(program: Program, plan: Plan, values: list, flows: list) -> list:
-    """Each input's value after `plan` (a list, one per flow), every call submitted on the way."""
-    kind = type(plan)
-    if kind is Step:
-        return _call(program, plan.id, values, flows)
-    if kind is Seq:
-        for item in plan.items:
-            values = _walk(program, item, values, flows)
-        return values
-    branches = [_walk(program, branch, values, flows) for branch in plan.branches]
-    return [tuple(outs) for outs in zip(*branches)]
-
-
-def _call(program: Program, node_id: str, values: list, flows: list) -> list:
+def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> list:
     args: list = []  # every input's args, one after the other
     metas: list = []  # per input: (how many args, shape, checks, trace tag)
     simple = True  # one whole input each, nothing to check, no timeout, not traced: the one-arg call
-    for value, flow in zip(values, flows):
+    for value, submission in zip(values, submissions):
         start, checks = len(args), []
-        shape = _flatten(value, args, checks, program.devices, start)
-        metas.append((len(args) - start, shape, tuple(checks), flow.trace_tag))
-        simple = simple and shape == 0 and not checks and flow.trace_tag is None and not flow.timed
-    copy = program.stages[node_id].pick(len(flows))
+        shape = _flatten(value, args, checks, graph.devices, start)
+        metas.append((len(args) - start, shape, tuple(checks), submission.trace_tag))
+        simple = simple and shape == 0 and not checks and submission.trace_tag is None and not submission.timed
+    actor = graph.actors[node_id].pick(len(submissions))
     try:
-        if len(flows) == 1:
+        if len(submissions) == 1:
             if simple:
-                refs = [copy.actor.call.remote(args[0])]
+                refs = [actor.handle.call.remote(args[0])]
             else:
+                only = submissions[0]
                 _, shape, checks, trace_tag = metas[0]
-                refs = [copy.actor.call_with.remote((flows[0].token if flows[0].timed else None, shape, checks,
-                                                    trace_tag), *args)]
+                refs = [actor.handle.call_with.remote((only.token if only.timed else None, shape, checks, trace_tag),
+                                                      *args)]
         elif simple:
-            refs = copy.batched("call_many", len(flows)).remote(*args)
+            refs = actor.batched("call_many", len(submissions)).remote(*args)
         else:
-            refs = copy.batched("call_many_with", len(flows)).remote(tuple(metas), *args)
+            refs = actor.batched("call_many_with", len(submissions)).remote(tuple(metas), *args)
     except Exception as err:
-        copy.load -= len(flows)  # nothing was sent
-        if program.shares_input or node_id != program.entry_nodes[0]:
+        actor.load -= len(submissions)  # nothing was sent
+        if graph.shares_input or node_id != graph.entry_nodes[0]:
             raise  # only the entry node's call carries the input itself; the others carry refs
         raise unsendable(node_id, err) from None
     outs = []
-    for flow, ref in zip(flows, refs):
-        flow.tasks.append((node_id, copy, ref))
+    for submission, ref in zip(submissions, refs):
+        submission.calls.append(Call(node_id, actor, ref))
         outs.append(Out(ref, node_id))
     return outs
 
@@ -196,7 +228,7 @@ def _collect(tree, leaves: list) -> None:
             _collect(item, leaves)
 
 
-def outcome(flow: Flow, values: list, devices: dict):
+def outcome(submission: Submission, values: list, devices: dict):
     """The run's output from the values of its refs, or the error to raise (the first failure in branch order).
 
     The driver checks the postcondition on what arrived, like every consuming actor.
@@ -204,10 +236,9 @@ def outcome(flow: Flow, values: list, devices: dict):
     failed = first_failure(values)
     if failed is not None:
         raise failed.rebuild()
-    for leaf, value in zip(flow.leaves, values):
+    for leaf, value in zip(submission.leaves, values):
         check_postcondition(leaf.producer, devices.get(leaf.producer), value)
-    it = iter(values)
-    return _rebuild(flow.out, it)
+    return _rebuild(submission.out, iter(values))
 
 
 def _rebuild(tree, values):
@@ -216,25 +247,17 @@ def _rebuild(tree, values):
     return tuple(_rebuild(item, values) for item in tree)
 
 
-def _entries(plan: Plan) -> list[str]:
-    """The nodes that receive a run's input (several when the plan starts with a wave)."""
-    if isinstance(plan, Step):
-        return [plan.id]
-    if isinstance(plan, Seq):
-        return _entries(plan.items[0])
-    return [node for branch in plan.branches for node in _entries(branch)]
-
-
-def release(flow: Flow, outcome: str = "ok") -> None:
-    """The input is over (done, failed, expired or abandoned): its copies may take other inputs.
-
-    A traced input of a map becomes an interval on the driver's track (a run's is its caller's span).
+def release(submission: Submission, outcome: str = "ok") -> None:
+    """The input is over (done, failed, expired or abandoned): its actors may take other inputs (under the
+    book's lock). A traced input of a map becomes an interval on the driver's track (a run's is its caller's
+    span).
     """
-    if flow.over:
+    if submission.over:
         return
-    flow.over = True
-    for _, copy, _ in flow.tasks:
-        copy.load -= 1
-    if flow.trace is not None and flow.index is not None:
-        flow.trace.interval(f"input {flow.index}", "host", flow.started_ns, time.monotonic_ns(), os.getpid(),
-                            f"input-{flow.token}", {"input": flow.index, "outcome": outcome})
+    submission.over = True
+    for call in submission.calls:
+        call.actor.load -= 1
+    if submission.trace is not None and submission.index is not None:
+        submission.trace.interval(f"input {submission.index}", "host", submission.started_ns, time.monotonic_ns(),
+                                  os.getpid(), f"input-{submission.token}",
+                                  {"input": submission.index, "outcome": outcome})
