@@ -168,12 +168,15 @@ def _assign_ids(leaves: list[Leaf]) -> dict[int, str]:
 
 
 def _check_forward(node_id: str, node: Node) -> None:
-    """A GraphError now, naming the node, when its `forward` cannot be called as soma calls it: `forward(x, ctx)`.
+    """A GraphError now, naming the node, when the method soma calls cannot be called as soma calls it:
+    `forward(x, ctx)`, or `forward_batch(xs, ctx)` for a node that takes batches.
 
     Only a signature that surely refuses two positional arguments is refused:
     defaults, `*args` and callables without a signature (builtins) pass.
     """
-    forward = getattr(node, "forward", None)
+    method = "forward_batch" if callable(getattr(node, "forward_batch", None)) else "forward"
+    arg = "xs" if method == "forward_batch" else "x"
+    forward = getattr(node, method, None)
     cls = type(node).__name__
     if not callable(forward):
         raise GraphError(f"node `{node_id}` ({cls}) has no callable forward: soma calls forward(x, ctx)")
@@ -186,11 +189,11 @@ def _check_forward(node_id: str, node: Node) -> None:
     try:
         signature.bind(None, None)
     except TypeError as err:
-        written = getattr(type(node), "forward", None)  # as the class wrote it: `(self, x)`, not the bound `(x)`
+        written = getattr(type(node), method, None)  # as the class wrote it: `(self, x)`, not the bound `(x)`
         shown = inspect.signature(written) if inspect.isfunction(written) else signature
         raise GraphError(
-            f"node `{node_id}` ({cls}): soma calls forward(x, ctx), but {cls}.forward{shown} cannot be called "
-            f"that way ({err}); define it as `def forward(self, x, ctx)`"
+            f"node `{node_id}` ({cls}): soma calls {method}({arg}, ctx), but {cls}.{method}{shown} cannot be called "
+            f"that way ({err}); define it as `def {method}(self, {arg}, ctx)`"
         ) from None
 
 

@@ -30,14 +30,14 @@ from .interpreter import Interpreter, RunState, thread_modes
 from .mapping import Inflight, map_outputs
 from .trace import Trace
 
-THREADS = 32  # inputs the Executor runs at once at most (threads kept while it is open)
+THREADS = 64  # inputs the Executor runs at once at most (threads kept while it is open)
 
 
 class Executor(RunnerBase):
     """The in-process runner: `Executor().run(g, x)`, `Executor().map(g, xs)`.
 
     `threads`: how many inputs it runs at once for `map`, `submit`, `arun` and `amap`
-    (default 32); they are kept until `close()`.
+    (default 64, two batches of a batching node's default size); they are kept until `close()`.
     """
 
     def __init__(self, threads: int = THREADS):
@@ -98,7 +98,7 @@ class Executor(RunnerBase):
     def _run(self, g, devices: dict, x, timeout, index, modes=None, state: RunState | None = None):
         interpreter = self._interpreter(g, devices)
         plan = g.plan()
-        state = state if state is not None else RunState()
+        state = state if state is not None else RunState(index=index)
         trace = self._trace
         spans = [] if trace is not None else None
         start = time.monotonic_ns()
@@ -178,7 +178,7 @@ class ExecutorInflight(Inflight):
     def start(self, items: list) -> None:
         threads = self.executor._threads()
         for index, x in items:
-            state = RunState()
+            state = RunState(index=index)
             future = threads.submit(self.executor._run, self.g, self.devices, x, None, index, self.modes, state)
             self.running[future] = (index, state)
 

@@ -25,6 +25,7 @@ from ..ctx import Ctx
 from ..errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
 from ..plan import Plan, Seq, Step, Wave, fold
 from ..values import Done, unwrap
+from .batching import Batcher, batch_outputs, failing, is_batching
 from .postcondition import check_postcondition
 
 
@@ -45,12 +46,13 @@ class RunState:
     `observer.enter(job, node)` / `observer.leave(job, node)`.
     """
 
-    __slots__ = ("running", "cancelled", "job", "_lock", "_observer")
+    __slots__ = ("running", "cancelled", "job", "index", "_lock", "_observer")
 
-    def __init__(self, observer=None, job: int = 0):
+    def __init__(self, observer=None, job: int = 0, index=None):
         self.running: dict[str, int] = {}
         self.cancelled = False
         self.job = job
+        self.index = index  # the input's position in a map (None for run): a batch's trace event lists them
         self._lock = threading.Lock() if observer is None else None
         self._observer = observer
 
@@ -189,7 +191,7 @@ class KeptThreads:
 _kept: "KeptThreads | None" = None
 
 
-def _kept_threads() -> KeptThreads:
+def kept_threads() -> KeptThreads:
     """This process's kept branch threads (a worker's or an actor's: they live as long as it does)."""
     global _kept
     if _kept is None:
@@ -268,13 +270,27 @@ class Interpreter:
         self.remote = remote
         self.on_thread = on_thread
         self._caught = BaseException if remote else Exception
-        self._kept = _kept_threads() if remote else None
+        self._active_lock = threading.Lock()
+        self._kept = kept_threads() if remote else None
         self._guards: dict = {}  # node id → its node's guard, found once
         self._compiled: dict = {}  # plan → its compiled call
+        self._batchers: dict = {}  # node id → its Batcher, for the nodes that take batches
+        self.batching = any(is_batching(node) for node in nodes.values())
+        self.active = 0  # inputs running through this interpreter now (kept when a node takes batches)
 
     def run(self, plan: Plan, x, state: RunState | None = None, spans: list | None = None):
         """Run `plan` on `x`. With `spans`, append one `span(...)` per node run (and per setup)."""
-        return self.compile(plan)(x, state if state is not None else RunState(), spans)
+        run = self.compile(plan)
+        state = state if state is not None else RunState()
+        if not self.batching:
+            return run(x, state, spans)
+        with self._active_lock:
+            self.active += 1
+        try:
+            return run(x, state, spans)
+        finally:
+            with self._active_lock:
+                self.active -= 1
 
     def compile(self, plan: Plan):
         """`plan` as one call `run(x, state, spans)` (made once per plan)."""
@@ -284,11 +300,22 @@ class Interpreter:
         return found
 
     def _step(self, step: Step):
-        invoke, node_id = self.invoke, step.id
+        node_id = step.id
+        if is_batching(self.nodes[node_id]):
+            return self._batcher(node_id).call  # (x, state, spans): the inputs there at once share a call
+        invoke = self.invoke
 
         def run_step(x, state, spans):
             return invoke(node_id, x, state, spans)
         return run_step
+
+    def _batcher(self, node_id: str) -> Batcher:
+        found = self._batchers.get(node_id)
+        if found is None:
+            found = self._batchers[node_id] = Batcher(
+                node_id, self.nodes[node_id], lambda xs, entries: self.invoke_batch(node_id, xs, entries),
+                lambda: self.active)
+        return found
 
     def _wave(self, _: Wave, branches: list):
         """Every branch whole on its own thread; all of them are waited for before raising."""
@@ -364,6 +391,59 @@ class Interpreter:
             if spans is not None:
                 spans.append(span(node_id, start, outcome, "setup"))
 
+    def invoke_batch(self, node_id: str, xs: list, entries: list) -> list:
+        """Run a batching node once on `xs`: `(ok, value)` per input (see soma.run.batching). Each input's
+        state enters the node (a cancelled one leaves the batch); setup once; the node's lock; one span."""
+        node = self.nodes[node_id]
+        device = self.devices.get(node_id)
+        guard = self._guards.get(node_id)
+        if guard is None:
+            guard = self._guards[node_id] = guard_of(node)
+        outcomes: list = [None] * len(xs)
+        taken = []
+        for i, entry in enumerate(entries):
+            try:
+                entry.state.enter(node_id)
+                taken.append(i)
+            except Cancelled as err:
+                outcomes[i] = (False, err)
+        traced = next((entries[i].spans for i in taken if entries[i].spans is not None), None)
+        start = time.monotonic_ns()
+        try:
+            results = self._call_batch(node, node_id, device, guard, [xs[i] for i in taken], traced)
+        finally:
+            for i in taken:
+                entries[i].state.leave(node_id)
+        for i, result in zip(taken, results):
+            outcomes[i] = result
+        if traced is not None and taken:
+            failed = next((type(v).__name__ for ok, v in results if not ok), "ok")
+            traced.append(span(node_id, start, failed, "batch") + [[entries[i].state.index for i in taken]])
+        return outcomes
+
+    def _call_batch(self, node, node_id: str, device, guard, xs: list, spans) -> list:
+        if not xs:
+            return []
+        ctx = Ctx(node_id, device, self.worker, self.allocate)
+        failure = None
+        try:
+            with guard.lock:  # one batch at a time per node object
+                if not guard.ready:
+                    self.setup(node, node_id, ctx, spans)
+                    guard.ready = True
+                try:
+                    out = node.forward_batch(xs, ctx)
+                except self._caught as exc:
+                    failure = exc
+        except NodeError as setup_failed:  # every input of the batch fails with its setup's error
+            failed = setup_failed
+            return failing(len(xs), lambda: _caused(NodeError(failed.node, failed.args[0],
+                                                              remote_traceback=failed.remote_traceback),
+                                                    failed.__cause__))
+        if failure is not None:  # each input its own NodeError, the node's exception its cause
+            return failing(len(xs), lambda: _caused(self.node_failed(node_id, failure, device=device), failure))
+        return batch_outputs(node_id, out, len(xs), device)
+
     def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:
         """The NodeError for an exception a node raised (a full /dev/shm has its own)."""
         if isinstance(exc, SharedMemoryFull):
@@ -374,6 +454,11 @@ class Interpreter:
         if missing:
             what = f"it is placed on `{device}`, but {missing}; {what}"
         return NodeError.failed(node_id, f"{what}: {exc}", remote_traceback=text)
+
+
+def _caused(err: BaseException, cause) -> BaseException:
+    err.__cause__ = cause
+    return err
 
 
 def span(node_id: str, start_ns: int, outcome: str, kind: str = "node") -> list:

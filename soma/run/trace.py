@@ -82,9 +82,14 @@ class Trace:
             kind = span[5] if len(span) > 5 else "node"
             name = span[6] if len(span) > 6 else f"thread {tid}"
             self.thread(pid, tid, f"{worker} {name}" if worker is not None else name)
+            args = {"node": node, "device": devices.get(node), "worker": worker}
+            if kind == "batch":  # a batching node's one call for several inputs: one event, which inputs
+                args.update(inputs=span[7], batch=len(span[7]), outcome=outcome)
+                self.span(node, "node", start + offset_ns, end + offset_ns, pid, tid, args)
+                continue
+            args.update(input=index, outcome=outcome)
             self.span(node if kind == "node" else f"{kind} {node}", kind, start + offset_ns, end + offset_ns, pid,
-                      tid, {"node": node, "device": devices.get(node), "worker": worker, "input": index,
-                            "outcome": outcome})
+                      tid, args)
 
     @contextlib.contextmanager
     def host_step(self, name: str, **args):

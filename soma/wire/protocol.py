@@ -62,7 +62,7 @@ class JobSpec(NamedTuple):
     id: int
     piece: int
     payload: bytes  # the input, encoded by soma.wire.codec
-    traced: bool  # record spans for runner.trace()
+    traced: object  # False, or [the input's index (None for a run)]: record spans for runner.trace()
 
 
 class Outcome(NamedTuple):
@@ -71,7 +71,7 @@ class Outcome(NamedTuple):
     job: int
     ok: bool
     body: object  # the encoded output (bytes) when ok, else an error body (dict)
-    spans: list | None  # [[node, start ns, end ns, thread id, outcome]] when the job was traced
+    spans: list | None  # soma.run.interpreter.span records, when the job was traced
     seconds: float  # how long the job ran in the worker (the host sizes its batches by it)
 
 

@@ -46,7 +46,7 @@ class WorkerChoice:
         lanes = self.lanes
         for slot in usable:
             load = self.load[slot]
-            if (load >= MAX_DEPTH or lanes.get((slot, piece.id), 0) >= depth
+            if (load >= max(MAX_DEPTH, piece.batch) or lanes.get((slot, piece.id), 0) >= depth
                     or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda)):
                 continue
             holds = 0
@@ -127,12 +127,14 @@ class WorkerChoice:
     def depth(self, piece: Piece) -> int:
         """Jobs of `piece` worth having in flight per worker: enough that the worker runs the next ones
         while the last outcomes travel. 2 (one running, one waiting) for jobs that take longer than a
-        round trip; up to MAX_DEPTH for jobs of microseconds. MAX_DEPTH until measured."""
+        round trip; up to MAX_DEPTH for jobs of microseconds. MAX_DEPTH until measured. A piece with a
+        batching node: at least its max_batch."""
         service = self.service_s.get(piece.id)
         latency = self.latency_s.get(piece.id)
         if service is None or latency is None:
-            return MAX_DEPTH
-        return max(2, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
+            return max(MAX_DEPTH, piece.batch)
+        # A piece with a batching node keeps a batch's worth at each worker: its jobs run together there.
+        return max(2, piece.batch, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
 
     def parallelism(self, pieces: list) -> int:
         """How many inputs of a program (its `pieces`) the pool works on at once: map's default window

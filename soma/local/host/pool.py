@@ -324,7 +324,8 @@ class WorkerPool:
                     self._book.lent(name, worker.pid)
                     if self._store is not None:
                         self._store.note_sent(name)
-            task = Task(code, pieces, [(u.id, u.piece.id, u.payload, u.traced) for u in jobs],  # Jobs, packed
+            task = Task(code, pieces, [(u.id, u.piece.id, u.payload, [u.flow.index] if u.traced else False)
+                                       for u in jobs],  # JobSpecs, packed
                         self._book.take_frees(worker.pid), forget)
             if not self._send(worker, protocol.pack(self.secret, task)):
                 return False

@@ -30,6 +30,7 @@ import itertools
 from ...errors import PlacementError
 from ...node import copy_limit
 from ...plan import Plan, Seq, Step, Wave, fold
+from ...run.batching import is_batching, max_batch_of
 from ...wire.protocol import pack_piece
 
 _piece_ids = itertools.count(1)
@@ -41,12 +42,13 @@ class Piece(Plan):
     `keys`: node id → node key. `devices`: node id → declared device (placed nodes).
     `cuda`: the device its worker must be pinned to, if any. `max_copies`: at most
     this many copies of it may exist (None: as many as there are workers).
-    `spec`: the piece as the protocol carries it (packed once).
+    `spec`: the piece as the protocol carries it (packed once). `batch`: its batching nodes' largest
+    `max_batch` (0 when it has none): a worker runs that many of its jobs together, so they share calls.
     """
 
-    __slots__ = ("id", "plan", "keys", "devices", "cuda", "max_copies", "spec", "entry", "checked_outputs")
+    __slots__ = ("id", "plan", "keys", "devices", "cuda", "max_copies", "spec", "entry", "checked_outputs", "batch")
 
-    def __init__(self, plan: Plan, keys: dict, devices: dict, max_copies: int | None):
+    def __init__(self, plan: Plan, keys: dict, devices: dict, max_copies: int | None, batch: int = 0):
         ids = list(plan.steps())
         cuda = {devices[n] for n in ids if devices.get(n, "").startswith("cuda")}
         for name, value in (
@@ -59,6 +61,7 @@ class Piece(Plan):
             ("spec", pack_piece(plan, keys, devices)),
             ("entry", ids[0]),  # the first node: the one its input is for
             ("checked_outputs", outputs_to_check(plan, devices)),  # its output → what the postcondition checks
+            ("batch", batch),  # its batching nodes' largest max_batch (0: none): how many of its jobs run together
         ):
             object.__setattr__(self, name, value)
 
@@ -94,7 +97,8 @@ def compile_program(g, key_of, worker_devices: list[str], whole: bool = False) -
     check_placement(devices, worker_devices)
     keys = {nid: key_of(g.node(nid)) for nid in g.nodes()}
     limits = {nid: copy_limit(nid, g.node(nid)) for nid in g.nodes()}
-    compiler = _Compiler(keys, devices, limits)
+    batches = {nid: max_batch_of(g.node(nid)) if is_batching(g.node(nid)) else 0 for nid in g.nodes()}
+    compiler = _Compiler(keys, devices, limits, batches)
     plan = g.plan()
     if whole and compiler.whole(plan) and all(limit is None for limit in limits.values()):
         return compiler.piece(plan)
@@ -119,8 +123,8 @@ class _Compiler:
     when it stands at the top or in a wave (made only where it is used: a part that joins a larger
     piece is never cut itself)."""
 
-    def __init__(self, keys: dict, devices: dict, limits: dict):
-        self.keys, self.devices, self.limits = keys, devices, limits
+    def __init__(self, keys: dict, devices: dict, limits: dict, batches: dict):
+        self.keys, self.devices, self.limits, self.batches = keys, devices, limits, batches
 
     def top(self, plan: Plan) -> Plan:
         """The plan at the top: cut into pieces."""
@@ -171,7 +175,8 @@ class _Compiler:
 
     def piece(self, plan: Plan) -> "Piece":
         limits = [self.limits[n] for n in plan.steps() if self.limits[n] is not None]
-        return Piece(plan, self.keys, self.devices, min(limits) if limits else None)
+        return Piece(plan, self.keys, self.devices, min(limits) if limits else None,
+                     max(self.batches[n] for n in plan.steps()))
 
 
 def output_devices(plan: Plan, devices: dict, value) -> list:

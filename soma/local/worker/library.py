@@ -14,17 +14,20 @@ import threading
 
 from ...errors import NodeError, traceback_text
 from ...plan import first_step, last_step
+from ...run.batching import is_batching, max_batch_of
 from ...wire import protocol
 
 
 class Loaded:
-    """A piece this worker can run: its plan, an Interpreter over its nodes' copies here, its first and last node."""
+    """A piece this worker can run: its plan, an Interpreter over its nodes' copies here, its first and last node,
+    and `batch`: how many of its jobs run together (a batching node's max_batch; 0 when it has none)."""
 
-    __slots__ = ("entry", "interpreter", "plan", "producer")
+    __slots__ = ("batch", "entry", "interpreter", "plan", "producer")
 
     def __init__(self, plan, interpreter, entry: str, producer: str):
         self.plan = plan
         self.interpreter = interpreter
+        self.batch = max((max_batch_of(n) for n in interpreter.nodes.values() if is_batching(n)), default=0)
         self.entry = entry  # named on the status page while its input is decoded
         self.producer = producer  # ... and while its output is encoded
 

@@ -14,7 +14,7 @@ import zmq
 
 from ..._log import warn
 from ...errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
-from ...run.interpreter import Interpreter, RunState, span
+from ...run.interpreter import Interpreter, RunState, kept_threads, on_threads, span
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
 from ...wire.shm import unlink_all
@@ -298,27 +298,39 @@ class Worker:
                     if receiving and self.receiving is threading.current_thread():
                         self.receiver_busy_since = None
                     break
-                job = lane.jobs.popleft()
-                cancelled = job.id in self.cancelled
-                if cancelled:
-                    self.cancelled.discard(job.id)
-            if cancelled or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
-                outcome = Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
-            else:
-                outcome = self.run_job(job)
-                if self.max_memory and not self.over_memory:
-                    self.over_memory = private_memory() > self.max_memory
-            now = time.monotonic()
-            if not outcomes:
-                first_at = now
-            outcomes.append(outcome)
-            if outcome.seconds >= FLUSH_S or now - first_at >= FLUSH_S:
-                self.flush(outcomes)
-                outcomes = []
+                turn = [lane.jobs.popleft()]
+                loaded = self.library.pieces.get(turn[0].piece)
+                while loaded is not None and len(turn) < loaded.batch and lane.jobs:
+                    turn.append(lane.jobs.popleft())  # a batching node's jobs run together: they share calls
+                dropped = {job.id for job in turn if job.id in self.cancelled}
+                self.cancelled -= dropped
+            for outcome in self.run_turn(turn, dropped):
+                now = time.monotonic()
+                if not outcomes:
+                    first_at = now
+                outcomes.append(outcome)
+                if outcome.seconds >= FLUSH_S or now - first_at >= FLUSH_S:
+                    self.flush(outcomes)
+                    outcomes = []
         if outcomes:
             self.flush(outcomes)
         if self.over_memory:
             self.leave_if_idle()
+
+    def run_turn(self, jobs: list, dropped: set) -> list:
+        """Outcomes of a lane's turn: one job, or the jobs queued for a piece with a batching node, run at once
+        on threads of their own so that they meet at that node (soma.run.batching)."""
+        def outcome_of(job):
+            if job.id in dropped or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
+                return Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
+            outcome = self.run_job(job)
+            if self.max_memory and not self.over_memory:
+                self.over_memory = private_memory() > self.max_memory
+            return outcome
+
+        if len(jobs) == 1:
+            return [outcome_of(jobs[0])]
+        return [value for _, value in on_threads([lambda job=job: outcome_of(job) for job in jobs], kept_threads())]
 
     def leave_if_idle(self) -> None:
         """Over max_memory: once no other lane runs, exit, so the host starts a fresh worker in our place.
@@ -364,7 +376,8 @@ class Worker:
             if self.cuda:
                 self.on_thread()  # a cuda:N worker's current device is per thread: this one's too
             x = self.decode(job.payload, entry)
-            value = piece.interpreter.run(piece.plan, x, RunState(self, job.id), spans)
+            value = piece.interpreter.run(piece.plan, x, RunState(self, job.id, job.traced[0] if job.traced else None),
+                                          spans)
             del x
             if producer != entry:
                 status.enter(job.id, producer)

@@ -1,0 +1,160 @@
+"""Batching nodes: a node with `forward_batch(xs, ctx)` gets the inputs that are at it at once, on every runner."""
+
+import os
+import threading
+import time
+
+import pytest
+
+import soma
+from soma import Done, Graph, Node, NodeError, PostconditionError
+from tests.conftest import in_threads
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Pre(Node):
+    """Per-item work before the batched node."""
+
+    def forward(self, x, ctx):
+        return Done(x + 1)
+
+
+class Embed(Node):
+    """Doubles each input, and says how big its batch was and which process ran it."""
+
+    max_batch = 16
+
+    def forward_batch(self, xs, ctx):
+        time.sleep(0.005)  # (a model's forward: long enough that inputs queue behind it)
+        return Done([(x * 2, len(xs), os.getpid()) for x in xs])
+
+
+class OneAtATime(Node):
+    """Fails if two batches ever run in it at once."""
+
+    max_batch = 8
+
+    def __init__(self):
+        self.inside = 0
+
+    def forward_batch(self, xs, ctx):
+        self.inside += 1
+        try:
+            assert self.inside == 1, "two batches at once"
+            time.sleep(0.002)
+            return Done(list(xs))
+        finally:
+            self.inside -= 1
+
+
+class FailsOn(Node):
+    """A batch holding `bad` fails as a whole."""
+
+    max_batch = 4
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def forward_batch(self, xs, ctx):
+        if self.bad in xs:
+            raise ValueError(f"bad batch {sorted(xs)}")
+        return Done(list(xs))
+
+
+class WrongLength(Node):
+    def forward_batch(self, xs, ctx):
+        return Done(list(xs)[:-1] if len(xs) > 1 else [1, 2])
+
+
+class OnMeta(Node):
+    """Returns meta tensors, except for input 3 (a CPU tensor: the postcondition catches that one alone)."""
+
+    max_batch = 8
+
+    def forward_batch(self, xs, ctx):
+        import torch
+
+        return Done([torch.zeros(2, device="cpu" if x == 3 else ctx.device) for x in xs])
+
+
+@pytest.fixture(params=["executor", "local"], scope="module")
+def runner(request, local):
+    return soma.Executor() if request.param == "executor" else local
+
+
+def test_map_with_a_batching_node_gives_what_runs_give_in_batches(runner):
+    g = Graph.somatize(Pre() >> Embed())
+    for ordered in (True, False):
+        out = list(runner.map(g, range(64), ordered=ordered))
+        values = [v for v, _, _ in out]
+        assert (values if ordered else sorted(values)) == [runner.run(g, i)[0] for i in range(64)]
+        sizes = [size for _, size, _ in out]
+        assert max(sizes) <= 16
+        assert sum(1 for s in sizes if s > 1) > 32, sizes  # most inputs shared a call
+
+
+def test_a_lone_run_is_a_batch_of_one(runner):
+    assert runner.run(Graph.somatize(Pre() >> Embed()), 1)[:2] == (4, 1)
+
+
+def test_concurrent_runs_share_a_batch(runner):
+    g = Graph.somatize(Embed())
+    runner.run(g, 0)  # (warm: its code loaded)
+    out = in_threads(lambda k: runner.run(g, k), 24)
+    assert [v for v, _, _ in out] == [2 * k for k in range(24)]
+    assert max(size for _, size, _ in out) > 1, out
+
+
+def test_one_batch_at_a_time_per_node_object(runner):
+    assert list(runner.map(OneAtATime(), range(50))) == list(range(50))
+
+
+def test_a_failing_batch_fails_only_its_own_inputs_each_with_its_index(runner):
+    out = list(runner.map(Graph.somatize(FailsOn(bad=5)), range(20), errors="yield"))
+    failed = [o for o in out if isinstance(o, NodeError)]
+    assert failed and all(o.index not in (None,) for o in failed)
+    assert 5 in {o.index for o in failed}
+    assert len({id(o) for o in failed}) == len(failed)  # each its own error
+    for o in failed:
+        assert str(o).startswith("node `fails_on` failed: ValueError: bad batch [") and "5" in str(o)
+    ok = [o for o in out if not isinstance(o, NodeError)]
+    assert len(ok) + len(failed) == 20 and len(failed) <= 4  # one batch of at most max_batch failed
+
+
+def test_forward_batch_returning_another_length_is_a_node_error(runner):
+    with pytest.raises(NodeError, match=r"^node `wrong_length` failed: forward_batch returned 2 outputs for 1 inputs$"):
+        runner.run(WrongLength(), 1)
+
+
+def test_the_postcondition_applies_to_each_output_of_a_batch(runner):
+    pytest.importorskip("torch")
+    g = Graph.somatize(OnMeta().on("meta"))
+    out = list(runner.map(g, range(8), errors="yield"))
+    bad = [o for o in out if isinstance(o, PostconditionError)]
+    assert [o.index for o in bad] == [3]
+    assert str(bad[0]) == "node `on_meta` failed: it declared `meta` but returned a value on `cpu`"
+    assert all(o.device.type == "meta" for i, o in enumerate(out) if i != 3)
+
+
+def test_a_batching_nodes_call_is_one_trace_event_with_its_inputs(runner, tmp_path):
+    import json
+
+    path = tmp_path / "batch.json"
+    with runner.trace(path):
+        list(runner.map(Graph.somatize(Pre() >> Embed()), range(30)))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "node" and e["name"] == "embed"]
+    assert sorted(i for e in events for i in e["args"]["inputs"]) == list(range(30))
+    assert all(e["args"]["batch"] == len(e["args"]["inputs"]) <= 16 for e in events)
+    assert len(events) < 30  # fewer calls than inputs
+
+
+def test_a_batching_node_with_setup_runs_setup_once_per_copy(runner):
+    class WithSetup(Node):
+        def setup(self, ctx):
+            self.ready = threading.get_ident()
+
+        def forward_batch(self, xs, ctx):
+            return Done([hasattr(self, "ready") for _ in xs])
+
+    assert all(runner.map(WithSetup(), range(10)))
