@@ -44,6 +44,18 @@ def _benchmark_names() -> list[str]:
     return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")) if folder.is_dir() else []
 
 
+def _benchmark_summary(name: str) -> str:
+    """What a benchmark measures and against whom: its docstring's first line, less the name (read, not run)."""
+    import ast
+
+    try:
+        doc = ast.get_docstring(ast.parse((_beside_package("benchmarks") / f"{name}.py").read_text())) or ""
+    except (OSError, SyntaxError):
+        return ""
+    first = doc.strip().splitlines()[0] if doc.strip() else ""
+    return first.split(":", 1)[1].strip() if first.startswith(f"{name}:") else first
+
+
 def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None) -> int:
     names = _benchmark_names()
     if not names:
@@ -61,8 +73,11 @@ def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None
         out = sys.stdout if name is None else sys.stderr
         if name is not None:
             print(f"soma: no benchmark named {name!r}", file=out)
-        print("benchmarks: " + ", ".join(names) + ", or all (each in turn)\n"
-              "usage: soma bench NAME [--quick] [--smoke] [--json FILE]", file=out)
+        print("benchmarks (soma bench NAME; all: each in turn):", file=out)
+        width = max(map(len, names))
+        for each in names:
+            print(f"  {each:{width}}  {_benchmark_summary(each)}", file=out)
+        print("usage: soma bench NAME [--quick] [--smoke] [--json FILE]", file=out)
         return 0 if name is None else 2
     if name != "all":
         return _run_one_benchmark(name, flags + (["--json", json_path] if json_path else []))

@@ -35,8 +35,12 @@ def test_soma_bench_with_a_flag_and_no_name_says_what_it_expects():
     done = soma_command("bench", "--smoke", "--json", "out.json")
     assert done.returncode == 2 and "`soma bench all --smoke --json out.json`" in done.stderr
     assert not (ROOT / "out.json").exists()
-    done = soma_command("bench")  # no flag either: that still lists them
-    assert done.returncode == 0 and done.stdout.startswith(f"benchmarks: {BENCHMARKS}")
+    done = soma_command("bench")  # no flag either: that still lists them, a line each saying what it measures
+    assert done.returncode == 0 and done.stdout.startswith("benchmarks (soma bench NAME; all: each in turn):\n")
+    lines = done.stdout.splitlines()[1:-1]
+    assert [line.split()[0] for line in lines] == BENCHMARKS.split(", ")
+    assert all(len(line.split(None, 1)[1]) > 20 for line in lines), lines  # a sentence each, not just the name
+    assert done.stdout.endswith("usage: soma bench NAME [--quick] [--smoke] [--json FILE]\n")
 
 
 def test_soma_example_without_torch_says_it_needs_torch():
