@@ -28,7 +28,7 @@ from torch import nn
 from .node import Node, check_id, snake_case
 from .values import Done, Opaque
 
-__all__ = ["Module", "move_to"]
+__all__ = ["Batched", "Module", "move_to"]
 
 
 class Module(Node):
@@ -85,6 +85,35 @@ class Module(Node):
         shown = f"{type(self.module).__name__}()" if len(repr(self.module)) > 80 else repr(self.module)
         name = "" if self.name is None else f", name={self.name!r}"
         return f"soma.torch.Module({shown}{name})"
+
+
+class Batched(Module):
+    """`Module` for a module that takes a batch: a batching node (`forward_batch`).
+
+        embed = soma.torch.Batched(model, max_batch=64)   # Tokenize() >> embed: per-item in, batched model
+
+    The inputs at the node at once (a map's, concurrent runs') are stacked along a new
+    first dimension (`torch.stack`: tensors of one shape), moved to `ctx.device`, run
+    through the module in one call, and split again: each input gets its own row of
+    the output (`out.unbind(0)`), as an `Opaque`. `max_batch` and `batch_wait` are the
+    batching node's (at most that many inputs per call, waiting at most that many
+    seconds after the first for more).
+    """
+
+    def __init__(self, module, name: str | None = None, *, max_batch: int = 32, batch_wait: float = 0.002):
+        super().__init__(module, name)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"soma.torch.Batched's max_batch is a positive int, got {max_batch!r}")
+        self.max_batch, self.batch_wait = max_batch, float(batch_wait)
+
+    def forward_batch(self, xs, ctx):
+        if ctx.device is not None:
+            device = torch.device(ctx.device)
+            if _not_on(self.module, device):
+                self.module.to(device)
+            xs = [move_to(x, device) for x in xs]
+        out = self.module(torch.stack(list(xs)))
+        return Done([Opaque(row) for row in out.unbind(0)])
 
 
 def move_to(value, device):

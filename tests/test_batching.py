@@ -158,3 +158,18 @@ def test_a_batching_node_with_setup_runs_setup_once_per_copy(runner):
             return Done([hasattr(self, "ready") for _ in xs])
 
     assert all(runner.map(WithSetup(), range(10)))
+
+
+def test_soma_torch_batched_stacks_the_inputs_and_gives_each_its_row(runner):
+    torch = pytest.importorskip("torch")
+    from soma.torch import Batched, Module
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 3).requires_grad_(False)  # (outputs with autograd graphs cannot cross processes)
+    xs = [torch.randn(8) for _ in range(40)]
+    per_item = [runner.run(Module(layer), x) for x in xs]
+    batched = list(runner.map(Batched(layer, max_batch=16), xs))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(per_item, batched))
+    assert all(b.shape == (3,) for b in batched)
+    with pytest.raises(ValueError, match=r"^soma.torch.Batched's max_batch is a positive int, got 0$"):
+        Batched(layer, max_batch=0)
