@@ -239,3 +239,14 @@ def test_the_executor_map_is_a_pipeline(tmp_path):
     for name in ("a", "b"):  # and each node ran one input at a time
         mine = sorted((s, e) for n, _, s, e in spans if n == name)
         assert all(e1 <= s2 for (_, e1), (s2, _) in zip(mine, mine[1:])), name
+
+
+def test_the_example_server_answers_concurrent_clients():
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("asyncio_server", ROOT / "examples" / "asyncio_server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    assert asyncio.run(server.main(requests=40, clients=4)) > 0  # (it checks every answer itself)
