@@ -68,3 +68,29 @@ class Tiny(Node):
 
     def forward(self, x, ctx):
         return Done(x + 1)
+
+
+class Ms(Node):
+    """About a millisecond of pure Python, then its input times ten (a long job's small input)."""
+
+    def forward(self, x, ctx):
+        from _harness import burn
+
+        burn(3000)
+        return Done(x * 10)
+
+
+class Grow(Node):
+    """Keeps `mib` MiB more of its own memory per input (a leak); returns (its pid, its private memory then)."""
+
+    def __init__(self, mib: int):
+        self.mib = mib
+        self.kept = []
+
+    def forward(self, x, ctx):
+        import os
+
+        self.kept.append(bytearray(os.urandom(1)) * (self.mib << 20))
+        with open("/proc/self/statm") as f:
+            fields = f.read().split()
+        return Done((os.getpid(), (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")))

@@ -15,7 +15,7 @@ import pytest
 from soma import cli
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-MODULES = ["gil_wave", "overhead", "tensor", "startup", "memory", "soma_ray", "map", "batching", "aio"]
+MODULES = ["gil_wave", "overhead", "tensor", "startup", "memory", "soma_ray", "map", "batching", "aio", "long_jobs"]
 WITHOUT_RAY = importlib.util.find_spec("ray") is None
 KEYS = {"benchmark", "contender", "params", "median", "min", "max", "unit", "n"}
 SIGNED_UNITS = {"% growth", "MiB"}  # growth and memory deltas may be zero or negative; the rest must be > 0
