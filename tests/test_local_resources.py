@@ -139,8 +139,9 @@ def test_ctrl_c_at_the_terminal_is_the_hosts_alone(tmp_path):
         from tests.nodes import Pid
 
         local = soma.Local(workers=2).start()
-        print("pids", *local.pids(), *(os.getsid(p) for p in local.pids()), os.getsid(0), flush=True)
-        try:
+        facts = [*local.pids(), *(os.getsid(p) for p in local.pids()), os.getsid(0)]
+        try:  # the line is printed inside the try: the test's SIGINT may land as soon as it is read
+            print("pids", *facts, flush=True)
             time.sleep(60)  # an idle prompt, holding the pool
         except KeyboardInterrupt:
             print("interrupted", flush=True)
