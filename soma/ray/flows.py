@@ -33,7 +33,7 @@ import time
 from ..errors import NodeError
 from ..plan import Plan, Seq, Step
 from ..run.postcondition import check_postcondition
-from .actor import carries_autograd, first_failure, grad_crossing
+from .actor import carries_autograd, first_failure, grad_crossing, tensors_out_of_band, writable
 
 
 class Out:
@@ -92,6 +92,7 @@ def submit_batch(program: Program, xs: list, flows: list, put) -> None:
     ref at every node, and downstream calls, failures, checks and spans stay per input.
     """
     entry = program.entry_nodes[0]
+    tensors_out_of_band()  # this process's tensors reach Ray's store out of band too
     for x in xs:
         if carries_autograd(x):
             raise grad_crossing(entry, "its input is")
@@ -207,7 +208,7 @@ def outcome(flow: Flow, values: list, devices: dict):
     for leaf, value in zip(flow.leaves, values):
         check_postcondition(leaf.producer, devices.get(leaf.producer), value)
     it = iter(values)
-    return _rebuild(flow.out, it)
+    return writable(_rebuild(flow.out, it))  # a result is the caller's to write, not a view of Ray's store
 
 
 def _rebuild(tree, values):
