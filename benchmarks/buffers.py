@@ -117,8 +117,9 @@ class Contenders:
         self.procpool.shutdown(wait=True)
 
 
-def returned(suite, c, question: str, contenders: dict, check, repeat: int, keep: int = 3) -> dict:
-    """Alternate `contenders` (name → call(fill) returning (value, made seconds)); every value checked and held."""
+def returned(suite, c, question: str, contenders: dict, check, repeat: int, keep: int = 3, ratios=()) -> dict:
+    """Alternate `contenders` (name → call(fill) returning (value, made seconds)); every value checked and held;
+    `ratios`: (name, against) pairs, beyond creation, per round."""
     held = h.Held(keep)
 
     def one(name, call):
@@ -138,58 +139,53 @@ def returned(suite, c, question: str, contenders: dict, check, repeat: int, keep
         suite.add(name, {**params, "what": "wall"}, h.ms(w for w, _, _ in values), "ms")
         suite.add(name, {**params, "what": "beyond_creation"}, h.ms(w - m for w, m, _ in values), "ms")
         suite.add(name, {**params, "what": "peak_memory"}, [p for _, _, p in values], "MiB")
-    return {name: [w - m for w, m, _ in values] for name, values in samples.items()}
+    beyond = {name: [w - m for w, m, _ in values] for name, values in samples.items()}
+    for name, vs in ratios:
+        suite.add_ratio(name, {"question": question, "what": "beyond_creation"}, beyond[name], beyond[vs], vs=vs)
+    return beyond
 
 
-def image(suite, c, repeat):
-    shape = IMAGE
+def image(suite, c, repeat, shape=IMAGE):
     g_np = Graph.somatize(MakeTimedBy(make_array_timed, shape, "uint8"))
     g_ctx = Graph.somatize(MakeTimedBy(make_array_timed, shape, "uint8", through_ctx=True))
     g_t = Graph.somatize(MakeTimedBy(make_image_tensor_timed, shape))
-    beyond = returned(suite, c, "image", {
+    returned(suite, c, "image", {
         "local/numpy": lambda f: c.local.run(g_np, f),
         "local/ctx": lambda f: c.local.run(g_ctx, f),
         "local/tensor": lambda f: c.local.run(g_t, f),
         "procpool": lambda f: c.procpool.submit(make_array_timed, shape, "uint8", f).result(),
-    }, lambda name, a, fill, what: check_array(name, a, fill, shape, what), repeat)
-    suite.add_ratio("local/numpy", {"question": "image", "what": "beyond_creation"}, beyond["local/numpy"],
-                    beyond["local/tensor"], vs="local/tensor")
-    suite.add_ratio("local/numpy", {"question": "image", "what": "beyond_creation"}, beyond["local/numpy"],
-                    beyond["procpool"], vs="procpool")
+    }, lambda name, a, fill, what: check_array(name, a, fill, shape, what), repeat,
+        ratios=[("local/numpy", "local/tensor"), ("local/numpy", "procpool")])
 
 
 def array(suite, c, repeat, mib: int):
     shape = (mib * h.MiB // 4,)
     g = Graph.somatize(MakeTimedBy(make_array_timed, shape, "float32"))
     g_ctx = Graph.somatize(MakeTimedBy(make_array_timed, shape, "float32", through_ctx=True))
-    beyond = returned(suite, c, "array", {
+    returned(suite, c, "array", {
         "local/numpy": lambda f: c.local.run(g, f),
         "local/ctx": lambda f: c.local.run(g_ctx, f),
         "procpool": lambda f: c.procpool.submit(make_array_timed, shape, "float32", f).result(),
-    }, lambda name, a, fill, what: check_array(name, a, float(fill), shape, what), repeat)
-    for name in ("local/numpy", "local/ctx"):
-        suite.add_ratio(name, {"question": "array", "what": "beyond_creation"}, beyond[name], beyond["procpool"],
-                        vs="procpool")
+    }, lambda name, a, fill, what: check_array(name, a, float(fill), shape, what), repeat,
+        ratios=[("local/numpy", "procpool"), ("local/ctx", "procpool")])
 
 
 def raw_bytes(suite, c, repeat, nbytes: int):
     g = Graph.somatize(MakeTimedBy(make_bytes_timed, nbytes))
-    beyond = returned(suite, c, "bytes", {
+    returned(suite, c, "bytes", {
         "local": lambda f: c.local.run(g, f),
         "procpool": lambda f: c.procpool.submit(make_bytes_timed, nbytes, f).result(),
-    }, lambda name, b, fill, what: check_bytes(name, b, fill, nbytes, what), repeat, keep=1)
-    suite.add_ratio("local", {"question": "bytes", "what": "beyond_creation"}, beyond["local"], beyond["procpool"],
-                    vs="procpool")
+    }, lambda name, b, fill, what: check_bytes(name, b, fill, nbytes, what), repeat, keep=1,
+        ratios=[("local", "procpool")])
 
 
 def dicts(suite, c, repeat, count: int):
     g = Graph.somatize(MakeTimedBy(make_dict_timed, count))
-    beyond = returned(suite, c, "dict_back", {
+    returned(suite, c, "dict_back", {
         "local": lambda f: c.local.run(g, f),
         "procpool": lambda f: c.procpool.submit(make_dict_timed, count, f).result(),
-    }, lambda name, d, tag, what: check_dict(name, d, tag, count, what), repeat, keep=1)
-    suite.add_ratio("local", {"question": "dict_back", "what": "beyond_creation"}, beyond["local"],
-                    beyond["procpool"], vs="procpool")
+    }, lambda name, d, tag, what: check_dict(name, d, tag, count, what), repeat, keep=1,
+        ratios=[("local", "procpool")])
     sizer = Graph.somatize(SizeOf())
     sent = {}
 
@@ -224,7 +220,7 @@ def main(argv=None) -> list[dict]:
     c = Contenders(1 if args.smoke else WORKERS)
     repeat = suite.repeat(full=7, quick=3, smoke=1)
     try:
-        image(suite, c, repeat)
+        image(suite, c, repeat, (108, 192, 3) if args.smoke else IMAGE)
         print("  image done", flush=True)
         array(suite, c, repeat, 8 if args.smoke else 256)
         print("  array done", flush=True)

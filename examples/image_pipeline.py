@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import sys
 import threading
-import time
 
 from soma import Done, Graph, Node
 
@@ -201,7 +200,7 @@ def main(count: int = 64, workers: int = 2) -> int:
     except ImportError:
         print(NEEDS, file=sys.stderr)
         return 2
-    import soma
+    from text_pipeline import race  # (beside this file)
 
     torch.set_num_threads(1)
     jpegs = make_jpegs(count)
@@ -209,14 +208,7 @@ def main(count: int = 64, workers: int = 2) -> int:
     g = graph()
     print(f"graph:   {g}")
     print(f"input:   {count} JPEGs of {SIZE[0]}x{SIZE[1]} ({sum(map(len, jpegs)) / count / 1024:.0f} KiB each)\n")
-    start = time.perf_counter()
-    expected = list(soma.Executor().map(g, items))
-    in_process = time.perf_counter() - start
-    with soma.Local(workers=workers) as local:
-        list(local.map(g, items[:2 * workers]))  # warm: code sent, setup run, torch imported in the workers
-        start = time.perf_counter()
-        got = list(local.map(g, items))
-        pooled = time.perf_counter() - start
+    expected, got, in_process, pooled = race(g, items, workers)
     if not same_logits(got, expected):
         print("Local.map and Executor.map disagree", file=sys.stderr)
         return 1
