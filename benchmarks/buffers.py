@@ -170,22 +170,23 @@ def array(suite, c, repeat, mib: int):
         ratios=[("local/numpy", "procpool"), ("local/ctx", "procpool")])
 
 
+def against_procpool(suite, c, question: str, make, args: tuple, check, repeat: int) -> None:
+    """`make(*args, fill)` in a Local worker (a node) and in a ProcessPoolExecutor child, returned; the last
+    result of each held."""
+    g = Graph.somatize(MakeTimedBy(make, *args))
+    returned(suite, c, question, {"local": lambda f: c.local.run(g, f),
+                                  "procpool": lambda f: c.procpool.submit(make, *args, f).result()},
+             check, repeat, keep=1, ratios=[("local", "procpool")])
+
+
 def raw_bytes(suite, c, repeat, nbytes: int):
-    g = Graph.somatize(MakeTimedBy(make_bytes_timed, nbytes))
-    returned(suite, c, "bytes", {
-        "local": lambda f: c.local.run(g, f),
-        "procpool": lambda f: c.procpool.submit(make_bytes_timed, nbytes, f).result(),
-    }, lambda name, b, fill, what: check_bytes(name, b, fill, nbytes, what), repeat, keep=1,
-        ratios=[("local", "procpool")])
+    against_procpool(suite, c, "bytes", make_bytes_timed, (nbytes,),
+                     lambda name, b, fill, what: check_bytes(name, b, fill, nbytes, what), repeat)
 
 
 def dicts(suite, c, repeat, count: int):
-    g = Graph.somatize(MakeTimedBy(make_dict_timed, count))
-    returned(suite, c, "dict_back", {
-        "local": lambda f: c.local.run(g, f),
-        "procpool": lambda f: c.procpool.submit(make_dict_timed, count, f).result(),
-    }, lambda name, d, tag, what: check_dict(name, d, tag, count, what), repeat, keep=1,
-        ratios=[("local", "procpool")])
+    against_procpool(suite, c, "dict_back", make_dict_timed, (count,),
+                     lambda name, d, tag, what: check_dict(name, d, tag, count, what), repeat)
     sizer = Graph.somatize(SizeOf())
     sent = {}
 
