@@ -118,7 +118,7 @@ def pipeline(suite: h.Suite, pools: Pools) -> None:
 
     # 400 documents, 50 batches: 25 for each worker. With 25 batches one worker runs 13 and the other 12, which
     # alone keeps any pool 4 % under the ideal (that assumes both cores busy to the end).
-    docs = text_pipeline.make_documents(32 if suite.mode == "smoke" else 400)
+    docs = text_pipeline.make_documents(16 if suite.mode == "smoke" else 400)
     inputs = text_pipeline.batches(docs, 8)
     g = text_pipeline.graph()
     torch.set_num_threads(1)  # the executor and threads contenders too: one core's worth, as each worker
@@ -164,7 +164,7 @@ def images(suite: h.Suite, pools: Pools) -> None:
     import torch
 
     torch.set_num_threads(1)
-    count = {"full": 96, "quick": 48, "smoke": 8}[suite.mode]
+    count = {"full": 96, "quick": 48, "smoke": 4}[suite.mode]
     items = image_pipeline.inputs(image_pipeline.make_jpegs(count))
     g = image_pipeline.graph()
     expected = list(pools.executor.map(g, items))

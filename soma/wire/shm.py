@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
+from collections import deque
 import re
 import threading
 import weakref
@@ -187,7 +188,10 @@ class SegmentStore:
         self.pid = os.getpid()
         self._on_release = on_release
         self._name_re = re.compile(rf"^{re.escape(prefix)}-\d+-\d+$")
-        self._lock = threading.RLock()
+        # Not reentrant: a finalizer that runs inside one of our critical sections (the garbage collector runs
+        # where it likes) must not change the books under it; it leaves the view for later instead (`_dead`).
+        self._lock = threading.Lock()
+        self._dead: deque = deque()  # records of views that died while the lock was taken
         self._counter = 0
         self._owned: dict[str, _Segment] = {}
         self._pool: list[_Segment] = []  # free owned segments, reusable
@@ -207,6 +211,7 @@ class SegmentStore:
 
     def _take_free(self, nbytes: int):
         with self._lock:
+            self._bury_dead()
             best = None
             for seg in self._pool:
                 # Reuse only a segment that is not much larger: a 1 GiB segment kept for a 4 MiB value wastes memory.
@@ -246,6 +251,7 @@ class SegmentStore:
     def free(self, name: str, n: int) -> None:
         """The host settled `n` of this process's sends of segment `name`."""
         with self._lock:
+            self._bury_dead()
             seg = self._owned.get(name)
             if seg is None:
                 return
@@ -337,35 +343,61 @@ class SegmentStore:
             self._at[address] = rec
             if seg is not None:
                 seg.local_live += 1
-        weakref.finalize(view, self._view_died, rec)
+        # Not at exit: a finalizer run then would unmap memory that arrays still alive at exit point into.
+        weakref.finalize(view, self._view_died, rec).atexit = False
         return view
 
     def _view_died(self, rec: _View) -> None:
-        # Runs in whichever thread dropped the last reference; only bookkeeping here (and the unmap).
-        with self._lock:
-            if self._at.get(rec.start) is rec:
-                del self._at[rec.start]
-                i = bisect.bisect_left(self._starts, rec.start)
-                if i < len(self._starts) and self._starts[i] == rec.start:
-                    del self._starts[i]
-            if self._by_name.get(rec.name) is rec:
-                del self._by_name[rec.name]
-            receipts, rec.receipts = rec.receipts, 0
-            if rec.owned:
-                seg = self._owned.get(rec.name)
-                if seg is not None:
-                    seg.local_live -= 1
-                    self._maybe_reusable(seg)
-            else:
-                _unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
-            if receipts and self._on_release is None:
-                self._pending.append((rec.name, receipts))
-        if receipts and self._on_release is not None:
-            self._on_release(rec.name, receipts)
+        # Runs in whichever thread dropped the last reference, maybe inside the garbage collector, maybe while
+        # that thread or another holds the lock: never wait for it. A view left in `_dead` keeps its memory
+        # mapped and its segment busy until the next operation buries it.
+        if not self._lock.acquire(blocking=False):
+            self._dead.append(rec)
+            return
+        try:
+            released = self._bury(rec)
+            while self._dead:
+                released += self._bury(self._dead.popleft())
+            if self._on_release is None:
+                self._pending += released
+        finally:
+            self._lock.release()
+        if self._on_release is not None:
+            for name, receipts in released:
+                self._on_release(name, receipts)
+
+    def _bury_dead(self) -> None:
+        # lock held: the views that died while it was taken
+        while self._dead:
+            for name, receipts in self._bury(self._dead.popleft()):
+                if self._on_release is None:
+                    self._pending.append((name, receipts))
+                else:
+                    self._on_release(name, receipts)  # (the host's: it only queues them)
+
+    def _bury(self, rec: _View) -> list:
+        """Forget a dead view (lock held): `[(name, receipts)]` to report, or []."""
+        if self._at.get(rec.start) is rec:
+            del self._at[rec.start]
+            i = bisect.bisect_left(self._starts, rec.start)
+            if i < len(self._starts) and self._starts[i] == rec.start:
+                del self._starts[i]
+        if self._by_name.get(rec.name) is rec:
+            del self._by_name[rec.name]
+        receipts, rec.receipts = rec.receipts, 0
+        if rec.owned:
+            seg = self._owned.get(rec.name)
+            if seg is not None:
+                seg.local_live -= 1
+                self._maybe_reusable(seg)
+        else:
+            _unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
+        return [(rec.name, receipts)] if receipts else []
 
     def releases(self) -> list[tuple[str, int]]:
         """Receipts whose views died since the last call: `[(name, n)]`, to report to the host."""
         with self._lock:
+            self._bury_dead()
             out, self._pending = self._pending, []
         return out
 
