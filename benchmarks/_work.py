@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 
 from _harness import burn
-from soma import Done, Node
 
+from soma import Done, Node
 
 # -- pure Python -----------------------------------------------------------------------------------
 
@@ -155,3 +155,65 @@ def queue_server(commands, results) -> None:
         elif kind == "echo":
             results.put(arg)
         del command, arg
+
+
+# -- numpy arrays, bytes, plain data (benchmarks/buffers.py) ------------------------------------------
+
+IMAGE = (1080, 1920, 3)  # a full-HD RGB frame, uint8: 6 MB
+
+
+def make_array_timed(shape, dtype: str, fill, allocate=None):
+    """`(an ndarray of `shape` filled with `fill`, seconds to make it)`, on the heap or through `allocate`
+    (a ctx's `empty_array`)."""
+    import numpy
+
+    start = time.perf_counter()
+    a = allocate(shape, dtype) if allocate is not None else numpy.empty(shape, dtype)
+    a.fill(fill)
+    return a, time.perf_counter() - start
+
+
+def make_image_tensor_timed(shape, fill):
+    """The same image as a uint8 torch tensor: `(tensor, seconds to make it)`."""
+    import torch
+
+    start = time.perf_counter()
+    t = torch.full(shape, fill, dtype=torch.uint8)
+    return t, time.perf_counter() - start
+
+
+def make_bytes_timed(nbytes: int, fill: int):
+    """`(bytes of `nbytes` equal to `fill`, seconds to make them)`."""
+    start = time.perf_counter()
+    b = bytes([fill]) * nbytes
+    return b, time.perf_counter() - start
+
+
+def make_dict_timed(count: int, tag: int):
+    """`({"k<i>": i + tag}, seconds to make it)`: a million small items is the benchmark's."""
+    start = time.perf_counter()
+    d = {f"k{i}": i + tag for i in range(count)}
+    return d, time.perf_counter() - start
+
+
+def size_of(x) -> int:
+    """A small answer about a big input: its length (and, for a dict, the sum of its values)."""
+    return (len(x), sum(x.values())) if isinstance(x, dict) else len(x)
+
+
+class MakeTimedBy(Node):
+    """Calls `make(*args, input)` (one of the `make_*_timed` above) and returns what it returns; with
+    `through_ctx`, an array is born through `ctx.empty_array`."""
+
+    def __init__(self, make, *args, through_ctx: bool = False):
+        self.make, self.args, self.through_ctx = make, args, through_ctx
+
+    def forward(self, x, ctx):
+        if self.through_ctx:
+            return Done(self.make(*self.args, x, ctx.empty_array))
+        return Done(self.make(*self.args, x))
+
+
+class SizeOf(Node):
+    def forward(self, x, ctx):
+        return Done(size_of(x))

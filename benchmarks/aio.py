@@ -21,6 +21,7 @@ import threading
 
 import _harness as h
 import _models as m
+
 import soma
 from soma import Graph
 

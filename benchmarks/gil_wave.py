@@ -29,8 +29,9 @@ import concurrent.futures as cf
 import multiprocessing as mp
 
 import _harness as h
-import soma
 from _work import BurnTagged, burn_tagged
+
+import soma
 from soma import Graph
 
 NAME = "gil_wave"

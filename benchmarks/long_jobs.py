@@ -22,6 +22,7 @@ import time
 
 import _harness as h
 import _models as m
+
 import soma
 from soma import Graph
 

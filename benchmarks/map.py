@@ -47,12 +47,14 @@ import os
 import sys
 
 import _harness as h
-import soma
 from _work import AddOne, BurnTagged, Echo, SlowLen, burn_tagged, echo
 from memory import add_series, print_series, snapshot
+
+import soma
 from soma import Graph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import image_pipeline  # noqa: E402
 import text_pipeline  # noqa: E402  (examples/: the pools' spawned children find it through sys.path too)
 
 NAME = "map"
@@ -115,7 +117,9 @@ def gil(suite: h.Suite, pools: Pools) -> None:
 def pipeline(suite: h.Suite, pools: Pools) -> None:
     import torch
 
-    docs = text_pipeline.make_documents(24 if suite.mode == "smoke" else 200)
+    # 400 documents, 50 batches: 25 for each worker. With 25 batches one worker runs 13 and the other 12, which
+    # alone keeps any pool 4 % under the ideal (that assumes both cores busy to the end).
+    docs = text_pipeline.make_documents(16 if suite.mode == "smoke" else 400)
     inputs = text_pipeline.batches(docs, 8)
     g = text_pipeline.graph()
     torch.set_num_threads(1)  # the executor and threads contenders too: one core's worth, as each worker
@@ -125,9 +129,69 @@ def pipeline(suite: h.Suite, pools: Pools) -> None:
         if not text_pipeline.same_vectors(out, expected):
             raise h.WrongValue(f"{name} returned vectors that differ from the Executor's (pipeline)")
 
-    samples = h.alternate(pools.maps(g, text_pipeline.embed_batch, inputs), repeat=suite.repeat(full=5, quick=3),
-                          check=check)
-    rates(suite, "pipeline", samples, len(docs), "docs/s", {"docs": len(docs), "batch": 8})
+    contenders = pools.maps(g, text_pipeline.embed_batch, inputs)
+    stages = text_pipeline.WordPieceTokenizer(text_pipeline.build_vocab()), text_pipeline.build_model()
+    contenders["serial"] = lambda: serial_text(stages, inputs)  # the ideal's measure: each stage in turn, here
+    samples = h.alternate(contenders, repeat=suite.repeat(full=5, quick=3), check=check)
+    params = {"docs": len(docs), "batch": 8}
+    rates(suite, "pipeline", samples, len(docs), "docs/s", params)
+    of_ideal(suite, "pipeline", samples, params)
+
+
+def serial_text(stages, inputs) -> list:
+    """The pipeline's three stages one after another on this thread: no pool, no threads, no copies."""
+    tokenize, model = stages
+    return [text_pipeline.encode(model, [tokenize(t) for t in batch], [text_pipeline.ngram_counts(t) for t in batch])
+            for batch in inputs]
+
+
+def of_ideal(suite: h.Suite, case: str, samples: dict, params: dict) -> None:
+    """Each contender's share of the machine's ideal, round by round: the ideal is the cores running the
+    stages' single-thread time per input with nothing else to do (cores / the serial time per input)."""
+    for name, seconds in samples.items():
+        if name != "serial":
+            share = [100 * serial / (h.CORES * s) for s, serial in zip(seconds, samples["serial"])]
+            suite.add(name, {"case": case, "workers": WORKERS, **params, "what": "of_ideal"}, share, "% of ideal")
+
+
+def images(suite: h.Suite, pools: Pools) -> None:
+    """examples/image_pipeline.py: Local.map against DataLoader(num_workers=2) + the CNN in the caller, and
+    ProcessPoolExecutor.map of the whole pipeline; every contender's logits checked against the Executor's."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        print("images skipped: Pillow is not installed (pip install pillow: an extra of the benchmarks)")
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    count = {"full": 96, "quick": 48, "smoke": 4}[suite.mode]
+    items = image_pipeline.inputs(image_pipeline.make_jpegs(count))
+    g = image_pipeline.graph()
+    expected = list(pools.executor.map(g, items))
+    model = image_pipeline.build_model()
+    loader = image_pipeline.data_loader(items, WORKERS, persistent_workers=True)
+
+    def check(name, out):
+        if not image_pipeline.same_logits(out, expected):
+            raise h.WrongValue(f"{name} returned logits that differ from the Executor's (images)")
+
+    contenders = {
+        "local": lambda: list(pools.local.map(g, items)),
+        "dataloader": lambda: [image_pipeline.classify(model, chw) for chw in loader],
+        "procpool": lambda: list(pools.procpool.map(image_pipeline.process, items)),
+        "serial": lambda: [image_pipeline.classify(model, image_pipeline.decode_augment(x)) for x in items],
+    }
+    list(loader)  # its workers start (and import torch) before anything is timed
+    samples = h.alternate(contenders, repeat=suite.repeat(full=5, quick=3), check=check)
+    params = {"images": count}
+    for name, seconds in samples.items():
+        suite.add(name, {"case": "images", "workers": WORKERS, **params}, [count / s for s in seconds], "images/s")
+    for name in ("dataloader", "procpool", "serial"):
+        suite.add_ratio("local", {"case": "images", "workers": WORKERS, **params}, samples[name], samples["local"],
+                        vs=name)
+    of_ideal(suite, "images", samples, params)
+    loader = None  # its workers stop here, not when the interpreter ends
 
 
 # -- flat: 100,000 inputs ----------------------------------------------------------------------------------
@@ -225,6 +289,8 @@ def main(argv=None) -> list[dict]:
         print("  gil done", flush=True)
         pipeline(suite, pools)
         print("  pipeline done", flush=True)
+        images(suite, pools)
+        print("  images done", flush=True)
         flat(suite, pools.local, {"full": 100_000, "quick": 20_000, "smoke": 2_000}[suite.mode])
         print("  flat done", flush=True)
         window(suite, pools.local)
@@ -248,6 +314,24 @@ def print_summary(suite: h.Suite) -> None:
                   f"median of per-round ratios)",
                   ["case"] + CONTENDERS + ["local / mp_imap (min-max)", "local / procpool", "local / executor"],
                   rows)
+
+    rows = []
+    for name in ("local", "procpool", "mp_imap", "executor", "threads", "dataloader"):
+        row = [name]
+        for case in ("pipeline", "images"):
+            share = suite.find(name, "% of ideal", case=case)
+            row.append(f"{h.fmt(share.median)} % ({h.fmt(min(share.values))}-{h.fmt(max(share.values))})"
+                       if share else "—")
+        rows.append(row)
+    h.print_table(f"{NAME}: share of the ideal (cores / the stages' serial time per input, measured in the same "
+                  f"rounds), median of per-round shares", ["contender", "text pipeline", "images"], rows)
+    found = suite.find("local", "x", case="images", vs="dataloader")
+    if found is not None:
+        rows = [[name, h.cell(suite.find(name, "images/s", case="images"),
+                              suite.find("local", "x", case="images", vs=name) if name != "local" else None)]
+                for name in ("local", "dataloader", "procpool", "serial")]
+        h.print_table(f"{NAME}: examples/image_pipeline.py, median images/s (in brackets: local's speed-up over it, "
+                      f"per round; target ≥ 1.1× dataloader)", ["contender", "images/s"], rows)
 
     inputs = next(r.params["inputs"] for r in suite.records if r.params.get("case") == "flat")
     print_series(suite, f"{NAME}: {inputs:,} inputs through Local.map (add_one; every {FLAT_EVERY}th a 64 KiB "

@@ -14,7 +14,8 @@
   segment its producer has let go of counts there once touched, without being a
   copy.
 * many runs: 10,000 runs (1,000 with --quick) of a small graph (`add_one >>
-  double`, on ints and on 256 KiB tensors, alternately) on a warm pool of 2; host and
+  double`, on ints and on 256 KiB tensors, alternately; then the same on ints and
+  256 KiB numpy arrays) on a warm pool of 2; host and
   worker RSS, the host's open fds, the pool's segment files in /dev/shm and all
   files there (machine-wide: other programs' count too) at evenly spaced
   checkpoints. Growth = last checkpoint over the first.
@@ -34,8 +35,9 @@ import os
 import time
 
 import _harness as h
-import soma
 from _work import AddOne, Double, Echo, MakeTimed, echo, import_torch, make_timed
+
+import soma
 from soma import Graph
 
 NAME = "memory"
@@ -193,33 +195,47 @@ def snapshot(local) -> dict:
 SMALL_TENSOR = 64 << 10  # float32 elements: 256 KiB, above the inline limit, so it travels through a segment
 
 
-def checked_run(local, g, i: int, held: h.Held) -> None:
-    """Run `add_one >> double` on the int i (even i) or on a fresh 256 KiB tensor filled with i (odd i), and
-    check the answer; tensor answers are held (the last few) and checked again when let go of."""
-    import torch
-
+def checked_run(local, g, i: int, held: h.Held, kind: str = "tensor") -> None:
+    """Run `add_one >> double` on the int i (even i) or on a fresh 256 KiB tensor (or numpy array) filled with i
+    (odd i), and check the answer; tensor and array answers are held (the last few) and checked again when let
+    go of."""
     if i % 2 == 0:
         h.expect("local", local.run(g, i), (i + 1) * 2, f"run {i}")
         return
     fill = float(i % (1 << 23))
+    if kind == "numpy":
+        import numpy
+
+        out = local.run(g, numpy.full(SMALL_TENSOR, fill, numpy.float32))
+        expected = (fill + 1) * 2
+
+        def check(out=out, what=f"run {i}"):
+            if out.shape != (SMALL_TENSOR,) or out.min() != expected or out.max() != expected:
+                raise h.WrongValue(f"local returned an array that should hold {expected:g} everywhere ({what})")
+        check()
+        held.add("local", lambda: check(what=f"run {i}, held across later ones"))
+        return
+    import torch
+
     out = local.run(g, torch.full((SMALL_TENSOR,), fill))
     held.filled("local", out, (fill + 1) * 2, SMALL_TENSOR, f"run {i}")
 
 
-def many_runs(suite: h.Suite, local, runs: int, checkpoints: int = 5) -> None:
+def many_runs(suite: h.Suite, local, runs: int, checkpoints: int = 5, kind: str = "tensor") -> None:
     g = Graph.somatize(AddOne() >> Double())
     held = h.Held(keep=8)
     for i in range(max(100, runs // 10)):  # warm: segments made, code loaded, caches filled
-        checked_run(local, g, i, held)
+        checked_run(local, g, i, held, kind)
     gc.collect()
     series = [snapshot(local)]
     for _ in range(checkpoints - 1):
         for i in range(runs // (checkpoints - 1)):
-            checked_run(local, g, i, held)
+            checked_run(local, g, i, held, kind)
         gc.collect()
         series.append(snapshot(local))
     held.check_all()
-    params = {"what": "many_runs", "runs": runs, "checkpoints": checkpoints}
+    params = {"what": "many_runs" if kind == "tensor" else f"many_runs_{kind}", "runs": runs,
+              "checkpoints": checkpoints}
     add_series(suite, params, series)
 
 
@@ -262,7 +278,9 @@ def main(argv=None) -> list[dict]:
     try:
         idle_workers(suite, pools)  # first: before the workers have done anything else
         print("  idle workers done", flush=True)
-        many_runs(suite, pools.local, {"full": 10_000, "quick": 1_000, "smoke": 100}[suite.mode])
+        runs = {"full": 10_000, "quick": 1_000, "smoke": 100}[suite.mode]
+        many_runs(suite, pools.local, runs)
+        many_runs(suite, pools.local, runs, kind="numpy")
         print("  many runs done", flush=True)
         receiving(suite, pools, (16 if args.smoke else 256) * h.MiB)
     finally:
@@ -296,6 +314,8 @@ def print_summary(suite: h.Suite) -> None:
 
     runs = next((r.params["runs"] for r in suite.records if r.params.get("what") == "many_runs"), "?")
     print_series(suite, f"{NAME}: {runs:,} runs of a small graph on a warm Local pool of 2", what="many_runs")
+    print_series(suite, f"{NAME}: {runs:,} runs of the same graph on ints and 256 KiB numpy arrays",
+                 what="many_runs_numpy")
 
 
 if __name__ == "__main__":

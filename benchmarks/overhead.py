@@ -27,8 +27,9 @@ import os
 import time
 
 import _harness as h
-import soma
 from _work import AddOne, Double, Echo, chain3, echo
+
+import soma
 from soma import Graph
 
 NAME = "overhead"

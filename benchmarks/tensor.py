@@ -41,8 +41,19 @@ import concurrent.futures as cf
 import multiprocessing as mp
 
 import _harness as h
+from _work import (
+    Echo,
+    Last,
+    MakeTimed,
+    echo,
+    import_torch,
+    last,
+    make_tensor,
+    make_timed,
+    queue_server,
+)
+
 import soma
-from _work import Echo, Last, MakeTimed, echo, import_torch, last, make_tensor, make_timed, queue_server
 from soma import Graph
 
 NAME = "tensor"

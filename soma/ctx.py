@@ -17,7 +17,7 @@ class Ctx:
         self.node = node
         self.device = device
         self.worker = worker
-        self._allocate = allocate  # a worker's shared arena; None in-process
+        self._allocate = allocate  # a worker's shared arena (`.tensor`, `.array`); None in-process
 
     def empty(self, *size, dtype=None):
         """A new tensor born where this node's output should live.
@@ -33,8 +33,22 @@ class Ctx:
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         device = self.device or "cpu"
         if self._allocate is not None and device == "cpu":
-            return self._allocate(tuple(int(s) for s in size), dtype)
+            return self._allocate.tensor(tuple(int(s) for s in size), dtype)
         return torch.empty(size, dtype=dtype, device=device)
+
+    def empty_array(self, shape, dtype=float, order="C"):
+        """A new numpy array born where this node's output should live: `numpy.empty`'s twin of `empty`.
+
+        Inside a `Local` worker it comes from shared memory that is already mapped,
+        so returning it to the host copies nothing (a node that decodes or fills an
+        image in place pays no copy); in-process it is `numpy.empty(shape, dtype,
+        order)`. numpy arrays live on the CPU whatever the node's device.
+        """
+        if self._allocate is not None:
+            return self._allocate.array(shape, dtype, order)
+        import numpy
+
+        return numpy.empty(shape, dtype, order)
 
     def __repr__(self) -> str:
         return f"Ctx(node={self.node!r}, device={self.device!r}, worker={self.worker!r})"

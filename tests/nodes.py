@@ -301,11 +301,26 @@ class MarkThenSleep(Node):
         return Done(x)
 
 
+def in_segment(value) -> bool:
+    """Whether a tensor's or an array's memory is a mapping of one of soma's segments in this process.
+
+    (`Tensor.is_shared()` answers for torch's own shared-memory allocator only.)
+    """
+    address = value.data_ptr() if hasattr(value, "data_ptr") else value.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            if lo <= address < hi:
+                return len(fields) > 5 and os.path.basename(fields[5]).startswith("soma-")
+    return False
+
+
 class Shared(Node):
-    """Reports how its input tensor arrived: (is_shared, the sum, its dtype name)."""
+    """Reports how its input tensor arrived: (in a soma segment, the sum, its dtype name)."""
 
     def forward(self, x, ctx):
-        return Done((x.is_shared(), float(x.float().sum()), str(x.dtype)))
+        return Done((in_segment(x), float(x.float().sum()), str(x.dtype)))
 
 
 class MakeTensor(Node):

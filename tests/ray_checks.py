@@ -382,7 +382,15 @@ def tensors(cluster):
         cluster.run(Graph.somatize(RequiresGradOutput() >> Identity()), None)
     except Exception as err:
         autograd = _error(err)
+    import numpy
+
+    t = torch.arange(mib, dtype=torch.float32).reshape(1024, 1024).t()  # transposed: out of band, strides kept
+    back = cluster.run(Graph.somatize(Identity() >> Identity()), t)
+    array = cluster.run(Graph.somatize(Identity()), numpy.full(mib, 2.0))  # Ray's store hands back read-only views
+    array += 1  # soma made the result the caller's own
     return {"autograd": autograd, "in_bytes": x.numel() * 4, "out_equal": bool(torch.equal(y, x + 2)),
+            "strides_kept": back.stride() == t.stride() and bool(torch.equal(back, t)),
+            "array_writable": bool(array.flags.writeable) and float(array.min()) == 3.0,
             "x_untouched": float(x[-1]),
             "made_bytes": made.numel() * 4, "made_all": float(made.min()), "made_max": float(made.max()),
             "wave_equal": all(bool(torch.equal(t, x + 1)) for t in wave)}

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from soma import Done, Graph, Node, WorkerDied  # noqa: E402
 from soma.wire.codec import INLINE_LIMIT  # noqa: E402
 from tests.conftest import in_threads  # noqa: E402
-from tests.nodes import Die, Fill, Identity, PlusOne  # noqa: E402
+from tests.nodes import Die, Fill, Identity, PlusOne, in_segment  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,7 +40,7 @@ def all_equal(t, value) -> bool:
 def test_results_of_one_node_stay_intact(local, size, through_ctx):
     g = Graph.somatize(Fill(numel(size), through_ctx))
     held = [local.run(g, i) for i in range(HELD)]
-    assert SIZES[size] < INLINE_LIMIT or held[0].is_shared()
+    assert SIZES[size] < INLINE_LIMIT or in_segment(held[0])
     assert [float(t[0]) for t in held] == [float(i) for i in range(HELD)]
     assert all(all_equal(t, i) for i, t in enumerate(held))
     assert len({t.data_ptr() for t in held}) == HELD

@@ -10,7 +10,7 @@ from soma import Graph, NodeError, SharedMemoryFull  # noqa: E402
 from soma.wire.codec import INLINE_LIMIT  # noqa: E402
 from tests.conftest import shm_names  # noqa: E402
 from tests.nodes import (  # noqa: E402
-    Double, Identity, InPlaceAdd, MakeTensor, Obeys, RequiresGradOutput, Shared, Slice, WrapInHolder,
+    Double, Identity, InPlaceAdd, MakeTensor, Obeys, RequiresGradOutput, Shared, Slice, WrapInHolder, in_segment,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -22,9 +22,9 @@ def test_tensors_arrive_shared_in_the_worker_and_back_in_the_host(local):
     shared, total, dtype = local.run(Graph.somatize(Shared()), x)
     assert shared and total == float(x.sum()) and dtype == "torch.float32"
     out = local.run(Graph.somatize(Double()), x)
-    assert out.is_shared() and torch.equal(out, x * 2)
+    assert in_segment(out) and torch.equal(out, x * 2)
     made = local.run(Graph.somatize(MakeTensor(BIG)), None)
-    assert made.is_shared() and float(made.sum()) == BIG
+    assert in_segment(made) and float(made.sum()) == BIG
 
 
 def test_an_input_sent_back_is_the_same_segment(local):
@@ -86,7 +86,7 @@ def test_tensors_inside_other_objects_still_travel_as_handles(local):
     holder = local.run(Graph.somatize(WrapInHolder()), x)
     assert type(holder).__name__ == "Holder"
     full, head = holder.tensors
-    assert full.is_shared() and full.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert in_segment(full) and full.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     assert torch.equal(head, x[:2])
 
 
@@ -105,7 +105,7 @@ def test_a_tensor_with_an_autograd_graph_is_refused_both_ways(local):
 def test_ctx_empty_is_shared_memory_reused_across_runs(local):
     g = Graph.somatize(MakeTensor(1 << 20, through_ctx=True, value=2.0))
     first = local.run(g, None)
-    assert first.is_shared() and float(first[0]) == 2.0
+    assert in_segment(first) and float(first[0]) == 2.0
     first_segment = _segment_of(local, first)
     del first
     local.run(Graph.somatize(Identity()), 0)  # lets the worker hear that the host dropped it
@@ -138,8 +138,7 @@ def test_thousand_runs_leave_shm_and_fds_flat(local):
 
 def _segment_of(pool, t):
     """The segment a host tensor maps (its file in /dev/shm), found through the host's store."""
-    rec = pool._pool.get_store()._by_ptr[t.untyped_storage().data_ptr()]
-    return rec.name
+    return pool._pool.get_store().segment_of(t.data_ptr())
 
 
 def test_shared_memory_that_runs_out_is_an_error_naming_the_node(local, monkeypatch):
@@ -162,7 +161,7 @@ def test_a_segment_that_cannot_be_made_for_an_input_is_an_error_naming_the_node(
     def no_files(*args, **kwargs):
         raise OSError(errno.EMFILE, "Too many open files")
 
-    monkeypatch.setattr(local._pool.get_store(), "copy_in", no_files)  # the host's next copy into a segment
+    monkeypatch.setattr(local._pool.get_store(), "allocate", no_files)  # the host's next segment
     with pytest.raises(NodeError, match=r"^node `identity` failed: its input could not be put in shared memory: "
                                         r"OSError: \[Errno 24\] Too many open files$"):
         local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))

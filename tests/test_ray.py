@@ -208,6 +208,7 @@ def test_ray_tensors_of_mibs_travel_both_ways(observed):
     assert seen["in_bytes"] == 4 << 20 and seen["out_equal"] and seen["wave_equal"]
     assert seen["x_untouched"] == float((4 << 20) // 4 - 1)  # the caller's input is not written to
     assert seen["made_bytes"] == 6 << 20 and seen["made_all"] == seen["made_max"] == 4.0  # 3 + 1, writable here
+    assert seen["strides_kept"] and seen["array_writable"]
     autograd = seen["autograd"]
     assert autograd["type"] == "NodeError" and autograd["node"] == "requires_grad_output"
     assert autograd["message"].startswith("node `requires_grad_output` failed: it returned a tensor that requires grad "

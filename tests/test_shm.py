@@ -1,14 +1,13 @@
 """Shared-memory segments and the host's lease book, in one process (two stores stand for two processes)."""
 
+import ctypes
 import gc
 import os
 
 import pytest
 
-torch = pytest.importorskip("torch")
-
-from soma.local.host.leases import LeaseBook  # noqa: E402
-from soma.wire.shm import GRANULE, SHM_DIR, SegmentStore, ShmError, owner_pid, pool_prefix  # noqa: E402
+from soma.local.host.leases import LeaseBook
+from soma.wire.shm import GRANULE, SHM_DIR, SegmentStore, ShmError, address_of, owner_pid, pool_prefix
 
 
 @pytest.fixture
@@ -24,67 +23,102 @@ def files(prefix):
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
 def test_allocate_names_a_private_segment(prefix):
     store = SegmentStore(prefix, cap=1 << 30)
-    storage = store.allocate(1000)
-    assert storage.nbytes() == GRANULE
-    (name,) = files(prefix)
+    view, name = store.allocate(1000)
+    assert len(view) == GRANULE and files(prefix) == [name]
     assert owner_pid(name) == os.getpid()
     assert os.stat(os.path.join(SHM_DIR, name)).st_mode & 0o777 == 0o600
-    t = torch.empty(0).set_(storage, 0, (10,))
-    assert store.locate(t) == (name, GRANULE)
+    assert store.locate(address_of(view) + 10, 100) == (name, GRANULE, 10)
+    assert store.locate(address_of(view) + 10, GRANULE) is None  # reaches past its end
 
 
 def test_a_segment_is_reused_only_when_nobody_uses_it(prefix):
     owner = SegmentStore(prefix, cap=1 << 30)
     receiver = SegmentStore(prefix, cap=1 << 30)
-    storage = owner.allocate(GRANULE)
-    (name,) = files(prefix)
+    view, name = owner.allocate(GRANULE)
     owner.note_sent(name)  # a handle went to the receiver
-    del storage
+    del view
     gc.collect()
-    meanwhile = owner.allocate(GRANULE)  # sent and not settled: not reusable, so a second segment is made
-    assert len(files(prefix)) == 2 and owner.locate(torch.empty(0).set_(meanwhile, 0, (1,)))[0] != name
+    meanwhile, other = owner.allocate(GRANULE)  # sent and not settled: not reusable, so a second segment is made
+    assert len(files(prefix)) == 2 and other != name
     mapped = receiver.open(name, GRANULE)
-    assert torch.empty(0).set_(mapped, 0, (4,)).is_shared()
+    mapped[0] = 7
     assert receiver.releases() == []
     del mapped
     gc.collect()
     assert receiver.releases() == [(name, 1)]  # what the receiver reports to the host
     owner.free(name, 1)  # what the host tells the owner once nobody holds it
-    again = owner.allocate(GRANULE // 2)
-    assert owner.locate(torch.empty(0).set_(again, 0, (1,)))[0] == name  # the same segment, reused
+    again, reused = owner.allocate(GRANULE // 2)
+    assert reused == name and again[0] == 7  # the same segment, reused (and the same memory)
     assert len(files(prefix)) == 2  # and no third one
     del meanwhile
 
 
-def test_receipts_of_a_live_storage_accumulate(prefix):
+def test_receipts_of_a_live_view_accumulate(prefix):
     owner = SegmentStore(prefix, cap=1 << 30)
     receiver = SegmentStore(prefix, cap=1 << 30)
-    kept = owner.allocate(GRANULE)
-    (name,) = files(prefix)
+    kept, name = owner.allocate(GRANULE)
     a = receiver.open(name, GRANULE)
     b = receiver.open(name, GRANULE)
-    assert a is b  # one mapping per live storage
-    view = torch.empty(0).set_(a, 8, (2,))
+    assert a is b  # one view per segment while it lives
+    window = memoryview(a).cast("B")[8:16]  # anything made from the view keeps it alive
     del a, b
     gc.collect()
-    assert receiver.releases() == []  # a view keeps the storage alive
-    del view
+    assert receiver.releases() == []
+    del window
     gc.collect()
     assert receiver.releases() == [(name, 2)]
     del kept
 
 
+def test_views_keep_no_file_descriptor_and_unmap_when_they_die(prefix):
+    owner = SegmentStore(prefix, cap=1 << 30)
+    receiver = SegmentStore(prefix, cap=1 << 30)
+    names = [owner.allocate(GRANULE)[1] for _ in range(50)]
+    gc.collect()
+    before = fds()
+    views = [receiver.open(name, GRANULE) for name in names]
+    assert fds() == before  # Python's mmap would keep one open per mapping
+    start = address_of(views[0])
+    del views
+    gc.collect()
+    assert receiver.locate(start, 1) is None
+    with open("/proc/self/maps") as maps:  # unmapped
+        assert not any(int(line.split("-")[0], 16) <= start < int(line.split()[0].split("-")[1], 16)
+                       for line in maps)
+
+
+def test_anything_made_from_a_view_keeps_it_alive(prefix):
+    np = pytest.importorskip("numpy")
+    owner = SegmentStore(prefix, cap=1 << 30)
+    receiver = SegmentStore(prefix, cap=1 << 30)
+    view, name = owner.allocate(GRANULE)
+    ctypes.memset(address_of(view), 5, GRANULE)
+    mapped = receiver.open(name, GRANULE)
+    arr = np.ndarray((10, 4), np.uint8, buffer=mapped, offset=64)[::2].T  # a view of a view of the segment
+    del mapped
+    gc.collect()
+    assert receiver.releases() == [] and int(arr.sum()) == 5 * 20
+    del arr
+    gc.collect()
+    assert receiver.releases() == [(name, 1)]
+    del view
+
+
 def test_freed_segments_beyond_the_cap_are_unlinked(prefix):
     store = SegmentStore(prefix, cap=GRANULE)
-    a, b = store.allocate(GRANULE), store.allocate(GRANULE)
+    (a, _), (b, _) = store.allocate(GRANULE), store.allocate(GRANULE)
     assert len(files(prefix)) == 2
     del a, b
     gc.collect()
     assert len(files(prefix)) == 1  # one kept for reuse (the cap), the other unlinked
-    c = store.allocate(GRANULE)
-    assert store.locate(torch.empty(0).set_(c, 0, (1,)))[0] in files(prefix) and len(files(prefix)) == 1
+    c, name = store.allocate(GRANULE)
+    assert files(prefix) == [name]
 
 
 def test_names_outside_the_pool_and_oversized_claims_are_refused(prefix):
@@ -93,28 +127,33 @@ def test_names_outside_the_pool_and_oversized_claims_are_refused(prefix):
         store.open("torch_123_456_7", 10)
     with pytest.raises(ShmError, match="is gone"):
         store.open(f"{prefix}-1-999", 10)
-    kept = store.allocate(10)
-    (name,) = files(prefix)
+    kept, name = store.allocate(10)
     other = SegmentStore(prefix, cap=1 << 30)
     with pytest.raises(ShmError, match=f"holds {GRANULE} bytes, the handle claims {GRANULE * 4}"):
         other.open(name, GRANULE * 4)
+    with pytest.raises(ShmError, match=f"holds {GRANULE} bytes, the handle claims {GRANULE * 4}"):
+        store.open(name, GRANULE * 4)  # its own segment, sent back with a bigger claim
     assert os.stat(os.path.join(SHM_DIR, name)).st_size == GRANULE  # not grown
     del kept
 
 
-def test_close_unlinks_but_mappings_stay_valid(prefix):
+def test_close_unlinks_but_views_stay_valid(prefix):
     store = SegmentStore(prefix, cap=1 << 30)
-    t = torch.empty(0).set_(store.allocate(GRANULE), 0, (GRANULE // 4,)).fill_(7)
+    view, _ = store.allocate(GRANULE)
+    ctypes.memset(address_of(view), 7, GRANULE)
     store.close()
     assert files(prefix) == []
-    assert float(t[0]) == 7.0
+    assert view[0] == 7 and view[GRANULE - 1] == 7
 
 
-def test_copy_in_makes_a_compact_shared_copy(prefix):
-    store = SegmentStore(prefix, cap=1 << 30)
-    src = torch.arange(40000, dtype=torch.float32).reshape(200, 200).t()[::2]
-    copy, name, nbytes = store.copy_in(src)
-    assert torch.equal(copy, src) and copy.is_contiguous() and nbytes >= src.numel() * 4
+def test_no_torch_is_needed_to_hold_segments(prefix):
+    import subprocess
+    import sys
+
+    code = ("import sys, os; from soma.wire.shm import SegmentStore; s = SegmentStore(sys.argv[1], 1 << 30); "
+            "v, n = s.allocate(100); v[0] = 1; s.close(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, prefix], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # -- the host's lease book ------------------------------------------------------------------------

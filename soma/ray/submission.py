@@ -37,7 +37,13 @@ import time
 from ..errors import NodeError
 from ..plan import Plan, fold
 from ..run.postcondition import check_postcondition
-from .actor import carries_autograd, first_failure, grad_crossing
+from .actor import (
+    carries_autograd,
+    first_failure,
+    grad_crossing,
+    tensors_out_of_band,
+    writable,
+)
 
 
 class Out:
@@ -136,6 +142,7 @@ def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
     node, and downstream calls, failures, checks and spans stay per input.
     """
     entry = graph.entry_nodes[0]
+    tensors_out_of_band()  # this process's tensors reach Ray's store out of band too
     for x in xs:
         if carries_autograd(x):
             raise grad_crossing(entry, "its input is")
@@ -238,7 +245,7 @@ def outcome(submission: Submission, values: list, devices: dict):
         raise failed.rebuild()
     for leaf, value in zip(submission.leaves, values):
         check_postcondition(leaf.producer, devices.get(leaf.producer), value)
-    return _rebuild(submission.out, iter(values))
+    return writable(_rebuild(submission.out, iter(values)))  # the caller's to write, not a view of Ray's store
 
 
 def _rebuild(tree, values):

@@ -1,14 +1,23 @@
 """Values on the wire: how a node's input and output become bytes, and back.
 
-msgpack, with three extension types:
+msgpack, with five extension types:
 
     TUPLE   a tuple (msgpack has only arrays; a tuple must come back a tuple)
-    TENSOR  a tensor handle: dtype, shape, stride, offset, and where the bytes are:
-              inline   small tensors: the bytes themselves (a segment per 0-d tensor costs more)
-              shm      a shared-memory segment (`soma.wire.shm`): name and size, never the bytes
-              meta     nothing but the shape
-              torch    torch's own reduction (CUDA IPC handles, sparse and quantized tensors)
-    PICKLE  anything else, by cloudpickle; tensors inside it still travel as handles
+    TENSOR  a tensor handle (`soma.wire.tensors`): dtype, shape, stride, offset, and where the bytes are
+    ARRAY   an ndarray handle (`soma.wire.buffers`): the same for exact numpy arrays
+    PICKLE  anything else, by cloudpickle (protocol 5): a large stream and the large buffers its pickling
+            exposes go in shared memory; tensors and arrays inside it travel as handles beside it
+    REF     the same tensor or array once more in this message: it arrives as the same object
+
+Which way a value goes (`route`): plain data (None, bools, ints, floats, strs,
+small bytes; lists, tuples and dicts of them, tensors and arrays anywhere in
+them) goes through msgpack, fast for small messages. A value msgpack would
+change or that would make a big message goes whole as one PICKLE instead: one
+holding a `bytearray` or `memoryview` (msgpack would turn them into `bytes`), a
+`bytes` of at least the inline limit, more than MSGPACK_ITEMS items, or a
+msgpack form over BIG_MESSAGE bytes. Its large buffers then sit in shared
+memory: nothing large crosses the socket, and a `bytes` is copied once on each
+side (what ProcessPoolExecutor copies twice on each).
 
 A tensor that requires grad and is not a leaf carries an autograd graph that
 cannot cross processes: encoding it raises `GradCrossing`. The messages that
@@ -17,143 +26,232 @@ carry these bytes are `soma.wire.protocol`'s.
 
 from __future__ import annotations
 
-import io
 import sys
 import threading
 
 import msgpack
 
 from ..errors import SharedMemoryFull
+from .buffers import INLINE_LIMIT, decode_array, dump_pickle, encode_array, load_pickle
+from .shm import address_of
+from .tensors import (
+    T_INLINE,
+    T_META,
+    T_SHM,
+    T_TORCH,
+    GradCrossing,
+    decode_tensor,
+    encode_tensor,
+    loaded_torch,
+)
+
+__all__ = ["INLINE_LIMIT", "GradCrossing", "Unsendable", "Encoder", "Decoder", "loaded_torch", "route",
+           "T_INLINE", "T_SHM", "T_META", "T_TORCH"]
 
 # value extension types
-EXT_TUPLE, EXT_TENSOR, EXT_PICKLE = 1, 2, 3
-# tensor handle kinds
-T_INLINE, T_SHM, T_META, T_TORCH = 0, 1, 2, 3
+EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ARRAY, EXT_REF = 1, 2, 3, 4, 5
 
-# Below this many bytes a CPU tensor travels inline: one copy into the message is cheaper than
-# creating or mapping a segment. Measured here (a tensor made in a worker and returned, medians):
-# 4 KiB inline 347 us / shm 563 us; 16 KiB 494 / 516; 64 KiB 716 / 494; 256 KiB 1551 / 683.
-INLINE_LIMIT = 32 * 1024
-
-
-class GradCrossing(Exception):
-    """A tensor with an autograd graph was about to cross a process boundary."""
-
-    def reason(self, whose: str) -> str:
-        """The sentence for a NodeError: `whose` is "its input is" or "it returned"."""
-        fix = "return t.detach()" if whose == "it returned" else "send t.detach()"
-        return (f"{whose} a tensor that requires grad and carries an autograd graph, which cannot cross into "
-                f"another process (its graph would be cut silently). Training runs in-process: use soma.Executor "
-                f"or soma.Trainer, or {fix} when only the values are meant to travel")
+# More items than this in a value's lists and dicts (counted until the count is passed), and it travels as one
+# pickle: decoding a dict of many str keys costs msgpack 2.5x what it costs pickle (msgpack interns every key).
+MSGPACK_ITEMS = 4096
+# A msgpack form bigger than this is made again as one pickle, in shared memory rather than through the socket.
+BIG_MESSAGE = 1 << 20
 
 
 class Unsendable(Exception):
     """A value cannot be encoded for another process (the message says why)."""
 
 
-def loaded_torch():
-    """torch when it is imported far enough to have made tensors, else None (never imports it).
+# -- which way a value goes -----------------------------------------------------------------------
 
-    A worker may be importing torch in the background: until `torch.Tensor` exists
-    no value can be a tensor, and a half-imported module must not be touched.
+MSGPACK, PICKLE = 0, 1
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+_CONTAINERS = frozenset({list, tuple, dict})
+_CHANGED = frozenset({bytearray, memoryview})  # msgpack packs them as bytes: they would arrive as bytes
+
+
+def route(value) -> int:
+    """MSGPACK when msgpack carries `value` exactly and small, else PICKLE (see the module's docstring).
+
+    The walk looks at types a container at a time (`set(map(type, items))` runs in C), so a list of
+    a thousand ints costs a few microseconds, and it stops once MSGPACK_ITEMS items are passed.
     """
-    torch = sys.modules.get("torch")
-    return torch if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "multiprocessing") else None
+    kind = type(value)
+    if kind in _PLAIN:
+        return MSGPACK
+    if kind is bytes:
+        return MSGPACK if len(value) < INLINE_LIMIT else PICKLE
+    if kind not in _CONTAINERS:
+        return PICKLE if kind in _CHANGED else MSGPACK  # (an object of its own: msgpack's default pickles it)
+    budget = MSGPACK_ITEMS
+    stack = [value]
+    while stack:
+        container = stack.pop()
+        budget -= len(container)
+        if budget < 0:
+            return PICKLE
+        if type(container) is dict:
+            keys = set(map(type, container))
+            kinds = set(map(type, container.values()))
+            items = container.values() if keys <= _PLAIN else [*container, *container.values()]
+            kinds |= keys
+        else:
+            kinds = set(map(type, container))
+            items = container
+        if kinds <= _PLAIN:
+            continue
+        if kinds & _CHANGED:
+            return PICKLE
+        if bytes in kinds and any(type(x) is bytes and len(x) >= INLINE_LIMIT for x in items):
+            return PICKLE
+        if kinds & _CONTAINERS:
+            stack.extend(x for x in items if type(x) in _CONTAINERS)
+    return MSGPACK
 
+
+# -- encoding -----------------------------------------------------------------------------------
 
 class Encoder:
     """Encodes values for one message.
 
     `get_store(create)` gives this process's `SegmentStore`; with `create=False`
-    it may answer None (no tensor has needed one yet).
+    it may answer None (no value has needed one yet).
 
-    `shared` collects the segment names of every shm handle written, so the caller
-    can count the lease after the message is built. Every tensor whose segment a
-    handle names (one copied into a segment for this message, and one that was in
-    a segment already) stays alive as long as the encoder does: keep the encoder
-    until the sends are counted (`SegmentStore.note_sent`, the host's lease book),
-    or the last holder could let go in between (the caller dropping its input, the
-    host dropping a value it forwards from one piece to the next), the owner would
-    see the segment idle and reuse it under the receiver.
+    `shared` collects the segment name of every handle written (one entry per
+    handle), so the caller can count the lease after the message is built. Every
+    value whose segment a handle names (a copy made into a segment for this
+    message, and one that was in a segment already) stays alive as long as the
+    encoder does: keep the encoder until the sends are counted
+    (`SegmentStore.note_sent`, the host's lease book), or the last holder could
+    let go in between (the caller dropping its input, the host dropping a value
+    it forwards from one piece to the next), the owner would see the segment idle
+    and reuse it under the receiver.
     """
 
     def __init__(self, get_store):
         self._get_store = get_store
         self.shared: list[str] = []
-        self.copied: list[int] = []  # bytes of each tensor copied into shared memory (for the trace)
-        self._alive: list = []  # tensors the handles name, kept until the sends are counted (see above)
+        self.copied: list[int] = []  # bytes of each value copied into shared memory (for the trace)
+        self._alive: list = []  # what the handles name, kept until the sends are counted (see above)
+        self._copies: list = []  # (start, end, name, segment bytes, offset): heap bytes copied for this message
+        self._numbered: dict = {}  # id of a tensor or array sent in this message → its number (for REF)
+        self._order: list = []  # those objects, in order (alive, so their ids stay theirs)
 
     def pack(self, value) -> bytes:
+        checkpoint = self.checkpoint()
+        if route(value) == MSGPACK:
+            try:
+                data = self._pack_plain(value)
+                if len(data) <= BIG_MESSAGE:
+                    return data
+            except (OverflowError, ValueError):
+                pass  # msgpack refuses nesting deeper than ~1,000 levels: pickle the whole value
+            self.rollback(checkpoint)
+        return msgpack.packb(self._pickled(value, fast=True), strict_types=True, use_bin_type=True)
+
+    def _pack_plain(self, value) -> bytes:
         local = _local
-        try:
-            if local.encoder is None:  # the thread's Packer is free (a value inside a value packs on its own)
-                local.encoder = self
-                try:
-                    return local.pack(value)
-                finally:
-                    local.encoder = None
-            return msgpack.packb(value, default=self._default, strict_types=True, use_bin_type=True)
-        except (OverflowError, ValueError):
-            # msgpack refuses nesting deeper than ~1,000 levels: pickle the whole value (Unsendable, saying
-            # why, when pickle cannot either). Ints beyond 64 bits never get here: `_default` pickles them.
-            return msgpack.packb(self._pickled(value), strict_types=True, use_bin_type=True)
+        if local.encoder is None:  # the thread's Packer is free (a value inside a value packs on its own)
+            local.encoder = self
+            try:
+                return local.pack(value)
+            finally:
+                local.encoder = None
+        return msgpack.packb(value, default=self._default, strict_types=True, use_bin_type=True)
 
     def _default(self, obj):
-        kind = type(obj)
-        if kind is tuple:
-            return msgpack.ExtType(EXT_TUPLE, self.pack(list(obj)))
-        torch = loaded_torch()
-        if torch is not None and isinstance(obj, torch.Tensor):
-            return msgpack.ExtType(EXT_TENSOR, msgpack.packb(self.tensor(obj, torch), use_bin_type=True))
-        return self._pickled(obj)
+        if type(obj) is tuple:
+            return msgpack.ExtType(EXT_TUPLE, self._pack_plain(list(obj)))
+        return self.ext(obj)
 
-    def _pickled(self, obj) -> msgpack.ExtType:
-        buf = io.BytesIO()
-        handles: list = []
-        pickler = _tensor_pickler()(buf, self, handles)
+    def ext(self, obj) -> msgpack.ExtType:
+        """The extension for a value msgpack does not know: a tensor, an array, a REF to one, or a PICKLE."""
+        number = self._numbered.get(id(obj))
+        if number is not None:
+            return msgpack.ExtType(EXT_REF, msgpack.packb(number))
+        torch = loaded_torch()
         try:
-            pickler.dump(obj)
-        except (GradCrossing, SharedMemoryFull, MemoryError):
+            if torch is not None and isinstance(obj, torch.Tensor):
+                code, body = EXT_TENSOR, msgpack.packb(encode_tensor(self, obj, torch), use_bin_type=True)
+            elif type(obj) is _ndarray() and not obj.dtype.hasobject:
+                code, body = EXT_ARRAY, msgpack.packb(encode_array(self, obj), use_bin_type=True)
+            else:
+                return self._pickled(obj, fast=False)
+        except _PASSED_ON:
+            raise
+        except Exception as err:  # (torch's reductions for a CUDA, sparse or quantized tensor, say): never raw
+            raise Unsendable(f"{type(obj).__name__} cannot be sent to another process: {type(err).__name__}: "
+                             f"{err}") from err
+        self._numbered[id(obj)] = len(self._order)
+        self._order.append(obj)
+        return msgpack.ExtType(code, body)
+
+    def _pickled(self, obj, fast: bool) -> msgpack.ExtType:
+        try:
+            return msgpack.ExtType(EXT_PICKLE, dump_pickle(self, obj, fast))
+        except _PASSED_ON:
             raise
         except Exception as err:
             raise Unsendable(f"{type(obj).__name__} cannot be sent to another process: {type(err).__name__}: {err}") from err
-        return msgpack.ExtType(EXT_PICKLE, msgpack.packb([buf.getvalue(), handles], use_bin_type=True))
 
-    def tensor(self, t, torch) -> list:
-        if t.requires_grad and not t.is_leaf:
-            raise GradCrossing()
-        dtype = str(t.dtype).rpartition(".")[2]
-        if t.device.type == "meta":
-            return [T_META, dtype, list(t.shape), list(t.stride()), t.storage_offset(), t.requires_grad]
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-            from torch.multiprocessing.reductions import ForkingPickler
-
-            # CUDA tensors travel as CUDA IPC handles (the producer keeps the block alive), sparse
-            # and quantized ones through their parts; torch's reductions know how.
-            return [T_TORCH, bytes(ForkingPickler.dumps(t))]
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()  # the lazy bits would be lost on the way
-        nbytes = t.numel() * t.element_size()
-        store = self._get_store(False)
-        # Already in a segment: its name travels, whatever its size (and the receiver aliases it, as
-        # it aliases any shared tensor). Otherwise small ones travel inline, large ones are copied in.
-        found = store.locate(t) if store is not None and nbytes else None
-        if found is None and nbytes < INLINE_LIMIT:
-            import ctypes
-
-            flat = t.contiguous()
-            data = ctypes.string_at(flat.data_ptr(), nbytes) if nbytes else b""
-            return [T_INLINE, dtype, list(t.shape), t.requires_grad, data]
-        if found is not None:
-            name, seg_bytes = found
-            stride, offset = list(t.stride()), t.storage_offset()
+    # -- where bytes go (for soma.wire.tensors and soma.wire.buffers) ----------------------------------
+    def found(self, start: int, nbytes: int, keep):
+        """`(name, segment bytes, offset)` when the bytes at `start` are in a segment already (a live view of
+        this process, or a copy made for this message), lent with this message (`keep` stays alive); else None."""
+        where = None
+        for lo, hi, name, seg_bytes, offset in self._copies:
+            if lo <= start and start + nbytes <= hi:
+                where = name, seg_bytes, offset + start - lo
+                break
         else:
-            t, name, seg_bytes = self._get_store(True).copy_in(t)
-            self.copied.append(nbytes)
-            stride, offset = list(t.stride()), 0
-        self._alive.append(t)
+            store = self._get_store(False)
+            where = store.locate(start, nbytes) if store is not None else None
+        if where is not None:
+            self._alive.append(keep)
+            self.shared.append(where[0])
+        return where
+
+    def unfound(self, where) -> None:
+        """Take back the last `found` (the caller copies the value after all)."""
+        self._alive.pop()
+        self.shared.pop()
+
+    def copy_in(self, start: int, nbytes: int, pad: int = 0):
+        """`(name, segment bytes, offset)` of a copy of the bytes at `start`, `pad` bytes into a new segment."""
+        view, name, seg_bytes = self.fresh(nbytes + pad)
+        import ctypes
+
+        ctypes.memmove(address_of(view) + pad, start, nbytes)  # (releases the GIL)
+        self._copies.append((start, start + nbytes, name, seg_bytes, pad))
+        return name, seg_bytes, pad
+
+    def fresh(self, nbytes: int):
+        """`(view, name, segment bytes)`: a segment for this message to copy `nbytes` into."""
+        view, name = self._get_store(True).allocate(nbytes)
+        self._alive.append(view)
         self.shared.append(name)
-        return [T_SHM, dtype, list(t.shape), stride, offset, t.requires_grad, name, seg_bytes]
+        self.copied.append(nbytes)
+        return view, name, len(view)
+
+    def checkpoint(self) -> tuple:
+        return len(self.shared), len(self.copied), len(self._alive), len(self._copies), len(self._order)
+
+    def rollback(self, checkpoint: tuple) -> None:
+        """Forget every handle made since `checkpoint` (they will not be sent; their copies may be reused)."""
+        shared, copied, alive, copies, order = checkpoint
+        del self.shared[shared:], self.copied[copied:], self._alive[alive:], self._copies[copies:]
+        for obj in self._order[order:]:
+            del self._numbered[id(obj)]
+        del self._order[order:]
+
+
+# Errors the callers name themselves (OSError: a segment could not be made); every other one becomes Unsendable.
+_PASSED_ON = (GradCrossing, Unsendable, SharedMemoryFull, MemoryError, OSError)
+
+
+def _ndarray():
+    numpy = sys.modules.get("numpy")
+    return getattr(numpy, "ndarray", None)
 
 
 class ThreadPacker(threading.local):
@@ -171,7 +269,11 @@ class ThreadPacker(threading.local):
         self.encoder = None
 
     def pack(self, value) -> bytes:
-        data = self.packer.pack(value)
+        try:
+            data = self.packer.pack(value)
+        except BaseException:
+            self.packer = msgpack.Packer(**self.options)  # (what it had packed so far must not lead the next)
+            raise
         if len(data) > self.KEEP_BYTES:
             self.packer = msgpack.Packer(**self.options)
         return data
@@ -184,106 +286,45 @@ def _default_of_thread(obj):
 _local = ThreadPacker(default=_default_of_thread, strict_types=True, use_bin_type=True)
 
 
-_PICKLER = None
-
-
-def _tensor_pickler():
-    """cloudpickle's Pickler, with every tensor it meets sent as a handle beside the pickle.
-
-    Built on first use: a worker that never pickles a value never imports cloudpickle.
-    """
-    global _PICKLER
-    if _PICKLER is None:
-        import cloudpickle
-
-        class TensorPickler(cloudpickle.Pickler):
-            def __init__(self, file, encoder: Encoder, handles: list):
-                super().__init__(file, protocol=5)
-                self._encoder = encoder
-                self._handles = handles
-                self._torch = loaded_torch()
-
-            def persistent_id(self, obj):
-                torch = self._torch
-                if torch is not None and isinstance(obj, torch.Tensor):  # subclasses arrive as plain tensors
-                    self._handles.append(self._encoder.tensor(obj, torch))
-                    return len(self._handles) - 1
-                return None
-
-        _PICKLER = TensorPickler
-    return _PICKLER
-
+# -- decoding -----------------------------------------------------------------------------------
 
 class Decoder:
     """Decodes values of one message; `get_store(create)` gives this process's `SegmentStore`."""
 
     def __init__(self, get_store):
         self._get_store = get_store
-        self.received: list[str] = []  # segment names, for the host's lease book
+        self.received: list[str] = []  # segment names, one per handle, for the host's lease book
+        self._objects: list = []  # the tensors and arrays decoded so far, in order (REF names them)
 
     def unpack(self, data: bytes):
-        return msgpack.unpackb(data, ext_hook=self._ext, raw=False, strict_map_key=False, use_list=True)
+        return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True)
 
-    def _ext(self, code: int, data: bytes):
+    def ext_hook(self, code: int, data: bytes):
         if code == EXT_TUPLE:
             return tuple(self.unpack(data))
-        if code == EXT_TENSOR:
-            return self.tensor(msgpack.unpackb(data, raw=False, use_list=True))
+        if code == EXT_TENSOR or code == EXT_ARRAY:
+            handle = msgpack.unpackb(data, raw=False, use_list=True)
+            obj = decode_tensor(self, handle) if code == EXT_TENSOR else decode_array(self, handle)
+            self._objects.append(obj)
+            return obj
+        if code == EXT_REF:
+            return self._objects[msgpack.unpackb(data)]
         if code == EXT_PICKLE:
-            payload, handles = msgpack.unpackb(data, raw=False, use_list=True)
-            tensors = [self.tensor(h) for h in handles]
-            return _tensor_unpickler()(io.BytesIO(payload), tensors).load()
+            return load_pickle(self, data)
         return msgpack.ExtType(code, data)
 
     def tensor(self, handle: list):
-        import torch
+        return decode_tensor(self, handle)
 
-        kind = handle[0]
-        if kind == T_TORCH:
-            import pickle
+    def open(self, name: str, seg_bytes: int):
+        """This process's view of a segment a handle names (its receipt counted)."""
+        view = self._get_store(True).open(name, seg_bytes)
+        self.received.append(name)
+        return view
 
-            return pickle.loads(handle[1])
-        dtype = getattr(torch, handle[1])
-        if kind == T_META:
-            _, _, shape, stride, offset, grad = handle
-            t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            return t.requires_grad_() if grad else t
-        if kind == T_INLINE:
-            _, _, shape, grad, data = handle
-            if not data:
-                t = torch.empty(shape, dtype=dtype)
-            else:
-                t = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
-            return t.requires_grad_() if grad else t
-        if kind == T_SHM:
-            _, _, shape, stride, offset, grad, name, seg_bytes = handle
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
-            if offset < 0 or any(st < 0 for st in stride) or (offset + extent) * itemsize > seg_bytes:
-                raise ValueError(f"tensor handle for {name} reaches outside its segment")
-            storage = self._get_store(True).open(name, seg_bytes)
-            self.received.append(name)
-            t = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
-            return t.requires_grad_() if grad else t
-        raise ValueError(f"unknown tensor handle kind {kind}")
-
-
-_UNPICKLER = None
-
-
-def _tensor_unpickler():
-    """pickle's Unpickler, taking tensors from beside the pickle (built on first use, like the pickler)."""
-    global _UNPICKLER
-    if _UNPICKLER is None:
-        import pickle
-
-        class TensorUnpickler(pickle.Unpickler):
-            def __init__(self, file, tensors: list):
-                super().__init__(file)
-                self._tensors = tensors
-
-            def persistent_load(self, pid):
-                return self._tensors[pid]
-
-        _UNPICKLER = TensorUnpickler
-    return _UNPICKLER
+    def buffer(self, handle: list) -> memoryview:
+        """The bytes a buffer handle `[name, segment bytes, offset, bytes]` names, writable, over the segment."""
+        name, seg_bytes, offset, nbytes = handle
+        if offset < 0 or nbytes < 0 or offset + nbytes > seg_bytes:
+            raise ValueError(f"buffer handle for {name} reaches outside its segment")
+        return memoryview(self.open(name, seg_bytes)).cast("B")[offset:offset + nbytes]

@@ -1,39 +1,59 @@
-"""Shared-memory segments: where tensors live while they cross processes.
+"""Shared-memory segments: where large buffers (tensors, numpy arrays, bytes) live while they cross processes.
 
-Every CPU tensor soma moves between processes sits in a *segment*: a file in
+Every large buffer soma moves between processes sits in a *segment*: a file in
 `/dev/shm` named `soma-<hostpid>-<pool>-<ownerpid>-<n>`, mode 0600, created by
-one process of the pool (its *owner*) and mapped by the others. Tensors travel
-as handles (segment name, size, dtype, shape, stride, offset); their bytes never
-go through a socket.
+one process of the pool (its *owner*) and mapped by the others. Values travel
+as handles (segment name, size, where in it); their bytes never go through a
+socket. This module knows bytes only: no torch, no numpy (a process that moves
+only numpy arrays or bytes never imports torch).
+
+A process sees a segment through one *view* at a time: a ctypes byte array over
+its mapping. Everything made from a segment keeps that view alive: a tensor's
+storage (`torch.frombuffer` holds it), an ndarray (its `.base` chain ends at it),
+a memoryview slice handed to the unpickler as an out-of-band buffer (its managed
+buffer holds it). So "nobody in this process can still see the segment" is
+exactly "the view died", which `weakref.finalize` on the view reports.
+
+Why a ctypes array over memory soma maps itself (libc `mmap`, fd closed at once),
+and not Python's `mmap.mmap` or torch's `UntypedStorage.from_file`:
+
+* `mmap.mmap` keeps a duplicate file descriptor open for its whole life: a caller
+  holding a few thousand results would run out of descriptors. Ours keep none.
+* `mmap.mmap` unmaps before its weak references are cleared (measured on 3.11:
+  inside a finalizer the pages are already gone), so for a moment another thread
+  could be given the same addresses while this store still lists them. Here the
+  finalizer forgets the view first and unmaps after.
+* numpy keeps a ctypes array itself as an array's base (a memoryview it would
+  replace by one of its own), and ctypes arrays can be weakly referenced.
+* torch's storages need torch.
 
 Who frees what, and when (the rules `docs/local.md` explains at length):
 
 * The owner keeps each segment mapped once (its *base* mapping) and reuses it
-  for later tensors: a reused segment is already faulted in, which is what makes
-  `ctx.empty` and heap-tensor copies cheap on a warm pool.
-* A segment is in use while any process holds a live storage on it. Each process
-  tracks its own storages with `weakref.finalize` on the storage object (torch
-  keeps a storage's Python object alive exactly as long as its C++ storage, so
-  every view, slice and `detach()` counts).
+  for later values: a reused segment is already faulted in, which is what makes
+  `ctx.empty` and heap copies cheap on a warm pool.
+* A segment is in use while any process holds a live view on it.
 * The host is the lease authority. It counts, per segment, the receipts every
   process holds (`LeaseBook` in `soma.local`); when the count reaches zero it
   tells the owner `free(name, n)`, n being how many of the owner's sends that
   covers. The owner reuses the segment when that count is settled and its own
-  storages are dead. Workers report dead receipts to the host (`releases()`).
+  views are dead. Workers report dead receipts to the host (`releases()`).
 * When the pool closes, or a worker dies, its files are unlinked. Mappings
   survive an unlink, so results a caller still holds stay valid after `close()`.
 
-Small tensors do not use segments (see `soma.wire.codec`): a segment per 0-d tensor
+Small values do not use segments (see `soma.wire.codec`): a segment per 0-d tensor
 would cost more than the bytes.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import re
 import threading
 import weakref
+from collections import deque
 
 from ..errors import SharedMemoryFull
 
@@ -76,17 +96,62 @@ class ShmError(RuntimeError):
     """A handle names a segment this process must not or cannot map."""
 
 
+# -- mapping memory without Python's mmap (see the module docstring for why) --------------------------
+
+_PROT_RW, _MAP_SHARED = 0x1 | 0x2, 0x01
+_libc = None
+
+
+def _lib():
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_long]
+        lib.munmap.restype = ctypes.c_int
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = lib
+    return _libc
+
+
+def _map_file(path: str, nbytes: int) -> int:
+    """The address of a fresh shared, writable mapping of the first `nbytes` of `path` (no fd kept)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        address = _lib().mmap(None, nbytes, _PROT_RW, _MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, f"could not map {path}: {os.strerror(err)}")
+    return address
+
+
+def _unmap(address: int, nbytes: int) -> None:
+    _lib().munmap(address, nbytes)
+
+
+def view_at(address: int, nbytes: int):
+    """A ctypes byte array over memory that someone else keeps mapped (it does not own it)."""
+    return (ctypes.c_ubyte * nbytes).from_address(address)
+
+
+def address_of(view) -> int:
+    return ctypes.addressof(view)
+
+
 class _Segment:
     """A segment this process created: its base mapping, and who still uses it."""
 
-    __slots__ = ("name", "nbytes", "base", "sent", "local_live", "in_pool")
+    __slots__ = ("name", "nbytes", "address", "sent", "local_live", "in_pool")
 
-    def __init__(self, name: str, nbytes: int, base):
+    def __init__(self, name: str, nbytes: int, address: int):
         self.name = name
         self.nbytes = nbytes
-        self.base = base  # the owner's permanent mapping: already faulted in when reused
+        self.address = address  # the owner's permanent mapping: already faulted in when reused
         self.sent = 0  # handles sent and not yet settled by the host's free()
-        self.local_live = 0  # live storages of this process on the segment
+        self.local_live = 0  # live views of this process on the segment (0 or 1)
         self.in_pool = False  # free and waiting for reuse
 
     @property
@@ -94,15 +159,18 @@ class _Segment:
         return self.sent > 0 or self.local_live > 0
 
 
-class _Storage:
-    """Bookkeeping for one live storage object of this process on a segment."""
+class _View:
+    """Bookkeeping for this process's one live view of a segment."""
 
-    __slots__ = ("name", "receipts", "owned")
+    __slots__ = ("name", "start", "nbytes", "receipts", "ref", "owned")
 
-    def __init__(self, name: str, owned: bool):
+    def __init__(self, name: str, start: int, nbytes: int, view, owned: bool):
         self.name = name
+        self.start = start
+        self.nbytes = nbytes
         self.receipts = 0  # handles received for it, to report once it dies
-        self.owned = owned
+        self.ref = weakref.ref(view)
+        self.owned = owned  # over the owner's base mapping (else a mapping of its own, unmapped when it dies)
 
 
 class SegmentStore:
@@ -111,39 +179,42 @@ class SegmentStore:
     `prefix` is the pool's (`pool_prefix`); names outside it are refused. `cap`
     bounds the bytes of free segments kept for reuse; beyond it a freed segment is
     unlinked. `on_release` is called (from any thread, lock not held) when a
-    storage holding receipts dies; it receives `(name, n)`.
+    view holding receipts dies; it receives `(name, n)`.
     """
 
     def __init__(self, prefix: str, cap: int, on_release=None):
-        import torch  # only a process that moves tensors builds a store
-
-        self._torch = torch
         self.prefix = prefix
         self.cap = cap
         self.pid = os.getpid()
         self._on_release = on_release
         self._name_re = re.compile(rf"^{re.escape(prefix)}-\d+-\d+$")
-        self._lock = threading.RLock()
+        # Not reentrant: a finalizer that runs inside one of our critical sections (the garbage collector runs
+        # where it likes) must not change the books under it; it leaves the view for later instead (`_dead`).
+        self._lock = threading.Lock()
+        self._dead: deque = deque()  # records of views that died while the lock was taken
         self._counter = 0
         self._owned: dict[str, _Segment] = {}
         self._pool: list[_Segment] = []  # free owned segments, reusable
         self._pooled_bytes = 0
-        self._by_ptr: dict[int, _Storage] = {}  # data_ptr of a live storage → its record
-        self._by_name: dict[str, tuple] = {}  # name → (weakref to a mapping storage, record)
+        self._by_name: dict[str, _View] = {}  # segment → this process's live view of it
+        self._starts: list[int] = []  # sorted start addresses of the live views (for `locate`)
+        self._at: dict[int, _View] = {}  # start address → its view's record
         self._pending: list[tuple[str, int]] = []
         self.closed = False
 
     # -- owner side ----------------------------------------------------------------------
     def allocate(self, nbytes: int):
-        """A fresh storage of at least `nbytes` in a segment this process owns (reused when one is free)."""
+        """`(view, name)`: a fresh view of at least `nbytes` in a segment this process owns (reused when one is
+        free). The view spans the whole segment and stays this process's view of it until it dies."""
         seg = self._take_free(nbytes) or self._create(nbytes)
-        return self._alias(seg)
+        return self._view(seg, owned=True), seg.name
 
     def _take_free(self, nbytes: int):
         with self._lock:
+            self._bury_dead()
             best = None
             for seg in self._pool:
-                # Reuse only a segment that is not much larger: a 1 GiB segment kept for a 4 MiB tensor wastes memory.
+                # Reuse only a segment that is not much larger: a 1 GiB segment kept for a 4 MiB value wastes memory.
                 if nbytes <= seg.nbytes <= max(2 * nbytes, nbytes + GRANULE) and (best is None or seg.nbytes < best.nbytes):
                     best = seg
             if best is not None:
@@ -167,22 +238,20 @@ class SegmentStore:
             unlink_quietly(name)
             raise SharedMemoryFull.reserving(None, size, f"a segment ({err.strerror})") from None
         os.close(fd)
-        base = self._torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
-        seg = _Segment(name, size, base)
+        try:
+            address = _map_file(path, size)
+        except OSError:
+            unlink_quietly(name)
+            raise
+        seg = _Segment(name, size, address)
         with self._lock:
             self._owned[name] = seg
         return seg
 
-    def _alias(self, seg: _Segment):
-        """A storage over the owner's base mapping (no new mapping, so no new page faults)."""
-        buf = (ctypes.c_char * seg.nbytes).from_address(seg.base.data_ptr())
-        storage = self._torch.frombuffer(buf, dtype=self._torch.uint8).untyped_storage()
-        self._track(storage, seg.name, owned=True)
-        return storage
-
     def free(self, name: str, n: int) -> None:
         """The host settled `n` of this process's sends of segment `name`."""
         with self._lock:
+            self._bury_dead()
             seg = self._owned.get(name)
             if seg is None:
                 return
@@ -195,31 +264,26 @@ class SegmentStore:
             return
         if self.closed or self._pooled_bytes + seg.nbytes > self.cap:
             del self._owned[seg.name]
-            seg.base = None
             unlink_quietly(seg.name)
+            _unmap(seg.address, seg.nbytes)  # nothing of this process sees it any more (no live view)
             return
         seg.in_pool = True
         self._pool.append(seg)
         self._pooled_bytes += seg.nbytes
 
     # -- sender side -----------------------------------------------------------------------
-    def locate(self, tensor):
-        """`(name, segment bytes)` when the tensor's storage is one this process holds on a segment, else None."""
-        storage = tensor.untyped_storage()
+    def locate(self, address: int, nbytes: int):
+        """`(name, segment bytes, offset)` when `[address, address + nbytes)` lies in a live view of this
+        process (the offset is `address` from the segment's start), else None."""
         with self._lock:
-            rec = self._by_ptr.get(storage.data_ptr())
-            if rec is None:
+            i = bisect.bisect_right(self._starts, address) - 1
+            if i < 0:
                 return None
-            seg = self._owned.get(rec.name)
-            return rec.name, seg.nbytes if seg is not None else storage.nbytes()
-
-    def copy_in(self, tensor):
-        """A contiguous copy of `tensor` in a segment of this process: `(copy, name, segment bytes)`."""
-        nbytes = tensor.numel() * tensor.element_size()
-        storage = self.allocate(nbytes)
-        copy = self._torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)
-        copy.copy_(tensor)
-        return copy, self._by_ptr[storage.data_ptr()].name, storage.nbytes()
+            rec = self._at[self._starts[i]]
+            # A view that is dying (its finalizer has not run yet) answers None: its memory may be gone.
+            if address + nbytes > rec.start + rec.nbytes or rec.ref() is None:
+                return None
+            return rec.name, rec.nbytes, address - rec.start
 
     def note_sent(self, name: str) -> None:
         """This process sent a handle to segment `name` (counted when it is the owner)."""
@@ -230,64 +294,117 @@ class SegmentStore:
 
     # -- receiver side ---------------------------------------------------------------------
     def open(self, name: str, nbytes: int):
-        """A live storage of this process on segment `name` (an existing one when there is), counting a receipt."""
+        """This process's live view of segment `name` (the existing one when there is), counting a receipt."""
         if not self._name_re.match(name):
             raise ShmError(f"segment name {name!r} is not one of this pool's ({self.prefix}-*)")
         with self._lock:
             found = self._by_name.get(name)
-            storage = found[0]() if found is not None else None
-            if storage is not None:
-                found[1].receipts += 1
-                return storage
-        path = os.path.join(SHM_DIR, name)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise ShmError(f"segment {name} is gone (its owner died or the pool closed)") from None
-        if size < nbytes:
-            # Mapping a larger size than the file would silently grow it.
-            raise ShmError(f"segment {name} holds {size} bytes, the handle claims {nbytes}")
-        storage = self._torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-        rec = self._track(storage, name, owned=name in self._owned)
-        with self._lock:
-            rec.receipts += 1
-            self._by_name[name] = (weakref.ref(storage), rec)
-        return storage
-
-    def _track(self, storage, name: str, owned: bool) -> _Storage:
-        rec = _Storage(name, owned)
-        ptr = storage.data_ptr()
-        with self._lock:
-            self._by_ptr[ptr] = rec
+            view = found.ref() if found is not None else None
+            if view is not None:
+                if found.nbytes < nbytes:
+                    raise ShmError(f"segment {name} holds {found.nbytes} bytes, the handle claims {nbytes}")
+                found.receipts += 1
+                return view
             seg = self._owned.get(name)
+        if seg is not None:  # one of ours sent back: a view of the base mapping, no new faults
+            if nbytes > seg.nbytes:
+                raise ShmError(f"segment {name} holds {seg.nbytes} bytes, the handle claims {nbytes}")
+            view = self._view(seg, owned=True)
+        else:
+            path = os.path.join(SHM_DIR, name)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise ShmError(f"segment {name} is gone (its owner died or the pool closed)") from None
+            if size < nbytes:
+                # Mapping beyond the end of the file would raise SIGBUS when touched.
+                raise ShmError(f"segment {name} holds {size} bytes, the handle claims {nbytes}")
+            view = self._view(None, owned=False, name=name, address=_map_file(path, nbytes), nbytes=nbytes)
+        with self._lock:
+            self._by_name[name].receipts += 1
+        return view
+
+    def _view(self, seg: _Segment | None, owned: bool, name: str = "", address: int = 0, nbytes: int = 0):
+        if seg is not None:
+            name, address, nbytes = seg.name, seg.address, seg.nbytes
+        view = view_at(address, nbytes)
+        rec = _View(name, address, nbytes, view, owned)
+        with self._lock:
+            old = self._by_name.get(name)
+            alive = old.ref() if old is not None else None
+            if alive is not None:
+                # Two threads opened it at once: keep the first view, let this one go.
+                if not owned:
+                    _unmap(address, nbytes)
+                return alive
+            self._by_name[name] = rec
+            if address not in self._at:  # (a dying view of the same base mapping may still be listed)
+                bisect.insort(self._starts, address)
+            self._at[address] = rec
             if seg is not None:
                 seg.local_live += 1
-        weakref.finalize(storage, self._storage_died, ptr, rec)
-        return rec
+        # Not at exit: a finalizer run then would unmap memory that arrays still alive at exit point into.
+        weakref.finalize(view, self._view_died, rec).atexit = False
+        return view
 
-    def _storage_died(self, ptr: int, rec: _Storage) -> None:
-        # Runs in whichever thread dropped the last view; only bookkeeping here.
-        with self._lock:
-            if self._by_ptr.get(ptr) is rec:
-                del self._by_ptr[ptr]
-            found = self._by_name.get(rec.name)
-            if found is not None and found[1] is rec:
-                del self._by_name[rec.name]
+    def _view_died(self, rec: _View) -> None:
+        # Runs in whichever thread dropped the last reference, maybe inside the garbage collector, maybe while
+        # that thread or another holds the lock: never wait for it. A view left in `_dead` keeps its memory
+        # mapped and its segment busy until the next operation buries it.
+        if not self._lock.acquire(blocking=False):
+            self._dead.append(rec)
+            return
+        try:
+            released = self._bury(rec)
+            while self._dead:
+                released += self._bury(self._dead.popleft())
+            if self._on_release is None:
+                self._pending += released
+        finally:
+            self._lock.release()
+        if self._on_release is not None:
+            for name, receipts in released:
+                self._on_release(name, receipts)
+
+    def _bury_dead(self) -> None:
+        # lock held: the views that died while it was taken
+        while self._dead:
+            for name, receipts in self._bury(self._dead.popleft()):
+                if self._on_release is None:
+                    self._pending.append((name, receipts))
+                else:
+                    self._on_release(name, receipts)  # (the host's: it only queues them)
+
+    def _bury(self, rec: _View) -> list:
+        """Forget a dead view (lock held): `[(name, receipts)]` to report, or []."""
+        if self._at.get(rec.start) is rec:
+            del self._at[rec.start]
+            i = bisect.bisect_left(self._starts, rec.start)
+            if i < len(self._starts) and self._starts[i] == rec.start:
+                del self._starts[i]
+        if self._by_name.get(rec.name) is rec:
+            del self._by_name[rec.name]
+        receipts, rec.receipts = rec.receipts, 0
+        if rec.owned:
             seg = self._owned.get(rec.name)
             if seg is not None:
                 seg.local_live -= 1
                 self._maybe_reusable(seg)
-            receipts, rec.receipts = rec.receipts, 0
-            if receipts and self._on_release is None:
-                self._pending.append((rec.name, receipts))
-        if receipts and self._on_release is not None:
-            self._on_release(rec.name, receipts)
+        else:
+            _unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
+        return [(rec.name, receipts)] if receipts else []
 
     def releases(self) -> list[tuple[str, int]]:
-        """Receipts whose storages died since the last call: `[(name, n)]`, to report to the host."""
+        """Receipts whose views died since the last call: `[(name, n)]`, to report to the host."""
         with self._lock:
+            self._bury_dead()
             out, self._pending = self._pending, []
         return out
+
+    def segment_of(self, address: int) -> str | None:
+        """The segment a live view of this process holds `address` in (for tests and benchmarks)."""
+        found = self.locate(address, 1)
+        return found[0] if found is not None else None
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
@@ -296,5 +413,8 @@ class SegmentStore:
             self.closed = True
             for name in list(self._owned):
                 unlink_quietly(name)
+            for seg in self._pool:
+                del self._owned[seg.name]
+                _unmap(seg.address, seg.nbytes)  # idle: nothing sees it
             self._pool.clear()
             self._pooled_bytes = 0

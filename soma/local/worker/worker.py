@@ -99,6 +99,7 @@ class Worker:
         self.status = StatusPage(args.status, create=True)
         self.store = None
         self.store_lock = threading.Lock()
+        self.allocator = Arena(self.get_store)  # ctx.empty / ctx.empty_array
         self.torch_ready = False
         self.torch_lock = threading.Lock()
         self.local = threading.local()
@@ -422,7 +423,7 @@ class Worker:
 
     # -- pieces and nodes (the library's) ------------------------------------------------------------
     def make_interpreter(self, nodes: dict, devices: dict) -> Interpreter:
-        return Interpreter(nodes, devices, worker=self.id, allocate=self.allocate, remote=True, on_thread=self.on_thread)
+        return Interpreter(nodes, devices, worker=self.id, allocate=self.allocator, remote=True, on_thread=self.on_thread)
 
     def forget(self, keys: list) -> None:
         """The host's copies of these nodes are gone: drop them, their pieces, and those pieces' idle lanes."""
@@ -484,15 +485,39 @@ class Worker:
         for name, n in frees:
             store.free(name, n)
 
-    def allocate(self, size: tuple, dtype):
-        """`ctx.empty` in a worker: a tensor in a shared segment already mapped here."""
+class Arena:
+    """`ctx.empty` and `ctx.empty_array` in a worker: a tensor or an ndarray born in a segment this worker owns
+    and has mapped already (reused ones are faulted in), so returning it copies nothing.
+
+    Small ones come from the heap: they travel inline anyway.
+    """
+
+    def __init__(self, get_store):
+        self.get_store = get_store
+
+    def tensor(self, size: tuple, dtype):
         import torch
+
+        from ...wire.tensors import _over
 
         numel = 1
         for s in size:
             numel *= s
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if nbytes < codec.INLINE_LIMIT:
-            return torch.empty(size, dtype=dtype)  # travels inline anyway
-        storage = self.get_store().allocate(nbytes)
-        return torch.empty(0, dtype=dtype).set_(storage, 0, size)
+            return torch.empty(size, dtype=dtype)
+        view, _ = self.get_store().allocate(nbytes)
+        return _over(torch, view, dtype, 0, size, None)
+
+    def array(self, shape, dtype, order: str):
+        import numpy
+
+        dtype = numpy.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        if nbytes < codec.INLINE_LIMIT or dtype.hasobject:
+            return numpy.empty(shape, dtype, order)
+        view, _ = self.get_store().allocate(nbytes)
+        return numpy.ndarray(shape, dtype, buffer=view, order=order)

@@ -1,0 +1,206 @@
+"""Tensors on the wire: a handle per tensor (dtype, shape, stride, offset, and where the bytes are).
+
+    inline   the bytes themselves, for what covers under the inline limit
+    shm      a shared-memory segment (`soma.wire.shm`): name and size, never the bytes
+    meta     nothing but the shape
+    torch    torch's own reductions, for what soma's handles do not describe: CUDA tensors (CUDA IPC
+             handles: the producer keeps the block alive until consumers release it), sparse ones
+             (COO, CSR, CSC, BSR, BSC: torch.multiprocessing's reduction of their parts) and quantized ones
+             (torch's ordinary pickling, which keeps the quantizer: torch.multiprocessing's loses it). Every
+             CPU part they contain (indices, values, a quantized tensor's storage, per-channel scales)
+             travels as a soma handle beside the pickle, through shared memory like any other tensor.
+
+The form a tensor keeps: a dense tensor (contiguous, transposed, `channels_last`,
+any permutation of its dims) and an expanded one (stride 0) cross as the span
+of storage they cover, strides kept: `zeros(1).expand(10**7)` crosses as 4
+bytes and arrives expanded. A view with gaps (`t[::3]`) is compacted
+(contiguous), since copying the gaps would cost more than the values; the whole
+base storage is what torch.multiprocessing sends. A tensor already in a segment
+travels by name, strides kept, whatever its size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import pickle
+import sys
+
+from .buffers import INLINE_LIMIT
+
+# tensor handle kinds
+T_INLINE, T_SHM, T_META, T_TORCH = 0, 1, 2, 3
+
+
+class GradCrossing(Exception):
+    """A tensor with an autograd graph was about to cross a process boundary."""
+
+    def reason(self, whose: str) -> str:
+        """The sentence for a NodeError: `whose` is "its input is" or "it returned"."""
+        fix = "return t.detach()" if whose == "it returned" else "send t.detach()"
+        return (f"{whose} a tensor that requires grad and carries an autograd graph, which cannot cross into "
+                f"another process (its graph would be cut silently). Training runs in-process: use soma.Executor "
+                f"or soma.Trainer, or {fix} when only the values are meant to travel")
+
+
+def loaded_torch():
+    """torch when it is imported far enough to have made tensors, else None (never imports it).
+
+    A worker may be importing torch in the background: until `torch.Tensor` exists
+    no value can be a tensor, and a half-imported module must not be touched.
+    """
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "multiprocessing") else None
+
+
+def encode_tensor(enc, t, torch) -> list:
+    if t.requires_grad and not t.is_leaf:
+        raise GradCrossing()
+    dtype = str(t.dtype).rpartition(".")[2]
+    if t.device.type == "meta":
+        return [T_META, dtype, list(t.shape), list(t.stride()), t.storage_offset(), t.requires_grad]
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        return _by_torch(enc, t, torch)
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # the lazy bits would be lost on the way
+    shape, stride = list(t.shape), list(t.stride())
+    itemsize = t.element_size()
+    numel = t.numel()
+    extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if numel else 0  # elements its span covers
+    nbytes = extent * itemsize
+    start = t.untyped_storage().data_ptr() + t.storage_offset() * itemsize
+    # Already in a segment (this process's view, or copied for this message): by name, whatever its size;
+    # the receiver aliases it, as it aliases any shared tensor.
+    where = enc.found(start, nbytes, t) if nbytes else None
+    if where is not None and where[2] % itemsize:
+        enc.unfound(where)  # (a tensor over an odd offset of a segment: torch.from_numpy can make one)
+        where = None
+    if where is None and extent <= numel:  # dense or expanded: its span, strides kept
+        if nbytes < INLINE_LIMIT:
+            data = ctypes.string_at(start, nbytes) if nbytes else b""
+            return [T_INLINE, dtype, shape, stride, 0, t.requires_grad, data]
+        where = enc.copy_in(start, nbytes)
+    if where is None:  # gaps: a compact (contiguous) copy
+        if numel * itemsize < INLINE_LIMIT:
+            flat = t.contiguous()
+            data = ctypes.string_at(flat.data_ptr(), numel * itemsize)
+            return [T_INLINE, dtype, shape, list(flat.stride()), 0, t.requires_grad, data]
+        view, name, seg_bytes = enc.fresh(numel * itemsize)
+        copy = _over(torch, view, t.dtype, 0, shape, None)
+        copy.copy_(t)
+        return [T_SHM, dtype, shape, list(copy.stride()), 0, t.requires_grad, name, seg_bytes]
+    name, seg_bytes, offset = where
+    return [T_SHM, dtype, shape, stride, offset // itemsize, t.requires_grad, name, seg_bytes]
+
+
+def _over(torch, buffer, dtype, offset: int, shape, stride):
+    """A tensor over a buffer (a segment's view, a bytearray): the buffer lives as long as its storage."""
+    storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    t = torch.empty(0, dtype=dtype)
+    return t.set_(storage, offset, shape, stride) if stride is not None else t.set_(storage, offset, shape)
+
+
+def decode_tensor(dec, handle: list):
+    import torch
+
+    kind = handle[0]
+    if kind == T_TORCH:
+        return _from_torch(dec, handle, torch)
+    dtype = getattr(torch, handle[1])
+    if kind == T_META:
+        _, _, shape, stride, offset, grad = handle
+        t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    elif kind == T_INLINE:
+        _, _, shape, stride, offset, grad, data = handle
+        if not data:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            t = _over(torch, bytearray(data), dtype, offset, shape, stride)
+    elif kind == T_SHM:
+        _, _, shape, stride, offset, grad, name, seg_bytes = handle
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+        if offset < 0 or any(st < 0 for st in stride) or (offset + extent) * itemsize > seg_bytes:
+            raise ValueError(f"tensor handle for {name} reaches outside its segment")
+        t = _over(torch, dec.open(name, seg_bytes), dtype, offset, shape, stride)
+    else:
+        raise ValueError(f"unknown tensor handle kind {kind}")
+    return t.requires_grad_() if grad else t
+
+
+# -- what soma's handles do not describe: torch's own reductions ---------------------------------------
+
+_TORCH_PICKLER = None
+
+
+def _torch_pickler(torch):
+    """A pickler of CUDA, sparse and quantized tensors with torch's reductions; their CPU parts as soma handles.
+
+    torch.multiprocessing no longer re-exports `ForkingPickler` from its `reductions`
+    (torch 2.13); its reducers are what we need, and they live on there.
+    """
+    global _TORCH_PICKLER
+    if _TORCH_PICKLER is None:
+        import copyreg
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        def reduce(t):
+            if t.is_quantized and t.device.type == "cpu":
+                return t.__reduce_ex__(5)  # torch's own pickling: `_rebuild_qtensor` keeps scale, zero point, axis
+            return reduce_tensor(t)  # CUDA IPC for CUDA tensors (and CUDA parts); the parts of a sparse one
+
+        class TorchPickler(pickle.Pickler):
+            dispatch_table = copyreg.dispatch_table.copy()
+            dispatch_table[torch.Tensor] = reduce
+            dispatch_table[torch.nn.Parameter] = reduce
+
+            def __init__(self, file, enc, parts: list):
+                super().__init__(file, protocol=5)
+                self._enc, self._parts = enc, parts
+
+            def persistent_id(self, obj):
+                # CPU parts: a plain strided tensor, or a storage (a quantized tensor's), as soma handles.
+                if isinstance(obj, torch.Tensor):
+                    if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
+                        return None  # the tensor being reduced, or a part torch must reduce itself
+                    self._parts.append(encode_tensor(self._enc, obj, torch))
+                    return len(self._parts) - 1
+                if isinstance(obj, torch.TypedStorage) and obj.device.type == "cpu":
+                    self._parts.append(["storage", str(obj.dtype).rpartition(".")[2],
+                                        encode_tensor(self._enc, _bytes_of(torch, obj._untyped_storage), torch)])
+                    return len(self._parts) - 1
+                if isinstance(obj, torch.UntypedStorage) and obj.device.type == "cpu":
+                    self._parts.append(["untyped", encode_tensor(self._enc, _bytes_of(torch, obj), torch)])
+                    return len(self._parts) - 1
+                return None
+
+        _TORCH_PICKLER = TorchPickler
+    return _TORCH_PICKLER
+
+
+def _bytes_of(torch, storage):
+    """A uint8 tensor over a whole storage (how a storage travels: as the tensor of its bytes)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+
+
+def _by_torch(enc, t, torch) -> list:
+    buf, parts = io.BytesIO(), []
+    _torch_pickler(torch)(buf, enc, parts).dump(t)
+    return [T_TORCH, buf.getvalue(), parts]
+
+
+def _from_torch(dec, handle: list, torch):
+    _, payload, parts = handle
+    loaded = []
+    for part in parts:
+        if part[0] == "storage":
+            loaded.append(torch.TypedStorage(wrap_storage=decode_tensor(dec, part[2]).untyped_storage(),
+                                             dtype=getattr(torch, part[1]), _internal=True))
+        elif part[0] == "untyped":
+            loaded.append(decode_tensor(dec, part[1]).untyped_storage())
+        else:
+            loaded.append(decode_tensor(dec, part))
+    unpickler = pickle.Unpickler(io.BytesIO(payload))
+    unpickler.persistent_load = loaded.__getitem__
+    return unpickler.load()
