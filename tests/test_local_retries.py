@@ -177,6 +177,15 @@ def test_a_worker_over_max_memory_after_an_input_is_replaced_before_the_next(tmp
     assert all(before < 100 << 20 for _, before in out), out  # never ran an input while over the cap
 
 
+def test_a_worker_over_max_memory_after_every_input_loses_no_output():
+    # Every input puts its worker over the cap: each worker runs one, and its output must still arrive. (The
+    # worker used to exit on its own, and its last Result, still in ZeroMQ's queue, died with it: the map hung.)
+    with soma.Local(workers=1, max_memory="100MiB") as capped:
+        out = list(capped.map(Graph.somatize(Grow(120)), range(6)))
+        assert capped.run(Graph.somatize(Grow(1)), None)[1] < 100 << 20  # a fresh worker once the map is done
+    assert len(out) == 6 and len({pid for pid, _ in out}) == 6, out
+
+
 def test_max_memory_is_parsed_and_nonsense_is_refused():
     assert soma.Local(workers=1, max_memory="512MiB").max_memory == 512 << 20
     assert soma.Local(workers=1, max_memory="4GiB").max_memory == 4 << 30

@@ -13,10 +13,12 @@ opens a frame into a record. The values inside (a node's input and output) are
                         forget  [node key]                         the host let these nodes go
                     Free(frees)      Cancel(job ids: drop them if not started)      Stop()
     worker → host   Hello(worker, pid, device)
-                    Result(worker, pid, outcomes, releases)
+                    Result(worker, pid, outcomes, releases, leaving)
                         outcomes [Outcome(job, ok, body, spans, seconds)]
                                  body: the encoded output when ok, else an error body (below)
                         releases [[segment, n]]                    receipts whose storages died
+                        leaving  over max_memory: it takes nothing more, and the host replaces it
+                                 once every job it was sent has come back (answered, or Cancelled)
 
 A frame is `mac + body`, body = msgpack([kind, *fields]), mac = keyed BLAKE2b of
 the body with the pool's secret. A frame that does not authenticate or decode is
@@ -48,7 +50,6 @@ except ImportError:  # pragma: no cover
     from hmac import compare_digest
 
 SECRET_ENV = "SOMA_SECRET"
-OVER_MEMORY_EXIT = 75  # a worker's exit code when it leaves because it went over max_memory after a job
 MAC_SIZE = 16
 
 HELLO, TASK, RESULT, FREE, CANCEL, STOP = range(1, 7)
@@ -94,6 +95,7 @@ class Result(NamedTuple):
     pid: int
     outcomes: list
     releases: list
+    leaving: bool = False
 
 
 class Free(NamedTuple):
@@ -136,8 +138,8 @@ def parse(secret: bytes, frame: bytes, origin: str):
             code, pieces, jobs, frees, forget = fields[1:]
             return Task(code, pieces, [JobSpec(*u) for u in jobs], frees, forget)
         if kind == RESULT:
-            worker, pid, outcomes, releases = fields[1:]
-            return Result(worker, pid, [Outcome(*o) for o in outcomes], releases)
+            worker, pid, outcomes, releases, leaving = fields[1:]
+            return Result(worker, pid, [Outcome(*o) for o in outcomes], releases, leaving)
         if kind == HELLO:
             return Hello(*fields[1:])
         if kind == FREE:

@@ -268,7 +268,17 @@ class WorkerPool:
         worker = self.workers[slot]
         if worker is None or worker.retired or not worker.alive(recheck_s=PUMP_S / 10):
             return "dead"
-        return "ready" if worker.ready.is_set() else "starting"
+        # A leaving worker counts as starting: jobs for its slot are parked for the replacement, not sent to
+        # a process that would only answer them Cancelled again until it is idle enough to exit.
+        return "ready" if worker.ready.is_set() and not worker.leaving else "starting"
+
+    def leaving(self, slot: int) -> None:
+        """The worker of `slot` said it went over max_memory: it takes nothing more (`retire` it once idle)."""
+        worker = self.workers[slot]
+        if worker is not None and not worker.leaving:
+            with self._state_lock:
+                worker.leaving = True
+                self._changed_slots()
 
     def broken(self, slot: int) -> bool:
         """The slot's worker died before saying hello too many times: nothing will run there."""
@@ -433,7 +443,11 @@ class WorkerPool:
         # Releases after the values: a handle echoed back must be counted before the input's receipt drops.
         for name, n in result.releases:
             self._book.released(worker.pid, name, n)
-        return [] if isinstance(worker, _Gone) else [Outcomes(worker.slot, worker, decoded)]
+        if isinstance(worker, _Gone):
+            return []
+        if result.leaving:
+            self.leaving(worker.slot)
+        return [Outcomes(worker.slot, worker, decoded)]
 
     # -- shared memory -------------------------------------------------------------------------------------
     def get_store(self, create: bool = True):

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from ...wire.protocol import OVER_MEMORY_EXIT, SECRET_ENV
+from ...wire.protocol import SECRET_ENV
 from ...wire.status import StatusPage
 
 
@@ -27,6 +27,7 @@ class WorkerProcess:
         self.ready = threading.Event()  # set by its HELLO
         self._checked = 0.0
         self.retired = False  # its death has been handled
+        self.leaving = False  # it said it leaves (over max_memory): it takes nothing more, its replacement will
         self.loaded: set[int] = set()  # node keys whose code it has been sent
         self.pieces: set[int] = set()  # piece ids whose spec it has been sent
         self.forget: list[int] = []  # keys of nodes gone on the host, to tell it with its next task
@@ -54,8 +55,6 @@ class WorkerProcess:
             hint = (": what the kernel's out-of-memory killer sends; soma.Local(max_memory=...) replaces a worker "
                     "before it grows that far") if -code == signal.SIGKILL else ""
             return f"was killed by signal {-code} ({name}{hint})"
-        if code == OVER_MEMORY_EXIT:
-            return "left after an input because its memory went over max_memory, and was replaced"
         return f"exited with code {code}"
 
     def running(self) -> list[tuple[int, str]] | None:

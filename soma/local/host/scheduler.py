@@ -37,6 +37,7 @@ from .choice import WorkerChoice
 from .flows import Flow, Job, Walker
 from .pool import Lost, Outcomes, Ready, Undecodable
 
+LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 
 class Scheduler:
     def __init__(self, pool, worker_devices: list[str], tracer=None):
@@ -258,6 +259,18 @@ class Scheduler:
                 self._end_job(job, ok, value)
             except Exception as err:  # never leave an input waiting forever on soma's own mistake
                 self._finish(job.flow, False, _internal(err, f"handling the outcome of node `{job.piece.entry}`"))
+        if worker.leaving:
+            self._replace_once_idle(slot)
+
+    def _replace_once_idle(self, slot: int) -> None:
+        """A worker over max_memory is replaced once every job sent to it has come back (its jobs parked for
+        it meanwhile go to its replacement): nothing it sent is lost on the way, and nothing it held runs twice."""
+        parked = set(map(id, self.parked[slot]))
+        if any(job.slot == slot and id(job) not in parked for job in self.outstanding.values()):
+            return
+        lost = self.pool.retire(slot, LEFT_OVER_MEMORY)
+        if lost is not None:
+            self._lost(lost)
 
     def _checked(self, job: Job, value, worker):
         """The host's look at what arrived: it decoded, and the postcondition holds after the crossing."""

@@ -92,7 +92,7 @@ class Worker:
         self.serving = 1
         self.stopping = threading.Event()
         self.max_memory = args.max_memory  # bytes, or 0: no cap
-        self.over_memory = False  # above max_memory after a job: it takes no more and leaves
+        self.over_memory = False  # above max_memory after a job: it runs nothing more, and the host replaces it
         self.cancelled: set = set()  # job ids the host no longer wants (dropped unless started)
         # What this worker knows: node code, nodes, pieces.
         self.library = Library(self.id, self.make_interpreter)
@@ -315,8 +315,6 @@ class Worker:
                     outcomes = []
         if outcomes:
             self.flush(outcomes)
-        if self.over_memory:
-            self.leave_if_idle()
 
     def run_turn(self, jobs: list, dropped: set) -> list:
         """Outcomes of a lane's turn: one job, or the jobs queued for a piece with a batching node, run at once
@@ -333,20 +331,13 @@ class Worker:
             return [outcome_of(jobs[0])]
         return [value for _, value in on_threads([lambda job=job: outcome_of(job) for job in jobs], kept_threads())]
 
-    def leave_if_idle(self) -> None:
-        """Over max_memory: once no other lane runs, exit, so the host starts a fresh worker in our place.
-
-        Our segments are not unlinked here: the host receives what we sent before it handles our end,
-        and it unlinks what nobody holds (as for any worker that dies)."""
-        with self.lock:
-            if self.running > 1:  # (this thread's own lane counts until its caller lets go of it)
-                return
-        os._exit(protocol.OVER_MEMORY_EXIT)
-
     def flush(self, outcomes: list) -> None:
         # Inputs and outputs of these jobs are dropped by now: what died is reported with them.
         releases = self.store.releases() if self.store is not None else []
-        self.send(Result(self.id, os.getpid(), outcomes, releases))
+        # Over max_memory, every Result says so (`leaving`): the host sends us nothing more and replaces us
+        # once all it sent has come back. We never exit on our own: a message still in ZeroMQ's queue when a
+        # process exits is lost, and with it an output (measured: one in three maps of a growing node hung).
+        self.send(Result(self.id, os.getpid(), outcomes, releases, self.over_memory))
 
     def run_job(self, job) -> Outcome:
         """Decode the input, run the piece, encode the output: one Outcome, whatever happens.
