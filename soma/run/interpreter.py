@@ -9,7 +9,7 @@ worker and every Ray actor share, so they cannot disagree about what a node's ou
 
 A node object runs one input at a time, whoever calls it: `invoke` holds the
 node's own lock around `setup` and `forward`, so a node needs no locks of its own
-(SPEC 2, "Copies").
+(docs/api.md, "Copies").
 """
 
 from __future__ import annotations
