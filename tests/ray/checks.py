@@ -1,10 +1,10 @@
 """Every Ray check in one process: one local Ray session, then one two-machine cluster, all on loopback.
 
-    python tests/ray_checks.py OUT.json          (tests/test_ray.py runs it under `unshare -n`)
+    python tests/ray/checks.py OUT.json          (tests/ray/test_runner.py runs it under `unshare -n`)
 
 Starting Ray takes seconds, so the checks share one session (and then one
 cluster) instead of one each. Each check returns what it *observed* as plain
-data; the assertions live in tests/test_ray.py, one test per check, so each can
+data; the assertions live in tests/ray/test_runner.py, one test per check, so each can
 fail on its own. A check that raises is recorded with its traceback. Nothing
 here sleeps to let something happen: waits are on conditions with deadlines.
 
@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402

@@ -16,7 +16,7 @@ import soma  # noqa: E402
 from soma import Graph, GraphError, Trainer, fn  # noqa: E402
 from soma.torch import Module  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1),

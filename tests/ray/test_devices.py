@@ -16,7 +16,7 @@ from soma.ray.devices import (
     machine_gpus, requested_resources,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- the CUDA order ----------------------------------------------------------------------------------

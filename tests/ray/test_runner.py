@@ -3,7 +3,7 @@
 Ray binds the machine's own network address unless it runs where only loopback
 exists, so the checks run in a fresh network namespace (`unshare -n`, then
 `ip link set lo up`): nothing they start can be reached from, or reach, the
-network. They run in one subprocess (tests/ray_checks.py: starting Ray takes
+network. They run in one subprocess (tests/ray/checks.py: starting Ray takes
 seconds, so they share one session), which writes what each check observed as
 JSON; each test below asserts on one check's observations.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ROOT / "tests" / "ray_checks.py"
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ROOT / "tests" / "ray" / "checks.py"
 RUN_S = 420  # the whole subprocess: ~50 s on a quiet machine, up to ~5.5 min with its 2 cores shared
 
 pytestmark = pytest.mark.timeout(RUN_S + 60)
@@ -274,7 +274,7 @@ def _has_cuda() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU: this machine has none, so the cuda:0 node on Ray "
-                                            "cannot run here (the CUDA order is unit-tested in test_ray_devices.py)")
+                                            "cannot run here (the CUDA order is unit-tested in tests/ray/test_devices.py)")
 def test_ray_a_cuda0_node_gets_the_gpu_ray_reserved_skipped_without_a_gpu(observed):
     seen = check(observed, "cuda0")
     assert seen["device"] == "cuda:0" and seen["tensor_device"] == "cuda:0" and seen["sum"] == 4.0
