@@ -59,7 +59,33 @@ BIG_MESSAGE = 1 << 20
 
 
 class Unsendable(Exception):
-    """A value cannot be encoded for another process (the message says why)."""
+    """A value cannot be encoded for another process (the message says why). `too_deep`: it is plain data
+    that nests too deep, not something that cannot be pickled (the hint differs)."""
+
+    too_deep = False
+
+
+def nesting_depth(value, stop: int = 100_000) -> int:
+    """How deep lists, tuples and dicts nest in `value` (walked without recursion; counting stops at `stop`)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo and deepest < stop:
+        item, depth = todo.pop()
+        if type(item) in _CONTAINERS:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in (item.values() if type(item) is dict else item))
+    return deepest
+
+
+def _too_deep(obj, err) -> Unsendable | None:
+    """The error for a value that failed only because it nests deeper than pickle can follow, else None."""
+    if not isinstance(err, RecursionError) and "recursion" not in str(err):
+        return None
+    depth = nesting_depth(obj)
+    unsendable = Unsendable(
+        f"{type(obj).__name__} nests {depth} levels deep, deeper than pickle can follow (Python's recursion limit "
+        f"is {sys.getrecursionlimit()}): flatten it (rows in one list, not lists inside lists)")
+    unsendable.too_deep = True
+    return unsendable
 
 
 # -- which way a value goes -----------------------------------------------------------------------
@@ -192,6 +218,9 @@ class Encoder:
         except _PASSED_ON:
             raise
         except Exception as err:
+            too_deep = _too_deep(obj, err)
+            if too_deep is not None:
+                raise too_deep from None
             raise Unsendable(f"{type(obj).__name__} cannot be sent to another process: {type(err).__name__}: {err}") from err
 
     # -- where bytes go (for soma.wire.tensors and soma.wire.buffers) ----------------------------------

@@ -87,3 +87,28 @@ def test_a_failing_setup_says_its_message_once_per_exception_shown(runner):
     # source that raised it may show it too); the worker's traceback adds its frames, not a third message
     assert len(said) == 2, shown
     assert str(info.value) == "node `bad_setup` failed: setup raised ValueError: no model file at /models/x.pt"
+
+
+class Deep(Node):
+    """Returns a list nested 10,000 deep (plain data, only too deep for pickle)."""
+
+    def forward(self, x, ctx):
+        value: list = []
+        for _ in range(10_000):
+            value = [value]
+        return Done(value)
+
+
+def test_plain_data_nested_too_deep_says_so_not_return_plain_data(local):
+    deep: list = []
+    for _ in range(10_000):
+        deep = [deep]
+    said = ("list nests 10001 levels deep, deeper than pickle can follow (Python's recursion limit is "
+            f"{__import__('sys').getrecursionlimit()}): flatten it (rows in one list, not lists inside lists)")
+    with pytest.raises(NodeError) as out:
+        local.run(Deep(), None)
+    assert str(out.value) == f"node `deep` failed: its output cannot be sent back to the host: {said}"
+    with pytest.raises(NodeError) as into:
+        local.run(Echo(), deep)
+    assert str(into.value) == f"node `echo` failed: its input cannot be sent to a worker: {said}"
+    assert local.run(Echo(), [[1, [2]]]) == [[1, [2]]]  # the pool is fine, and shallow nesting travels

@@ -145,3 +145,13 @@ def test_numpy_values_come_back_exactly(stores):
             assert type(out["m"]) is type(value["m"]) and (out["m"].mask == value["m"].mask).all()
         else:
             assert type(out) is type(value) and out.dtype == value.dtype and np.array_equal(out, value)
+
+
+def test_nesting_too_deep_for_pickle_is_named_with_its_depth():
+    deep: list = []
+    for _ in range(5_000):
+        deep = [{"k": deep}]
+    with pytest.raises(codec.Unsendable, match=r"^list nests 10001 levels deep, deeper than pickle can follow") as err:
+        codec.Encoder(lambda create=True: None).pack(deep)
+    assert err.value.too_deep
+    assert codec.nesting_depth([1, (2, {"a": [3]})]) == 4 and codec.nesting_depth(7) == 0

@@ -402,6 +402,9 @@ class Worker:
             raise NodeError.failed(producer, err.reason("it returned")) from None
         except SharedMemoryFull as err:
             raise SharedMemoryFull.reserving(producer, err.nbytes, "its output") from None
+        except codec.Unsendable as err:
+            hint = "" if err.too_deep else " (return plain data, tensors, or picklable objects)"
+            raise NodeError.failed(producer, f"its output cannot be sent back to the host: {err}{hint}") from None
         except Exception as err:
             raise NodeError.failed(
                 producer, f"its output cannot be sent back to the host: {type(err).__name__}: {err} "
