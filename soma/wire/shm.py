@@ -60,6 +60,8 @@ from ..errors import SharedMemoryFull
 SHM_DIR = "/dev/shm"
 GRANULE = 64 * 1024  # segment sizes are rounded up to this, so near sizes reuse one segment
 
+IDLE_TRIM_S = 1.0  # a process with nothing to do for this long gives back its free segments beyond IDLE_KEEP
+IDLE_KEEP = 64 << 20  # (kept for reuse while busy: a hot loop's values reuse warm, mapped memory)
 
 def pool_prefix(host_pid: int, token: str) -> str:
     return f"soma-{host_pid}-{token}"
@@ -232,7 +234,12 @@ class SegmentStore:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Reserve the pages now: a sparse file on a full /dev/shm would SIGBUS on first touch instead.
-            os.posix_fallocate(fd, 0, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                if not self.trim(0):  # our free segments kept for reuse are the first thing given back
+                    raise
+                os.posix_fallocate(fd, 0, size)
         except OSError as err:
             os.close(fd)
             unlink_quietly(name)
@@ -405,6 +412,26 @@ class SegmentStore:
         """The segment a live view of this process holds `address` in (for tests and benchmarks)."""
         found = self.locate(address, 1)
         return found[0] if found is not None else None
+
+    def pooled_bytes(self) -> int:
+        """Bytes of free segments kept for reuse."""
+        return self._pooled_bytes
+
+    def trim(self, keep: int) -> int:
+        """Give back free segments kept for reuse (largest first) until at most `keep` bytes of them are left:
+        unlinked and unmapped (nothing sees them). Returns the bytes given back."""
+        given = 0
+        with self._lock:
+            self._bury_dead()
+            self._pool.sort(key=lambda seg: seg.nbytes)
+            while self._pool and self._pooled_bytes > keep:
+                seg = self._pool.pop()
+                self._pooled_bytes -= seg.nbytes
+                del self._owned[seg.name]
+                unlink_quietly(seg.name)
+                _unmap(seg.address, seg.nbytes)
+                given += seg.nbytes
+        return given
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

@@ -232,3 +232,36 @@ def test_ctrl_c_during_a_run_or_map_stops_it_with_a_short_traceback_and_leaves_n
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+class Filled(__import__("soma").Node):
+    """Returns a numpy array of `mib` MiB, every byte `x` (made in the worker: a segment it owns)."""
+
+    def __init__(self, mib):
+        self.mib = mib
+
+    def forward(self, x, ctx):
+        import numpy
+
+        return __import__("soma").Done(numpy.full(self.mib << 20, x, dtype=numpy.uint8))
+
+
+def _pool_bytes(local) -> int:
+    """Bytes of /dev/shm this pool's segments take."""
+    prefix = local._pool.prefix
+    return sum(os.stat(os.path.join("/dev/shm", n)).st_size for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def test_an_idle_pool_gives_back_the_memory_of_results_its_caller_dropped(local):
+    from soma.wire.shm import IDLE_KEEP
+
+    g = Graph.somatize(Filled(200))
+    held = [local.run(g, 1), local.run(g, 2)]
+    assert [int(a[0]) for a in held] == [1, 2] and _pool_bytes(local) >= 400 << 20
+    del held  # the caller lets go: the worker may keep them for reuse while busy, not while idle
+    deadline = time.monotonic() + 30
+    while _pool_bytes(local) > 2 * IDLE_KEEP and time.monotonic() < deadline:
+        time.sleep(0.05)  # a condition, with a deadline
+    assert _pool_bytes(local) <= 2 * IDLE_KEEP, _pool_bytes(local)
+    again = local.run(g, 3)  # and the pool still makes big values
+    assert int(again[-1]) == 3 and again.nbytes == 200 << 20

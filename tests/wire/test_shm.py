@@ -196,3 +196,51 @@ def test_lease_book_settles_what_a_dead_worker_held_and_owned(tmp_path):
     assert theirs in book.held_names()  # the host still maps it: its file stays
     book.released(host, theirs, 1)
     assert theirs not in book.held_names() and book.take_frees(w1) == []
+
+
+def _free_segment(store, nbytes):
+    """A segment of `store` that is free and kept for reuse (allocated, its view dead, nothing sent)."""
+    view, name = store.allocate(nbytes)
+    del view
+    gc.collect()
+    return name
+
+
+def test_a_failed_reservation_first_gives_back_the_free_segments_kept_for_reuse(prefix, monkeypatch):
+    store = SegmentStore(prefix, cap=1 << 30)
+    kept = _free_segment(store, 4 * GRANULE)
+    assert store.pooled_bytes() == 4 * GRANULE and kept in files(prefix)
+    real, calls = os.posix_fallocate, []
+
+    def full_until_something_is_given_back(fd, offset, length):  # /dev/shm is full while our cache holds it
+        calls.append(length)
+        if kept in files(prefix):
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_until_something_is_given_back)
+    view, name = store.allocate(8 * GRANULE)  # too big for the kept one: a new segment, after a retry
+    assert len(calls) == 2 and kept not in files(prefix) and name in files(prefix)
+    assert store.pooled_bytes() == 0
+    del view
+
+
+def test_nothing_kept_for_reuse_means_a_full_dev_shm_is_shared_memory_full(prefix, monkeypatch):
+    from soma.errors import SharedMemoryFull
+
+    store = SegmentStore(prefix, cap=1 << 30)
+    monkeypatch.setattr(os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(SharedMemoryFull):
+        store.allocate(GRANULE)
+    assert files(prefix) == []
+
+
+def test_trim_gives_back_the_largest_free_segments_first_down_to_what_is_kept(prefix):
+    store = SegmentStore(prefix, cap=1 << 30)
+    live, live_name = store.allocate(GRANULE)  # in use: never trimmed
+    small, big = _free_segment(store, GRANULE), _free_segment(store, 8 * GRANULE)
+    assert store.trim(4 * GRANULE) == 8 * GRANULE
+    assert files(prefix) == sorted([small, live_name]) and store.pooled_bytes() == GRANULE
+    assert store.trim(0) == GRANULE and files(prefix) == [live_name]
+    live[0] = 1  # still mapped
+    del live

@@ -31,7 +31,7 @@ from ..._log import warn
 from ...errors import WorkerDied
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Hello, Result, Stop, Task
-from ...wire.shm import pool_prefix, unlink_all
+from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, pool_prefix, unlink_all
 from .leases import LeaseBook
 from .procs import WorkerProcess, spawn
 
@@ -101,6 +101,7 @@ class WorkerPool:
         self.endpoints = (f"ipc://{self.run_dir}/tasks", f"ipc://{self.run_dir}/results")
         self.workers: list = [None] * len(devices)
         self.closing = False
+        self._busy_at = time.monotonic()  # when a job was last queued or out (trim_if_idle)
         self._state_lock = threading.RLock()
         self._changed = threading.Condition(self._state_lock)  # a worker said hello or died
         self._start_failures = Counter()
@@ -458,6 +459,17 @@ class WorkerPool:
 
                     self._store = SegmentStore(self.prefix, self.arena, on_release=self._host_release)
         return self._store
+
+    def trim_if_idle(self, busy: bool) -> None:
+        """The host's side of what each worker does: after IDLE_TRIM_S with no job queued or out, the free
+        segments kept for reuse beyond IDLE_KEEP are given back (called by whoever listens)."""
+        now = time.monotonic()
+        if busy:
+            self._busy_at = now
+            return
+        store = self._store
+        if store is not None and store.pooled_bytes() > IDLE_KEEP and now - self._busy_at >= IDLE_TRIM_S:
+            store.trim(IDLE_KEEP)
 
     def _host_release(self, name: str, n: int) -> None:
         self._host_released.append((name, n))  # any thread, maybe inside GC: only queue it

@@ -152,6 +152,7 @@ class Receiving:
                 self._recv_lock.release()
         self.pool.apply_host_releases()
         self.pool.flush_frees()
+        self.pool.trim_if_idle(self.scheduler.busy())
 
     def _empty_wake_pipe(self) -> None:
         try:

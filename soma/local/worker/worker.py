@@ -17,7 +17,7 @@ from ...errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
 from ...run.interpreter import Interpreter, RunState, kept_threads, on_threads, span
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
-from ...wire.shm import unlink_all
+from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, unlink_all
 from ...wire.status import StatusPage
 from .imports import AfterImport
 from .library import Library
@@ -176,6 +176,7 @@ class Worker:
                 continue
             message = self.receive()
             if message is None:
+                self.trim_if_idle()
                 continue
             lane = self.handle(message)
             if lane is not None:
@@ -211,6 +212,15 @@ class Worker:
                     self.idle += 1
                     self.cv.wait()
                     self.idle -= 1
+
+    def trim_if_idle(self) -> None:
+        """Nothing ran for IDLE_TRIM_S: give back the free segments kept for reuse beyond IDLE_KEEP, so that
+        an idle pool does not keep /dev/shm full of values its caller has dropped."""
+        store = self.store
+        if store is None or store.pooled_bytes() <= IDLE_KEEP or self.running:
+            return
+        if time.monotonic() - self.active_until >= IDLE_TRIM_S:
+            store.trim(IDLE_KEEP)
 
     def receive(self):
         frame = self.receiver.wait(POLL_MS)
