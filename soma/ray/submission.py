@@ -215,7 +215,8 @@ def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> l
         shape = _flatten(value, args, checks, graph.devices, start)
         metas.append((len(args) - start, shape, tuple(checks), submission.trace_tag))
         simple = simple and shape == 0 and not checks and submission.trace_tag is None and not submission.timed
-    actor = graph.actors[node_id].pick(len(submissions), spread=graph.spreads())
+    # (a timed input goes to a copy that is up when one is: a starting one would spend its time budget)
+    actor = graph.actors[node_id].pick(len(submissions), spread=graph.spreads() and not submissions[0].timed)
     try:
         if len(submissions) == 1:
             if simple:
