@@ -24,6 +24,11 @@ Contenders alternate round by round (benchmarks/README.md).
     pool     hand-written: as many actors, round-robin, ray.wait for the next, under
              map's own rule (at most 4 inputs taken and not yet handed out)
   Target: soma's inputs/s / pool's >= 1.0.
+* retries: N inputs of ~1 ms work through a one-node graph, `map(g, xs, retries=5)` (the default window),
+  in order; in every round of "death" one copy's actor `os._exit`s at input N/2 (its first sight of it):
+  every output must come, in input order, none twice. The ratio: how much longer the map took with the
+  death than without it, round by round (off the clock after a death: the node's second copy is up again).
+    no death  the same map, nobody dies        death  the actor dies mid-map
 * gil_wave: a wave of 4 branches of 50 ms pure-Python work (`burn`), per run.
     executor soma.Executor() (threads: one GIL)     ray  soma.Ray (an actor per branch)
 * tensor: 256 MiB of float32 made in one actor and read (its last element) in another,
@@ -129,6 +134,18 @@ def hand_pool_map(actors, ray, xs, window: int, ordered: bool) -> list:
     return out
 
 
+def dies_once(n):
+    """~`n` of burn, then (input, this pid); a `marker` that is not there yet: made, and the process ends."""
+    def work(x):
+        i, marker = x
+        h.burn(n)
+        if marker is not None and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(3)
+        return i, os.getpid()
+    return work
+
+
 def burn_plus_one(n):
     def work(x):
         h.burn(n)
@@ -186,6 +203,47 @@ def map_throughput(suite, ray, cluster, Stage, soma):
             for name in ("soma", "pool"):
                 suite.add(name, params, [n / s for s in samples[name]], "inputs/s")
             suite.add_ratio("soma", params, samples["pool"], samples["soma"], vs="pool")  # pool's time / soma's
+
+
+def retries_death(suite, cluster, soma):
+    n = 24 if suite.mode == "smoke" else 300
+    g = soma.Graph.somatize(soma.fn(dies_once(h.calibrate_burn(1.0)), name="dies_once"))
+    folder = tempfile.mkdtemp(prefix="soma-bench-retries-")
+    deaths = iter(range(1 << 30))
+    expected = list(range(n))
+
+    def mapped(name, xs, what):
+        start = time.perf_counter()
+        out = list(cluster.map(g, xs, retries=5))
+        elapsed = time.perf_counter() - start
+        h.expect(name, [i for i, _ in out], expected, what)
+        return elapsed
+
+    def both_copies_up(deadline_s=120.0):
+        """Off the clock: map until two processes answer (a node's second copy starts once its first is busy)."""
+        pids, deadline = set(), time.monotonic() + deadline_s
+        while len(pids) < 2 and time.monotonic() < deadline:
+            pids |= {pid for _, pid in cluster.map(g, [(i, None) for i in range(40)])}
+
+    def without():
+        return mapped("no death", [(i, None) for i in range(n)], "every output, in order")
+
+    def with_death():
+        marker = os.path.join(folder, f"died-{next(deaths)}")
+        elapsed = mapped("death", [(i, marker if i == n // 2 else None) for i in range(n)],
+                         "every output, in order, none twice, though an actor died")
+        h.expect("death", os.path.exists(marker), True, "an actor died mid-map")
+        both_copies_up()
+        return elapsed
+
+    both_copies_up()
+    samples = h.alternate({"no death": without, "death": with_death}, repeat=suite.repeat(full=7, quick=3),
+                          warmup=1, self_timed=True)
+    params = {"question": "retries", "inputs": n, "work_ms": 1, "retries": 5}
+    for name in ("no death", "death"):
+        suite.add(name, params, h.ms(samples[name]), "ms")
+    suite.add_ratio("death", params, samples["death"], samples["no death"], vs="no death")
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def gil_wave(suite, cluster, soma):
@@ -282,6 +340,8 @@ def main(argv=None) -> list[dict]:
             print("  chain done", flush=True)
             map_throughput(suite, ray, cluster, Stage, soma)
             print("  map done", flush=True)
+            retries_death(suite, cluster, soma)
+            print("  retries done", flush=True)
             gil_wave(suite, cluster, soma)
             print("  gil_wave done", flush=True)
             tensor(suite, ray, cluster, soma)
@@ -303,6 +363,11 @@ def print_summary(suite: h.Suite) -> None:
                          h.cell(suite.find("soma", "x", question="map", work=kind, ordered=ordered)) + "×", "≥ 1.0×"])
     h.print_table(f"{NAME}: soma.Ray against the same work written by hand on Ray (median; ratio: median of "
                   f"per-round ratios)", ["question", "soma.Ray", "hand-written", "ratio", "target"], rows)
+    death = [["map of N ~1 ms inputs, retries=5", h.cell(suite.find("no death", "ms", question="retries")),
+              h.cell(suite.find("death", "ms", question="retries")),
+              h.cell(suite.find("death", "x", question="retries")) + "×"]]
+    h.print_table(f"{NAME}: an actor os._exit's mid-map (every output once, in order), ms per map",
+                  ["map", "no death", "death", "ratio"], death)
     wave = [["4 × W ms GIL-bound branches", h.cell(suite.find("executor", "ms")), h.cell(suite.find("ray", "ms")),
              h.cell(suite.find("ray", "x", question="gil_wave")) + "×"]]
     h.print_table(f"{NAME}: the GIL-bound wave, ms per run", ["wave", "Executor", "soma.Ray", "speed-up"], wave)

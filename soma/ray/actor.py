@@ -43,11 +43,13 @@ import time
 
 from ..errors import NodeError, PostconditionError, SomaError, traceback_text
 from ..plan import Step
-from ..run.interpreter import Interpreter, RunState
+from ..run.batching import is_batching
+from ..run.interpreter import Interpreter, RunState, on_threads
 from ..run.postcondition import check_postcondition
 from ..values import Opaque
 from ..wire import nodecode
 from .devices import cuda_index, cuda_visible_devices, machine_gpus
+from .records import StartRecord, remove
 
 
 class Failed:
@@ -261,12 +263,22 @@ class NodeCopy:
                 remote_traceback=traceback_text(err)))
         devices = {node_id: device} if device is not None else {}
         tensors_out_of_band()
+        self.batching = node is not None and is_batching(node)  # its inputs of one call meet at the node
         self.interpreter = Interpreter({node_id: node}, devices, worker=self.actor_id, remote=True)
         self.plan = Step(node_id)
+        self.context = ray.get_runtime_context()
+        # Last: a record exists only once the copy is made, so a copy that dies while it is being made has none,
+        # and the driver counts that death against the inputs it held (soma.ray.records).
+        self.record = StartRecord.made(self.actor_id)
+
+    def _starts(self, position: int = 0) -> None:
+        """Note in this copy's start record that input `position` of the running call starts now."""
+        self.record.note(self.context.get_task_id().encode(), position)
 
     def call(self, x):
         """Run the node on one input: the common call (a whole input, nothing to check, no timeout, not
         traced), with exactly the one arg a hand-written actor would take (every arg costs Ray a serialization)."""
+        self._starts()
         return self.run((x,), None, 0, (), None)
 
     def call_with(self, meta, *args):
@@ -275,6 +287,7 @@ class NodeCopy:
         `meta`: (the input's token or None, the input's shape, the checks, the trace tag or None).
         """
         token, shape, checks, trace_tag = meta
+        self._starts()
         if trace_tag is None:
             return self.run(args, token, shape, checks, None)
         start, spans = time.monotonic_ns(), []
@@ -287,24 +300,40 @@ class NodeCopy:
         """`call` for several inputs in one Ray call (a map's batch): one output per input, each its own
         return (the driver asks for `num_returns=len(xs)`), a failure in its own place, the others' values
         beside it. The calls a batch saves cost Ray ~400 µs of this actor's CPU and ~350 µs of the driver's."""
-        return tuple([self.run((x,), None, 0, (), None) for x in xs])
+        return self._each([lambda x=x: self.run((x,), None, 0, (), None) for x in xs])
 
     def call_many_with(self, metas, *args):
         """`call_with` for several inputs in one Ray call: `metas[i]` is (how many of `args` are input i's,
         its shape, its checks, its trace tag); inputs with a timeout are never batched (no token). The inputs
         of one call were submitted together, so the traced ones share one trace block."""
         start_ns = time.monotonic_ns()
-        outputs, traced, start = [], [], 0
+        calls, traced, start = [], [], 0
+        for count, shape, checks, trace_tag in metas:
+            spans = [] if trace_tag is not None else None
+            if spans is not None:
+                traced.append((trace_tag, spans))
+            calls.append(lambda a=args[start:start + count], s=shape, c=checks, p=spans: self.run(a, None, s, c, p))
+            start += count
         try:
-            for count, shape, checks, trace_tag in metas:
-                spans = [] if trace_tag is not None else None
-                if spans is not None:
-                    traced.append((trace_tag, spans))
-                outputs.append(self.run(args[start:start + count], None, shape, checks, spans))
-                start += count
+            return self._each(calls)
         finally:
             if traced:
                 self._keep(traced[0][0][1], start_ns, [(tag[0], spans) for tag, spans in traced])
+
+    def _each(self, calls: list) -> tuple:
+        """The inputs of one call, one after another; a batching node's all at once, on threads of their own,
+        so that they meet at the node and share one `forward_batch` (its start record then names the
+        last: every input of the call had started)."""
+        if self.batching and len(calls) > 1:
+            self._starts(len(calls) - 1)
+            with self.interpreter.arriving(len(calls)):
+                results = on_threads(calls)
+            return tuple(value if ok else Failed(NodeError.failed(self.node_id, f"{type(value).__name__}: {value}"))
+                         for ok, value in results)
+        outputs = []
+        for position, call in enumerate(calls):
+            self._starts(position)
+            outputs.append(call())
         return tuple(outputs)
 
     def _keep(self, block: int, start_ns: int, inputs: list) -> None:
@@ -338,16 +367,20 @@ class NodeCopy:
 
     # -- control: called in the "control" group, answered while `call` runs -------------------------
     def hello(self):
-        """(pid, Ray node id): who this copy is, once it is up."""
-        import ray
-
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        """(pid, Ray node id, Ray actor id): who this copy is, once it is up."""
+        return os.getpid(), self.context.get_node_id(), self.actor_id
 
     def clock(self) -> int:
         return time.monotonic_ns()
 
     def running_token(self):
         return self.running
+
+    def forget_record(self) -> bool:
+        """soma stops this copy: its start record is nobody's business any more."""
+        if self.record.path is not None:
+            remove(self.record.path)
+        return True
 
     def take_spans(self) -> list:
         """The records of the traced calls so far (the driver keeps those of its open block)."""

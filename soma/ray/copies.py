@@ -21,17 +21,21 @@ from __future__ import annotations
 import sys
 import threading
 
+from . import records
+
 
 class CopyActor:
     """One Ray actor holding one copy of a node; `load` counts the inputs routed to it and not yet finished."""
 
     __slots__ = ("handle", "actor_id", "hello", "pid", "ray_node", "load", "ready", "offset_ns", "owner", "stopped",
-                 "methods")
+                 "methods", "death", "dead")
 
     def __init__(self, handle, hello_ref, owner: "NodeActors"):
         self.handle = handle  # the Ray actor handle
-        self.actor_id: str = handle._actor_id.hex()
-        self.hello = hello_ref  # resolves to (pid, Ray node id) once the actor is up
+        # Its Ray actor id (hex), from its hello, or from Ray's error if it died before saying it: Ray 2.60's
+        # handle has no public accessor for it (only the private `_actor_id`).
+        self.actor_id: str | None = None
+        self.hello = hello_ref  # resolves to (pid, Ray node id, actor id) once the actor is up
         self.pid: int | None = None
         self.ray_node: str | None = None
         self.load = 0
@@ -40,6 +44,8 @@ class CopyActor:
         self.owner = owner
         self.stopped: str | None = None  # why soma stopped it on purpose (the other inputs it held hear this)
         self.methods: dict = {}  # (method, k) → that method with `num_returns=k`: a batch's call
+        self.death = None  # once dead: what its record said (soma.ray.records.at_death)
+        self.dead = False  # dropped: dead, or stopped by soma
 
     def batched(self, method: str, k: int):
         """`method` of this actor returning `k` values, one ref each (made once per size: Ray's `options`)."""
@@ -56,21 +62,36 @@ class CopyActor:
 class NodeActors:
     """The actors holding copies of one node object, under one id and one placement (at most `limit`)."""
 
-    def __init__(self, ray, actor_class, node_id: str, device: str | None, code_ref, options: dict, limit: int):
+    def __init__(self, ray, actor_class, node_id: str, device: str | None, code_ref, options: dict, limit: int,
+                 here: str | None = None):
         self.ray = ray
+        self.here = here  # the driver's Ray node (a record on it is read without Ray)
+        # Several calls at once in one copy: its start record cannot say which had started (soma.ray.records)
+        self.concurrent = (options.get("max_concurrency") or 1) > 1
+        self.gone: list[CopyActor] = []  # actors found dead while starting, not dropped (their records: `_stop`)
         self.actor_class = actor_class.options(**options)  # Ray checks the option names here, before any actor
         self.node_id = node_id
         self.device = device
         self.code_ref = code_ref
         self.limit = limit
+        self.max_batch = 0  # a batching node's max_batch (its calls may carry that many inputs); 0: not batching
         self.actors: list[CopyActor] = []
 
-    def pick(self, inputs: int = 1) -> CopyActor:
+    def pick(self, inputs: int = 1, spread: bool = False) -> CopyActor:
         """The actor that takes the next input, or batch of `inputs` (see the module's drawing); its load is
-        counted."""
+        counted.
+
+        `spread` (inputs not known to be cheap, soma.ray.inflight.HEAVY_S): while every actor has inputs
+        and the limit allows, a new actor takes this one, even if others are still starting; otherwise
+        the least loaded, started or not. Heavy inputs then run side by side from the first, instead of
+        queueing at the one actor that was starting when they came."""
         live = self.actors
         if not live:
             best = self.start_actor()
+        elif spread:
+            best = min(live, key=_load)
+            if best.load > 0 and len(live) < self.limit:
+                best = self.start_actor()
         else:
             ready = [a for a in live if a.ready or self.has_said_hello(a)]
             best = min(ready or live[:1], key=_load)
@@ -95,24 +116,32 @@ class NodeActors:
     def learn(self, actor: CopyActor) -> None:
         """Read an actor's hello once it has come (its pid and machine)."""
         try:
-            actor.pid, actor.ray_node = self.ray.get(actor.hello, timeout=0)
+            actor.pid, actor.ray_node, actor.actor_id = self.ray.get(actor.hello, timeout=0)
             actor.ready = True
-        except Exception:  # it died starting: a run that used it reports how; it takes nothing more
+        except self.ray.exceptions.GetTimeoutError:
+            pass  # not up yet
+        except Exception as err:  # it died starting: a run that used it reports how; it takes nothing more
+            if actor.actor_id is None:
+                actor.actor_id = getattr(err, "actor_id", None)
             if actor in self.actors and len(self.actors) > 1:
                 self.actors.remove(actor)
+                self.gone.append(actor)
 
-    def drop(self, actor: CopyActor) -> None:
-        """This actor is dead, or stopped by soma (a timeout): forget it and make sure its process ends."""
+    def remove(self, actor: CopyActor) -> None:
+        """Forget this actor: it is dead, or soma stops it (it takes no more inputs)."""
+        actor.dead = True
         if actor in self.actors:
             self.actors.remove(actor)
+
+    def kill(self, actor: CopyActor) -> None:
+        """Make sure its process ends."""
         try:
             self.ray.kill(actor.handle, no_restart=True)
         except Exception:
             pass  # already gone
 
-    def close(self) -> None:
-        for actor in list(self.actors):
-            self.drop(actor)
+
+FORGET_S = 2.0  # how long stopping actors waits for them to remove their start records
 
 
 class ActorBook:
@@ -140,21 +169,44 @@ class ActorBook:
                 actor.owner.learn(actor)
 
     def drop(self, actor: CopyActor) -> None:
-        """An actor that died, or that soma stopped: forget it (the next input that needs its node starts another)."""
+        """An actor that died, or that soma stops (a timeout): forget it (the next input that needs its node
+        starts another). Its start record is read first (what it had started, once; soma.ray.records)."""
         with self.lock:
-            actor.owner.drop(actor)
+            if not actor.ready:
+                actor.owner.learn(actor)  # (its pid, machine and id, if its hello came)
+            actor.owner.remove(actor)
+        owner = actor.owner
+        records.at_death(owner.ray, owner.here, actor, owner.concurrent)
+        owner.kill(actor)
 
     def forget(self, node_keys: set) -> None:
         """Stop the actors of these nodes (the caller let them go: they can never run again)."""
         with self.lock:
-            for key in [k for k in self._nodes if k[0] in node_keys]:
-                self._nodes.pop(key).close()
+            gone = [self._nodes.pop(key) for key in [k for k in self._nodes if k[0] in node_keys]]
+        self._stop(gone)
 
     def close(self) -> None:
         with self.lock:
             nodes, self._nodes = list(self._nodes.values()), {}
+        self._stop(nodes)
+
+    @staticmethod
+    def _stop(nodes: list) -> None:
+        """Stop these nodes' actors; their start records go first (soma.ray.records: each actor that is up
+        removes its own, answering within FORGET_S; those on the driver's machine are removed here too)."""
         for node_actors in nodes:
-            node_actors.close()
+            actors = list(node_actors.actors)
+            for actor in actors:
+                if not actor.ready:
+                    node_actors.learn(actor)
+            ray = node_actors.ray
+            asked = [control(actor.handle, "forget_record") for actor in actors if actor.ready]
+            if asked:
+                ray.wait(asked, num_returns=len(asked), timeout=FORGET_S)
+            records.forget(actors + node_actors.gone)
+            for actor in actors:
+                node_actors.remove(actor)
+                node_actors.kill(actor)
 
 
 def control(handle, method: str, *args):

@@ -1,18 +1,22 @@
 """The driver's side of one connected soma.Ray: the Ray session, the book of actors, what was compiled.
 
-    Ray.run / RayInflight (map)    Driver                               below it
+    Ray.run, RayInflight (map),    Driver                               below it
+    the settler (submit), arun
     ───────────────────────────    ──────                               ────────
     actor_graph(g)            ──▶  an ActorGraph for g's placement  ──▶ copies.NodeActors per node;
                                    (PlacementError here)                devices: options, hosting
-    submit(graph, items, timed)──▶ [Submission], every call sent    ──▶ submission.submit (the walk)
-    output(s, graph, timeout) ──▶  one input's output, or soma's error (Ray's → soma's: faults)
-    outcomes(batch, graph, t) ──▶  [(ok, value)] per input of a batch, one ray.get (None: not yet)
+    submit(graph, items, ...) ──▶  [Submission], every call sent    ──▶ submission.submit (the walk)
+    outcomes(batch, graph, t) ──▶  [(ok, value)] per input of a batch, one ray.get (None: not yet);
+                                   Ray's errors as soma's           ──▶ faults
+    settled(s, graph, values) ──▶  (ok, value) from values already fetched (Ray's futures, `await`)
+    next_try(graph, s, ok, v) ──▶  the input sent again (a Submission), or its outcome  ──▶ tries
     first_ready(refs, t)      ──▶  the first ref to be ready (ray.wait)
-    release / expire / abandon──▶  the input is over: loads given back; RunTimeout; cancelled
+    release / expire / abandon──▶  the try is over: loads given back; RunTimeout; cancelled
 
 Every call goes down and its answer comes back up: the runner, the map's in-flight
-set and tracing use these methods and attributes (`cpus`, `trace`, `book`), never
-a private; the book's lock guards the actors, their loads and what was compiled.
+set, the settler and tracing use these methods and attributes (`cpus`, `book`,
+`ray_node`, `closed`), never a private; the book's lock guards the actors, their
+loads and what was compiled.
 """
 
 from __future__ import annotations
@@ -21,13 +25,19 @@ import itertools
 import weakref
 
 from ..errors import RunTimeout, SomaError
+from ..run.aio import InputFuture
+from ..run.batching import is_batching, max_batch_of
 from ..run.registry import NodeRegistry
+from . import records
 from .copies import ActorBook, NodeActors
 from .devices import actor_options, demand_error, hosting_error, requested_resources
 from .faults import abandon, expire, translate
+from .settler import Settler
 from .submission import ActorGraph, Submission, outcome, release, submit
+from .tries import next_try
 
 CLOSED = "this soma.Ray is closed; make a new one"
+CLOSED_IN_FLIGHT = "this soma.Ray was closed while this run was in flight"
 
 
 class Driver:
@@ -39,12 +49,12 @@ class Driver:
         self.ray_node = ray.get_runtime_context().get_node_id()
         self.book = ActorBook()
         self.closed = False
-        self.trace = None  # the runner's open trace block (its runs and maps record into it), else None
         self._actor_class = actor_class
         self._options = options
         self._registry = NodeRegistry()
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (placement version, it)
         self._tokens = itertools.count(1)
+        self._settler: Settler | None = None  # submit's one thread, made with the first submitted input
 
     # -- compiling -----------------------------------------------------------------------------
     def actor_graph(self, g) -> ActorGraph:
@@ -90,37 +100,63 @@ class Driver:
                 code = self.ray.put(self._registry.code(node_id, key[0]))
                 try:
                     node_actors = NodeActors(self.ray, self._actor_class, node_id, device, code, options[node_id],
-                                             limit)
+                                             limit, here=self.ray_node)
                 except (TypeError, ValueError) as err:
                     raise SomaError(f"options for node `{node_id}` are not Ray actor options Ray accepts: "
                                     f"{err}") from None
+                if is_batching(node):
+                    node_actors.max_batch = max_batch_of(node)
                 self.book.add(key, node_actors)
             actors[node_id] = node_actors
         return ActorGraph(g.plan(), actors, devices)
 
     # -- submitting and fetching ---------------------------------------------------------------
-    def submit(self, graph: ActorGraph, items: list, timed: bool) -> list[Submission]:
+    def submit(self, graph: ActorGraph, items: list, timed: bool, trace=None, retries: int = 0) -> list[Submission]:
         """Submit the inputs `items` ((index, x) pairs) together: one call per node for all of them, traced
-        when a trace block is open (all of them in that block)."""
-        trace = self.trace
-        submissions = [Submission(index, next(self._tokens), timed, trace) for index, _ in items]
+        in the block `trace` when one is open (all of them in that block). `retries`: how many more tries
+        each gets when an actor dies while running it (soma.ray.tries)."""
+        submissions = [Submission(index, next(self._tokens), timed, trace, x, retries) for index, x in items]
+        self._submit(graph, [x for _, x in items], submissions)
+        return submissions
+
+    def resubmit(self, graph: ActorGraph, old: Submission, again: Submission) -> None:
+        """Submit `again`, the next try of `old`'s input (or the same one, sent elsewhere: it takes over
+        `again.keep`, the calls of `old` still good); what is left of `old` is cancelled."""
+        taken_over = {id(call) for call in again.keep.values()}
+        old.calls = [call for call in old.calls if id(call) not in taken_over]  # (their loads go with them)
+        self.abandon(old, "again")
+        self._submit(graph, [again.x], [again])
+
+    def _submit(self, graph: ActorGraph, xs: list, submissions: list) -> None:
         with self.book.lock:
             if self.closed:
                 raise SomaError(CLOSED)
             try:
-                submit(graph, [x for _, x in items], submissions, self.ray.put)
+                submit(graph, xs, submissions, self.ray.put)
             except BaseException:
                 for submission in submissions:
                     release(submission)
                 raise
-        return submissions
 
-    def output(self, submission: Submission, graph: ActorGraph, timeout):
-        """One input's output, or soma's error for it; `RunTimeout` once `timeout` has passed."""
-        try:
-            return self._fetch(submission, graph, timeout)
-        except self.ray.exceptions.GetTimeoutError:
-            raise self.expire(submission, timeout) from None
+    def next_try(self, graph: ActorGraph, submission: Submission, ok: bool, value):
+        """After a try's outcome: the input's next Submission, or the `(ok, value)` that is its outcome."""
+        return next_try(self, graph, submission, ok, value)
+
+    def settle(self, graph: ActorGraph, submission: Submission, values: list):
+        """`next_try` after the outcome of a try whose refs' values were fetched already (see `settled`)."""
+        return next_try(self, graph, submission, *self.settled(submission, graph, values))
+
+    def unstarted_on(self, submission: Submission, actor) -> bool:
+        """Whether the input's call at the dead `actor` had not finished and never started: then its try is
+        lost (marked so), and it can be sent again at once, before Ray reports the call failed."""
+        call = next((c for c in submission.calls if c.actor is actor), None)
+        if call is None or actor.death is None or records.started(actor.death, call):
+            return False
+        ready, _ = self.ray.wait([call.ref], timeout=0, fetch_local=False)
+        if ready:
+            return False  # it finished before the death (or Ray said it failed: its own wait will hear)
+        submission.lost = (call, False)
+        return True
 
     def outcomes(self, batch: list, graph: ActorGraph, timeout) -> list | None:
         """`(ok, value)` for each input of a batch (one `ray.get` for all of them); None when `timeout` passed
@@ -146,6 +182,16 @@ class Driver:
         ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
         return ready
 
+    def settled(self, submission: Submission, graph: ActorGraph, values: list) -> tuple:
+        """(ok, value) for one input from its refs' values as Ray's futures (or `await`) gave them: an
+        exception in the place of a ref that holds a Ray error."""
+        error = next((v for v in values if isinstance(v, BaseException)), None)
+        if error is None:
+            return self._settled(submission, graph, values)
+        if isinstance(error, self.ray.exceptions.RayError):
+            return False, self._translate(submission, error)
+        return False, error
+
     def _settled(self, submission: Submission, graph: ActorGraph, values) -> tuple:
         """(ok, value) for one input from its refs' values (None: fetch them, and meet Ray's error)."""
         try:
@@ -168,7 +214,7 @@ class Driver:
 
     def _translate(self, submission: Submission, err) -> SomaError:
         if self.closed:
-            return SomaError("this soma.Ray was closed while this run was in flight")
+            return SomaError(CLOSED_IN_FLIGHT)
         return translate(self.ray, submission, err, self.book)
 
     # -- the end of an input -------------------------------------------------------------------
@@ -181,13 +227,25 @@ class Driver:
         """Its time is up: stop what runs it, cancel what waits; the error that says which."""
         return expire(self.ray, submission, timeout, self.book)
 
-    def abandon(self, submission: Submission) -> None:
-        """Nobody waits for it any more: cancel what has not started."""
-        abandon(self.ray, submission, self.book)
+    def abandon(self, submission: Submission, how: str = "cancelled") -> None:
+        """Nobody waits for it any more (or its input goes on in another try): cancel what has not started."""
+        abandon(self.ray, submission, self.book, how)
+
+    def submitted(self, graph: ActorGraph, submission: Submission, timeout, source=None) -> InputFuture:
+        """The future of a submitted input, set by the settler thread (soma.ray.settler); `source`: what must
+        live while it is in flight (the Graph that holds its nodes)."""
+        with self.book.lock:
+            if self._settler is None:
+                self._settler = Settler(self)
+            settler = self._settler
+        return settler.add(graph, submission, timeout, source)
 
     def close(self) -> None:
         """Stop every actor soma made (the session itself is the runner's to end)."""
         with self.book.lock:
             self.closed = True
             self._graphs = weakref.WeakKeyDictionary()
+            settler = self._settler
+        if settler is not None:
+            settler.close(SomaError(CLOSED_IN_FLIGHT))
         self.book.close()

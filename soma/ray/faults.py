@@ -17,6 +17,7 @@ import contextlib
 import re
 
 from ..errors import NodeError, RunTimeout, SomaError, WorkerDied
+from . import records
 from .copies import ActorBook, control
 from .submission import Submission, first_line, release
 
@@ -25,7 +26,11 @@ UNANSWERED = "soma: no answer"  # what `ask` reports for an actor that did not a
 
 
 def translate(ray, submission: Submission, err, book: ActorBook) -> SomaError:
-    """The soma error for a Ray error met while waiting for an input; the actor at fault leaves the book."""
+    """The soma error for a Ray error met while waiting for an input; the actor at fault leaves the book.
+
+    An input lost to a dead actor also learns whether that actor had started it (`submission.lost`:
+    its call there, and True or False; soma.ray.records): only then does the loss cost it a try.
+    """
     exceptions = ray.exceptions
     if isinstance(err, exceptions.RayActorError):
         call = next((c for c in submission.calls if c.actor.actor_id == err.actor_id), None) \
@@ -35,20 +40,24 @@ def translate(ray, submission: Submission, err, book: ActorBook) -> SomaError:
             book.learn(actor)  # its hello came long ago if it ever started: the pid is there
             if actor.pid is None:
                 actor.pid = _pid_in(str(err))
-            book.drop(actor)
+            if actor.actor_id is None:
+                actor.actor_id = err.actor_id  # (it died before its hello was read)
+            book.drop(actor)  # (what it had started is read from its record now)
+            submission.lost = (call, records.started(actor.death, call))
             how = f"was stopped: {actor.stopped}" if actor.stopped else f"died ({_death_reason(err)})"
             return WorkerDied(f"{actor.describe()}, which held a copy of node `{node_id}`, {how}; soma starts a new "
-                              f"copy for the next input: run again", worker=actor.actor_id, pid=actor.pid,
-                              node=node_id)
+                              f"copy for the next input: {_then(submission)}", worker=actor.actor_id, pid=actor.pid,
+                              node=node_id, tries=submission.tries)
     if isinstance(err, exceptions.ObjectLostError):
         hex_id = getattr(err, "object_ref_hex", None)
         call = next((c for c in submission.calls if c.ref.hex() == hex_id), None) or culprit(ray, submission)
         if call is not None:
             node_id, actor = call.node_id, call.actor
             book.drop(actor)
+            submission.lost = (call, True)  # the value existed: the input had started
             return WorkerDied(f"the output of node `{node_id}` was lost with the machine or process that held it "
-                              f"({actor.describe()}): {first_line(err)}; run again",
-                              worker=actor.actor_id, pid=actor.pid, node=node_id)
+                              f"({actor.describe()}): {first_line(err)}; {_then(submission)}",
+                              worker=actor.actor_id, pid=actor.pid, node=node_id, tries=submission.tries)
     call = culprit(ray, submission)
     node_id = (call or submission.calls[0]).node_id
     cause = getattr(err, "cause", None)
@@ -58,6 +67,13 @@ def translate(ray, submission: Submission, err, book: ActorBook) -> SomaError:
     if cause is not err:
         failed.__cause__ = cause
     return failed
+
+
+def _then(submission: Submission) -> str:
+    """What a WorkerDied says to do, in Local's words: retries=N, or how many tries were made."""
+    if not submission.retries:
+        return "run again, or pass retries=N"
+    return f"{submission.tries} tries, each lost to a dead worker (retries={submission.retries})"
 
 
 def culprit(ray, submission: Submission):
@@ -131,15 +147,16 @@ def ask(ray, handles: list, method: str, answer_s: float) -> list:
     return answers
 
 
-def abandon(ray, submission: Submission, book: ActorBook) -> None:
-    """Nobody waits for this input any more (a map that ended early): cancel what has not started."""
+def abandon(ray, submission: Submission, book: ActorBook, how: str = "cancelled") -> None:
+    """Nobody waits for this try any more (a map that ended early, a cancelled future, or its input goes on in
+    another try: `how` is "again"): cancel what has not started."""
     done = _finished(ray, submission)
     for call in submission.calls:
         if call.ref not in done:
             with contextlib.suppress(Exception):
                 ray.cancel(call.ref)
     with book.lock:
-        release(submission, "cancelled")
+        release(submission, how)
 
 
 def _finished(ray, submission: Submission) -> set:

@@ -1,23 +1,30 @@
-"""`map` on Ray: the in-flight set `soma.run.mapping.map_outputs` drives (SPEC 7.4), in batches.
+"""`map` and `amap` on Ray: the in-flight set `soma.run.mapping` drives (SPEC 7.4), in batches.
 
     map_outputs ──start([(i, x), ...])──▶ RayInflight: batches of `batch_size` inputs,
-                                            driver.submit: one call per node for each batch
+    amap_outputs                            driver.submit: one call per node for each batch
                 ◀──wait(timeout)─────────  ordered: the oldest input's batch, one ray.get (driver.outcomes)
-                                            unordered: the first batch whose refs are all ready
-                   [(index, ok, value)]     each input's own outcome: its value, or its error
+                ◀──await_wait(timeout)───   unordered: the first batch whose refs are all ready
+                   [(index, ok, value)]     (await_wait: the same, awaiting the refs on the event loop)
+                                            each input's own outcome: its value, or its error; or, lost to a
+                                            dead actor, the input sent again (driver.next_try): not reported
 
 A batch's inputs share every call, so they finish together: a batch is waited
-for through the refs of its first input (`lead`), and concluded as a whole.
+for through the refs of its first input (`lead`), and concluded as a whole. An
+input sent again goes alone (a batch of one) and keeps its place in the order.
+When an actor dies, the inputs it had been sent and never started are sent again
+at once (`_send_again`), not when their turn to be waited for comes.
 """
 
 from __future__ import annotations
 
+import time
+
 from ..errors import NodeError
 from ..run.mapping import Inflight
 from .driver import Driver
-from .submission import ActorGraph, Submission
+from .submission import ActorGraph, Submission, value_of
 
-MAX_BATCH = 8  # the most inputs of a map that share one call per node
+MAX_BATCH = 8  # the most inputs of a map that share one call per node (a batching node's max_batch if larger)
 
 
 def batch_size(graph: ActorGraph, window: int, timeout) -> int:
@@ -32,31 +39,55 @@ def batch_size(graph: ActorGraph, window: int, timeout) -> int:
     if timeout is not None:
         return 1
     spread = max(node_actors.limit for node_actors in graph.actors.values())
-    return max(1, min(MAX_BATCH, -(-window // spread)))
+    cap = max([MAX_BATCH] + [a.max_batch for a in graph.actors.values() if a.max_batch])
+    return max(1, min(cap, -(-window // spread)))
+
+
+def measured(graph: ActorGraph, seconds: float) -> None:
+    """Learn what one input costs (actor-seconds): falls at once, rises by a tenth of the gap, since a slow
+    consumer or a busy machine makes inputs look dearer than they are, and the quickest say best what the
+    nodes cost."""
+    cost = graph.cost
+    graph.cost = seconds if cost is None or seconds < cost else cost + 0.1 * (seconds - cost)
 
 
 class RayInflight(Inflight):
     """Ray's in-flight set for map: inputs submitted in batches (every node's call shared by a batch, one
-    ref per input), a batch's outputs fetched together, each input's outcome its own."""
+    ref per input), a batch's outputs fetched together, each input's outcome its own; an input lost to a
+    dead actor is sent again (`retries`: how many more tries each may have). `tracer`: whose open trace
+    block, if any, an input is recorded in when it starts."""
 
-    def __init__(self, driver: Driver, graph: ActorGraph, timeout, ordered: bool, batch: int):
+    def __init__(self, driver: Driver, graph: ActorGraph, timeout, ordered: bool, batch: int, retries: int = 0,
+                 tracer=None, source=None, by_cost: bool = False):
         self.driver, self.graph, self.timeout, self.ordered = driver, graph, timeout, ordered
+        self.source = source  # the Graph: its nodes must live while the map does (a node let go stops its actors)
         self.batch = batch  # inputs per batch (at most)
-        self.submissions: dict = {}  # index → Submission, oldest first (inputs start in index order)
+        # by_cost: batches only once inputs are known to be cheap (graph.spreads()): until then, and for
+        # heavy inputs, one input per call, so that they spread over the copies instead of queueing in one
+        self.by_cost = by_cost
+        self.last_outcome: float | None = None  # when the last batch concluded (by_cost)
+        self.retries = retries
+        self.tracer = tracer
+        self.submissions: dict = {}  # index → its Submission now, oldest first (inputs start in index order)
         self.by_ref: dict = {}  # an output ref of a batch's first input, not ready yet → that input (unordered)
         self.refused: list = []  # (index, False, error) for inputs that could not even be submitted
+        self.futures: dict = {}  # amap: ref → its asyncio future (set by Ray's own callback), until concluded
 
     def parallelism(self) -> int:
         return self.driver.cpus
 
+    # -- starting ------------------------------------------------------------------------------
     def start(self, items: list) -> None:
         size = self.batch
+        if self.by_cost and self.graph.spreads():
+            size = 1
         for first in range(0, len(items), size):
             self._start(items[first:first + size])
 
     def _start(self, items: list) -> None:
+        trace = self.tracer.current_trace if self.tracer is not None else None
         try:
-            submissions = self.driver.submit(self.graph, items, self.timeout is not None)
+            submissions = self.driver.submit(self.graph, items, self.timeout is not None, trace, self.retries)
         except NodeError as err:  # an input that cannot travel (autograd): its own error, in its place
             if len(items) > 1:  # nothing of the batch was submitted: each on its own, so only that one fails
                 for item in items:
@@ -64,13 +95,17 @@ class RayInflight(Inflight):
                 return
             self.refused.append((items[0][0], False, err))
             return
+        self._track(submissions)
+
+    def _track(self, submissions: list) -> None:
         for submission in submissions:
-            self.submissions[submission.index] = submission
+            self.submissions[submission.index] = submission  # (an input sent again keeps its place)
         if not self.ordered:
             lead = submissions[0]  # a batch's inputs share every call: they are ready when its first one is
             for ref in lead.refs:
                 self.by_ref[ref] = lead
 
+    # -- waiting -------------------------------------------------------------------------------
     def wait(self, timeout):
         if self.refused:
             refused, self.refused = self.refused, []
@@ -80,37 +115,141 @@ class RayInflight(Inflight):
         if self.ordered:
             # In order, only the oldest input can be handed out next, and map takes no new input before it
             # is (its window counts what is not handed out yet): wait for that one's batch alone, one ray.get.
-            return self._conclude(next(iter(self.submissions.values())).batch, timeout)
+            batch = self._current(next(iter(self.submissions.values())).batch)
+            return self._over(batch, self.driver.outcomes(batch, self.graph, timeout))
         # One at a time: with a window of a few inputs, asking again for whatever else is ready costs more
         # than it gathers (map_outputs calls back at once while outputs are there).
         finished = []
         for ref in self.driver.first_ready(list(self.by_ref), timeout):
-            lead = self.by_ref.pop(ref)
-            lead.pending -= 1
-            if lead.pending == 0:
-                finished += self._conclude(lead.batch, None)
+            batch = self._ready(ref)
+            if batch:
+                finished += self._over(batch, self.driver.outcomes(batch, self.graph, None))
         return finished
 
-    def _conclude(self, batch: list, timeout) -> list:
-        """[(index, ok, value)] for each input of a finished batch; [] when `timeout` passed before it finished."""
-        settled = self.driver.outcomes(batch, self.graph, timeout)
+    async def await_wait(self, timeout):
+        """`wait` for amap: the refs awaited on the event loop (Ray sets their futures; no thread waits)."""
+        import asyncio
+
+        if self.refused:
+            refused, self.refused = self.refused, []
+            return refused
+        if not self.submissions:
+            return []
+        if self.ordered:
+            batch = self._current(next(iter(self.submissions.values())).batch)
+            futures = [self._future(ref) for submission in batch for ref in submission.refs]
+            _, pending = await asyncio.wait(futures, timeout=timeout)
+            return [] if pending else await self._aconclude(batch)
+        wanted = {self._future(ref): ref for ref in self.by_ref}
+        done, _ = await asyncio.wait(wanted, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finished = []
+        for future in done:
+            batch = self._ready(wanted[future])
+            if batch:
+                await asyncio.wait([self._future(ref) for submission in batch for ref in submission.refs])
+                finished += await self._aconclude(batch)
+        return finished
+
+    async def _aconclude(self, batch: list) -> list:
+        """Conclude a batch whose futures are done, from their values (nothing fetched again). A Ray error
+        among them is translated on a thread: reading a dead actor's record may take a Ray task."""
+        import asyncio
+
+        values = [[value_of(self.futures.pop(ref)) for ref in submission.refs] for submission in batch]
+        settle = self._settle_values
+        if any(isinstance(v, BaseException) for vs in values for v in vs):
+            return await asyncio.to_thread(settle, batch, values)
+        return settle(batch, values)
+
+    def _settle_values(self, batch: list, values: list) -> list:
+        return self._over(batch, [self.driver.settled(s, self.graph, vs) for s, vs in zip(batch, values)])
+
+    def _future(self, ref):
+        import asyncio
+
+        future = self.futures.get(ref)
+        if future is None:
+            future = self.futures[ref] = asyncio.wrap_future(ref.future())
+        return future
+
+    def _ready(self, ref) -> list:
+        """One ref of a batch's lead is ready: the batch's inputs still in flight once all of its are."""
+        lead = self.by_ref.pop(ref, None)
+        if lead is None:
+            return []
+        lead.pending -= 1
+        return self._current(lead.batch) if lead.pending == 0 else []
+
+    def _current(self, batch: list) -> list:
+        """The inputs of a batch not concluded and not sent again since."""
+        return [s for s in batch if self.submissions.get(s.index) is s]
+
+    # -- concluding ----------------------------------------------------------------------------
+    def _over(self, batch: list, settled) -> list:
+        """[(index, ok, value)] for the inputs of a finished batch that are over ([] when `settled` is None:
+        the wait's time passed first); those lost to a dead actor are sent again and stay in flight."""
         if settled is None:
             return []
-        return [self._over(submission, ok, value) for submission, (ok, value) in zip(batch, settled)]
+        if self.by_cost and all(ok for ok, _ in settled):
+            self._measure(len(batch))
+        finished, deaths = [], []
+        for submission, (ok, value) in zip(batch, settled):
+            finished += self._next(submission, ok, value)
+            if submission.lost is not None and submission.lost[0].actor not in deaths:
+                deaths.append(submission.lost[0].actor)
+        for actor in deaths:
+            finished += self._send_again(actor)
+        return finished
 
-    def _over(self, submission: Submission, ok: bool, value) -> tuple:
+    def _measure(self, inputs: int) -> None:
+        """An input's cost from the map's pace: the time since the last batch concluded, per input, times
+        the copies working side by side (the first outcome only starts the clock: it includes actors
+        starting). With the window full, outcomes come as fast as the copies make them."""
+        now = time.monotonic()
+        last, self.last_outcome = self.last_outcome, now
+        if last is None:
+            return
+        side_by_side = min(len(self.submissions) + inputs, max(len(a.actors) for a in self.graph.actors.values()))
+        measured(self.graph, (now - last) / inputs * max(1, side_by_side))
+
+    def _next(self, submission: Submission, ok: bool, value) -> list:
+        after = self.driver.next_try(self.graph, submission, ok, value)
+        if isinstance(after, Submission):
+            self._track([after])
+            return []
+        ok, value = after
         del self.submissions[submission.index]
         self.driver.release(submission, "ok" if ok else type(value).__name__)
-        return submission.index, ok, value
+        return [(submission.index, ok, value)]
 
+    def _send_again(self, actor) -> list:
+        """The inputs the dead `actor` had been sent and never started: sent again now (no try counted)."""
+        finished = []
+        for submission in list(self.submissions.values()):
+            if self.driver.unstarted_on(submission, actor):
+                for ref in submission.refs:
+                    self._drop_future(ref)
+                finished += self._next(submission, False, None)
+        return finished
+
+    # -- ending --------------------------------------------------------------------------------
     def expire(self, index: int) -> BaseException:
         submission = self.submissions.pop(index)
         for ref in submission.refs:
             self.by_ref.pop(ref, None)
+            self._drop_future(ref)
         return self.driver.expire(submission, self.timeout)
 
     def close(self) -> None:
         submissions, self.submissions = list(self.submissions.values()), {}
         self.by_ref.clear()
+        for ref in list(self.futures):
+            self._drop_future(ref)
         for submission in submissions:
             self.driver.abandon(submission)
+
+    def _drop_future(self, ref) -> None:
+        future = self.futures.pop(ref, None)
+        if future is not None:
+            future.cancel()  # (Ray's callback sees it done and leaves it)
+

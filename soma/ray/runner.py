@@ -20,6 +20,11 @@ How one input flows (on the right of each step, the module of soma/ray/ that doe
 
     Ray.map(g, xs)           map_outputs (soma.run.mapping) over inflight.RayInflight: batches of
                              inputs share one call per node (call_many: one return per input)
+    Ray.submit(g, x)         a Future at once; settler.py: one thread settles every submitted input
+    await Ray.arun(g, x)     the output refs awaited on the event loop (Ray sets their futures)
+    Ray.amap(g, xs)          amap_outputs (soma.run.aio) over RayInflight.await_wait
+    retries=N                tries.py: an input lost to a dead actor is sent again (records.py: what the
+                             actor had started), or tried again from the graph's start, or its WorkerDied
     Ray.trace(path)          tracing.py: the actors keep their records; the block's end collects them
 """
 
@@ -27,15 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
-from ..errors import SomaError
-from ..run.base import RunnerBase
+from ..errors import NodeError, SomaError
+from ..run.aio import InputFuture, amap_outputs
+from ..run.base import RunnerBase, as_graph, checked_retries
 from ..run.mapping import default_window, map_outputs
 from ..run.trace import Trace
 from . import tracing
 from .devices import checked_options
 from .driver import CLOSED, Driver
 from .inflight import RayInflight, batch_size
+from .submission import Submission, value_of
 
 
 def _import_ray():
@@ -101,9 +109,7 @@ class Ray(RunnerBase):
                 if not ray.is_initialized():
                     ray.init(address=self.address, **self.init)
                     self._owns_session = True
-                driver = Driver(ray, _actor_class(ray), self.options)
-                driver.trace = self._trace  # a block opened before the first run
-                self._driver = driver
+                self._driver = Driver(ray, _actor_class(ray), self.options)
         return self
 
     def close(self) -> None:
@@ -120,50 +126,119 @@ class Ray(RunnerBase):
             self._ray.shutdown()
 
     # -- running -------------------------------------------------------------------------------
-    def run(self, g, x, *, timeout: float | None = None):
-        """Run graph `g` on input `x` on the cluster and return its output."""
-        driver = self._connected()
-        graph = driver.actor_graph(g)
+    def run(self, g, x, *, timeout: float | None = None, retries: int = 0):
+        """Run graph `g` (or a node, or an expression) on input `x` on the cluster and return its output.
+
+        `retries`: how many more times the input runs, from the graph's start on live actors, when an
+        actor dies while running it (docs/ray.md, "Retries"); `timeout` counts from its start, tries
+        included.
+        """
+        retries = checked_retries(retries)
+        driver, _, graph = self._compiled(g, "Ray.run")
         trace = self._trace
+        deadline = time.monotonic() + timeout if timeout is not None else None
         with trace.host_step("run", input=None) if trace is not None else contextlib.nullcontext():
-            [submission] = driver.submit(graph, [(None, x)], timeout is not None)
+            [submission] = driver.submit(graph, [(None, x)], timeout is not None, trace, retries)
             try:
-                return driver.output(submission, graph, timeout)
+                while True:
+                    settled = driver.outcomes([submission], graph, _left(deadline))
+                    if settled is None:
+                        raise driver.expire(submission, timeout) from None
+                    after = driver.next_try(graph, submission, *settled[0])
+                    if not isinstance(after, Submission):
+                        return _outcome(after)
+                    submission = after
             finally:
                 driver.release(submission)
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (SPEC 7.4)."""
-        driver = self._connected()
-        graph = driver.actor_graph(g)
-        batch = batch_size(graph, window or default_window(driver.cpus), timeout)
-        return map_outputs(RayInflight(driver, graph, timeout, ordered, batch), xs, window=window, ordered=ordered,
-                           progress=progress, timeout=timeout)
+        return map_outputs(self._inflight(g, "Ray.map", window, ordered, timeout, retries), xs, window=window,
+                           ordered=ordered, progress=progress, timeout=timeout, errors=errors)
 
-    def _connected(self) -> Driver:
+    def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> InputFuture:
+        """`run(g, x)` without waiting: a `concurrent.futures.Future` at once, set by the driver's one settler
+        thread when Ray says the outputs are ready. `future.cancel()` cancels the input (its calls not
+        started never start; its result is dropped)."""
+        retries = checked_retries(retries)
+        driver, g, graph = self._compiled(g, "Ray.submit")
+        try:
+            [submission] = driver.submit(graph, [(None, x)], timeout is not None, self._trace, retries)
+        except NodeError as err:  # its input cannot travel: the future says so, as Local's does
+            future = InputFuture()
+            future.set_exception(err)
+            return future
+        return driver.submitted(graph, submission, timeout, source=g)
+
+    async def arun(self, g, x, *, timeout: float | None = None, retries: int = 0):
+        """`run(g, x)` without blocking the event loop: the output refs are awaited (Ray sets their futures;
+        no thread waits). Cancelling the awaiting task cancels the input."""
+        import asyncio
+
+        retries = checked_retries(retries)
+        if self._driver is None:
+            await asyncio.to_thread(self.start)  # (connecting to Ray takes seconds: not on the loop)
+        driver, _, graph = self._compiled(g, "Ray.arun")
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        [submission] = driver.submit(graph, [(None, x)], timeout is not None, self._trace, retries)
+        futures: list = []
+        try:
+            while True:
+                futures = [asyncio.wrap_future(ref.future()) for ref in submission.refs]
+                _, pending = await asyncio.wait(futures, timeout=_left(deadline))
+                if pending:
+                    raise await asyncio.to_thread(driver.expire, submission, timeout) from None
+                values = [value_of(future) for future in futures]
+                if any(isinstance(v, BaseException) for v in values):  # (a dead actor's record may take a Ray task)
+                    after = await asyncio.to_thread(driver.settle, graph, submission, values)
+                else:
+                    after = driver.settle(graph, submission, values)
+                if not isinstance(after, Submission):
+                    return _outcome(after)
+                submission = after
+        except asyncio.CancelledError:
+            driver.abandon(submission)  # what has not started never starts; its result is dropped
+            raise
+        finally:
+            for future in futures:
+                future.cancel()  # (done ones stay as they are)
+            driver.release(submission)
+
+    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+        """`map` as an async iterator: `async for y in cluster.amap(g, xs)`; `xs` may be an async iterable."""
+        return amap_outputs(self._inflight(g, "Ray.amap", window, ordered, timeout, retries), xs, window=window,
+                            ordered=ordered, progress=progress, timeout=timeout, errors=errors)
+
+    def _inflight(self, g, where: str, window, ordered: bool, timeout, retries) -> RayInflight:
+        retries = checked_retries(retries)
+        driver, g, graph = self._compiled(g, where)
+        batch = batch_size(graph, window or default_window(driver.cpus), timeout)
+        return RayInflight(driver, graph, timeout, ordered, batch, retries, tracer=self, source=g, by_cost=True)
+
+    def _compiled(self, g, where: str):
+        """The driver, the graph of `g` (a Graph, a Node or an expression) and its ActorGraph."""
+        g = as_graph(g, where)
         if self._driver is None:
             self.start()
-        return self._driver
+        return self._driver, g, self._driver.actor_graph(g)
 
     # -- tracing -------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def trace(self, path):
-        """Record every node execution in this block and write it to `path` as Chrome trace-event JSON.
-
-        The actors keep the records of traced inputs; they are collected when the block
-        ends, each actor's times brought onto the driver's clock (docs/ray.md).
-        """
-        with super().trace(path) as trace:
-            driver = self._driver
-            if driver is not None:
-                driver.trace = trace
-            try:
-                yield trace
-            finally:
-                driver = self._driver  # (connected during the block, perhaps)
-                if driver is not None:
-                    driver.trace = None
-                    tracing.collect(driver, trace)
-
     def _trace_started(self, trace: Trace) -> None:
         tracing.block_started(self._driver, trace)
+
+    def _trace_ending(self, trace: Trace) -> None:
+        """The actors keep the records of traced inputs: collected now, each actor's times brought onto the
+        driver's clock (docs/ray.md)."""
+        if self._driver is not None:
+            tracing.collect(self._driver, trace)
+
+
+def _left(deadline):
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _outcome(settled: tuple):
+    ok, value = settled
+    if ok:
+        return value
+    raise value

@@ -45,6 +45,7 @@ from .actor import (
     writable,
 )
 
+HEAVY_S = 0.010  # an input this slow goes alone in its calls: sharing one would save it < 8 %, and serialize it
 
 class Out:
     """A value the walk has produced: a ref to a node's output (`producer` its id), or the run's own input."""
@@ -57,20 +58,22 @@ class Out:
 
 
 class Call:
-    """One Ray call an input took part in: the node, the actor it went to, the ref of this input's output."""
+    """One Ray call an input took part in: the node, the actor it went to, the ref of this input's output,
+    and the input's position among those the call carried (0 unless a map's batch)."""
 
-    __slots__ = ("node_id", "actor", "ref")
+    __slots__ = ("node_id", "actor", "ref", "position")
 
-    def __init__(self, node_id: str, actor, ref):
+    def __init__(self, node_id: str, actor, ref, position: int = 0):
         self.node_id = node_id
         self.actor = actor  # the CopyActor (soma.ray.copies)
         self.ref = ref
+        self.position = position
 
 
 class ActorGraph:
     """A graph under one placement, ready to submit: its plan, the actors of each node, and the plan's walk."""
 
-    __slots__ = ("plan", "actors", "devices", "entry_nodes", "shares_input", "walk")
+    __slots__ = ("plan", "actors", "devices", "entry_nodes", "shares_input", "walk", "upstream", "cost")
 
     def __init__(self, plan: Plan, actors: dict, devices: dict):
         self.plan = plan
@@ -81,6 +84,25 @@ class ActorGraph:
         self.shares_input = len(self.entry_nodes) > 1
         # walk(values, submissions) → each input's value after the plan, every call submitted on the way
         self.walk = fold(plan, self._step, _in_sequence, _side_by_side)
+        # node id → the nodes whose outputs its call takes (none for an entry node)
+        self.upstream: dict = {}
+        fold(plan, self._producers, _in_sequence, _every_output)(frozenset(), self.upstream)
+        # Actor-seconds one input takes, as maps measure it (soma.ray.inflight.measured); None: not seen yet
+        self.cost: float | None = None
+
+    def spreads(self) -> bool:
+        """Whether inputs go one per call and each to a copy of its own while copies can be added: until
+        they are known to be cheap (a heavy input gains little from sharing a call, and waits for the
+        others of its call, or behind them in one actor)."""
+        if any(node_actors.max_batch for node_actors in self.actors.values()):
+            return False  # a batching node asked for batches: its calls carry as many inputs as the window gives
+        return self.cost is None or self.cost >= HEAVY_S
+
+    def _producers(self, step):
+        def producers(takes: frozenset, upstream: dict) -> frozenset:
+            upstream[step.id] = takes
+            return frozenset((step.id,))
+        return producers
 
     def _step(self, step):
         node_id = step.id
@@ -103,6 +125,12 @@ def _in_sequence(_, walks: list):
     return walk
 
 
+def _every_output(_, walks: list):
+    def producers(takes: frozenset, upstream: dict) -> frozenset:
+        return frozenset().union(*(branch(takes, upstream) for branch in walks))
+    return producers
+
+
 def _side_by_side(_, walks: list):
     def walk(values: list, submissions: list) -> list:
         branches = [branch(values, submissions) for branch in walks]
@@ -114,9 +142,9 @@ class Submission:
     """One input on its way: its calls (in submission order, which is a topological order) and its output refs."""
 
     __slots__ = ("index", "token", "timed", "trace", "trace_tag", "started_ns", "calls", "out", "leaves", "refs",
-                 "pending", "over", "batch")
+                 "pending", "over", "batch", "x", "tries", "retries", "keep", "lost")
 
-    def __init__(self, index, token: int, timed: bool, trace):
+    def __init__(self, index, token: int, timed: bool, trace, x=None, retries: int = 0, tries: int = 1):
         self.index = index  # its position in a map; None for run
         self.token = token  # unique per runner: which input an actor is running now (when timed)
         self.timed = timed  # it has a timeout: its calls carry the token, so a late one can be found
@@ -133,6 +161,18 @@ class Submission:
         self.pending = 0  # map: refs of `refs` not ready yet
         self.over = False  # its actors' loads were given back
         self.batch: list = [self]  # the inputs submitted with it, itself included: they share every call
+        self.x = x  # the input itself, while it is in flight: sent again when an actor it was queued at dies
+        self.retries = retries  # how many more tries it may have when an actor dies while running it
+        self.tries = tries  # this is its try number `tries` (each earlier one lost to a dead actor)
+        self.keep: dict = {}  # node id → a Call of its last try to take over (it never reached the dead actor)
+        self.lost = None  # (its call there, whether it had started) once this try was lost to a dead actor
+
+    def again(self, counted: bool) -> "Submission":
+        """The same input, to be submitted again: another try (`counted`), or the same one sent elsewhere."""
+        again = Submission(self.index, self.token, self.timed, self.trace, self.x, self.retries,
+                           self.tries + (1 if counted else 0))
+        again.trace_tag, again.started_ns = self.trace_tag, self.started_ns  # (one input, one trace interval)
+        return again
 
 
 def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
@@ -163,6 +203,10 @@ def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
 
 
 def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> list:
+    kept = submissions[0].keep.get(node_id)
+    if kept is not None:  # (only for an input sent again alone: its call here never met the dead actor)
+        submissions[0].calls.append(kept)
+        return [Out(kept.ref, node_id)]
     args: list = []  # every input's args, one after the other
     metas: list = []  # per input: (how many args, shape, checks, trace tag)
     simple = True  # one whole input each, nothing to check, no timeout, not traced: the one-arg call
@@ -171,7 +215,8 @@ def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> l
         shape = _flatten(value, args, checks, graph.devices, start)
         metas.append((len(args) - start, shape, tuple(checks), submission.trace_tag))
         simple = simple and shape == 0 and not checks and submission.trace_tag is None and not submission.timed
-    actor = graph.actors[node_id].pick(len(submissions))
+    # (a timed input goes to a copy that is up when one is: a starting one would spend its time budget)
+    actor = graph.actors[node_id].pick(len(submissions), spread=graph.spreads() and not submissions[0].timed)
     try:
         if len(submissions) == 1:
             if simple:
@@ -191,8 +236,8 @@ def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> l
             raise  # only the entry node's call carries the input itself; the others carry refs
         raise unsendable(node_id, err) from None
     outs = []
-    for submission, ref in zip(submissions, refs):
-        submission.calls.append(Call(node_id, actor, ref))
+    for position, (submission, ref) in enumerate(zip(submissions, refs)):
+        submission.calls.append(Call(node_id, actor, ref, position))
         outs.append(Out(ref, node_id))
     return outs
 
@@ -248,6 +293,12 @@ def outcome(submission: Submission, values: list, devices: dict):
     return writable(_rebuild(submission.out, iter(values)))  # the caller's to write, not a view of Ray's store
 
 
+def value_of(future):
+    """What a done future of a ref holds (Ray's or asyncio's): its value, or the exception in its place."""
+    error = future.exception()
+    return error if error is not None else future.result()
+
+
 def _rebuild(tree, values):
     if type(tree) is Out:
         return next(values)
@@ -255,16 +306,16 @@ def _rebuild(tree, values):
 
 
 def release(submission: Submission, outcome: str = "ok") -> None:
-    """The input is over (done, failed, expired or abandoned): its actors may take other inputs (under the
-    book's lock). A traced input of a map becomes an interval on the driver's track (a run's is its caller's
-    span).
+    """The try is over (done, failed, expired, abandoned, or `again`: the input goes on in another try): its
+    actors may take other inputs (under the book's lock). A traced input of a map becomes an interval on the
+    driver's track once it is over (a run's is its caller's span).
     """
     if submission.over:
         return
     submission.over = True
     for call in submission.calls:
         call.actor.load -= 1
-    if submission.trace is not None and submission.index is not None:
+    if submission.trace is not None and submission.index is not None and outcome != "again":
         submission.trace.interval(f"input {submission.index}", "host", submission.started_ns, time.monotonic_ns(),
                                   os.getpid(), f"input-{submission.token}",
                                   {"input": submission.index, "outcome": outcome})

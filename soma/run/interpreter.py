@@ -277,6 +277,7 @@ class Interpreter:
         self._batchers: dict = {}  # node id → its Batcher, for the nodes that take batches
         self.batching = any(is_batching(node) for node in nodes.values())
         self.active = 0  # inputs running through this interpreter now (kept when a node takes batches)
+        self.announced = 0  # inputs said to be on their way (`arriving`), not yet started
 
     def run(self, plan: Plan, x, state: RunState | None = None, spans: list | None = None):
         """Run `plan` on `x`. With `spans`, append one `span(...)` per node run (and per setup)."""
@@ -286,11 +287,28 @@ class Interpreter:
             return run(x, state, spans)
         with self._active_lock:
             self.active += 1
+            if self.announced:
+                self.announced -= 1
         try:
             return run(x, state, spans)
         finally:
             with self._active_lock:
                 self.active -= 1
+
+    @contextlib.contextmanager
+    def arriving(self, n: int):
+        """`n` inputs start on threads of their own in this block: a batching node waits for them (at most
+        its batch_wait) instead of taking the first alone because the others' threads had not started yet."""
+        if not self.batching:
+            yield
+            return
+        with self._active_lock:
+            self.announced += n
+        try:
+            yield
+        finally:
+            with self._active_lock:
+                self.announced = 0  # (one block at a time: a copy or a worker's lane runs one such turn)
 
     def compile(self, plan: Plan):
         """`plan` as one call `run(x, state, spans)` (made once per plan)."""
@@ -314,7 +332,7 @@ class Interpreter:
         if found is None:
             found = self._batchers[node_id] = Batcher(
                 node_id, self.nodes[node_id], lambda xs, entries: self.invoke_batch(node_id, xs, entries),
-                lambda: self.active)
+                lambda: self.active + self.announced)
         return found
 
     def _wave(self, _: Wave, branches: list):

@@ -149,7 +149,14 @@ class Traced:
             yield trace
         finally:
             self._trace = None
-            trace.close()
+            try:
+                self._trace_ending(trace)
+            finally:
+                trace.close()
 
     def _trace_started(self, trace: Trace) -> None:
         """Name this runner's processes and threads in the trace (each runner knows its own)."""
+
+    def _trace_ending(self, trace: Trace) -> None:
+        """The block ends: add what only the end can collect (Ray: the actors' records), before the file is
+        written. Nothing by default."""

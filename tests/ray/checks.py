@@ -32,9 +32,30 @@ import ray  # noqa: E402
 import soma  # noqa: E402
 from soma import Done, Executor, Graph, Node  # noqa: E402
 from tests.nodes import (  # noqa: E402
-    AddOne, Boom, Count, Double, Fill, Identity, Join, MarkThenSleep, Obeys, OneCopyCounter, Pid, PlusOne,
-    RequiresGradOutput, ReturnsMovingDevice, ReturnsOn, ReturnsUnpicklable, Sleep, Tokenize, Unpicklable, Upper,
+    AddOne,
+    Boom,
+    Count,
+    Double,
+    Fill,
+    Identity,
+    Join,
+    MarkThenSleep,
+    Obeys,
+    OneCopyCounter,
+    Pid,
+    PlusOne,
+    RequiresGradOutput,
+    ReturnsMovingDevice,
+    ReturnsOn,
+    ReturnsUnpicklable,
+    Sleep,
+    Tokenize,
+    Unpicklable,
+    Upper,
 )
+from tests.ray.checks_async import ASYNC_CHECKS  # noqa: E402
+from tests.ray.checks_batching import BATCHING_CHECKS  # noqa: E402
+from tests.ray.checks_tries import TRIES_CHECKS  # noqa: E402
 
 DEADLINE_S = 60.0
 
@@ -597,7 +618,7 @@ def no_ray_errors_leak(cluster):
 
 SESSION_CHECKS = [same_answers, wave_overlap, copies_one_keeps_state, map_spreads_over_actors, map_batches, node_error,
                   unsendable_input, postcondition, tensors, actor_dies, timeout, dropped_nodes_stop_their_actors,
-                  placement, cuda0, no_ray_errors_leak]
+                  placement, cuda0, no_ray_errors_leak, *TRIES_CHECKS, *ASYNC_CHECKS, *BATCHING_CHECKS]
 
 
 # -- two machines --------------------------------------------------------------------------------------
@@ -629,7 +650,8 @@ def two_machines(folder) -> dict:
                     ids[name] = node["NodeID"]
         out["machines"] = ids
         options = {"on_a": {"resources": {"host_a": 0.1}}, "on_b": {"resources": {"host_b": 0.1}},
-                   "sleeper": {"resources": {"host_b": 0.1}}, "on_c": {"resources": {"host_c": 1}}}
+                   "sleeper": {"resources": {"host_b": 0.1}}, "on_c": {"resources": {"host_c": 1}},
+                   "dies_on_b": {"resources": {"host_b": 0.1}}}
         with soma.Ray(options=options) as machines:
             g = Graph.somatize(RayNodeId().named("on_a") >> RayNodeId().named("on_b"))
             out["pinned"] = machines.run(g, [])
@@ -639,6 +661,8 @@ def two_machines(folder) -> dict:
                 machines.run(Graph.somatize(RayNodeId().named("on_c")), [])
             except Exception as err:
                 out["nowhere"] = _error(err)
+            out["remote_innocents"] = _remote_innocents(machines, folder)
+            _say("two machines: an actor of machine b died")
             marker = str(Path(folder, "sleeper-is-running"))
             slow = Graph.somatize(RayNodeId().named("on_a") >> MarkThenSleep(marker, 60).named("sleeper"))
             out["machine_death"] = _kill_machine_during(machines, slow, cluster, machine_b, marker)
@@ -652,6 +676,18 @@ def two_machines(folder) -> dict:
         cluster.shutdown()
         _say("two machines: cluster down")
     return out
+
+
+def _remote_innocents(runner, folder) -> dict:
+    """An actor of machine b dies with a window of inputs queued at it (one copy): what it had started is read
+    from its record there, by a Ray task pinned to machine b; only the input it ran fails."""
+    from tests.ray.checks_tries import OneCopyDieOnceFor, runs
+
+    marks = tempfile.mkdtemp(prefix="remote-", dir=folder)
+    g = Graph.somatize(OneCopyDieOnceFor(marks, {0}).named("dies_on_b"))
+    got = list(runner.map(g, range(6), window=6, errors="yield"))
+    return {"outputs": [[type(y).__name__, y.index, y.tries] if isinstance(y, Exception) else y for y in got],
+            "runs": [len(runs(marks, f"ran-{x}")) for x in range(6)]}
 
 
 def _kill_machine_during(runner, g, cluster, machine, marker: str) -> dict:
@@ -717,6 +753,12 @@ def main(out_path: str, only: list) -> None:
     results: dict = {}
     checks = [c for c in SESSION_CHECKS if not only or c.__name__ in only]
     folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")  # Ray's own temp dir: a crashed run leaves no trace
+    from soma.ray import records
+
+    def start_records() -> set:  # the start records on this machine (soma.ray.records)
+        return set(os.listdir(records.folder())) if os.path.isdir(records.folder()) else set()
+
+    before = start_records()
     try:
         # address="local": always a new instance of our own, never another program's cluster on this machine
         with soma.Ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -727,8 +769,10 @@ def main(out_path: str, only: list) -> None:
                 if not only or check.__name__ in only:
                     results[check.__name__] = _recorded(check.__name__, lambda: check(cluster, folder))
         results["session_shut_down"] = {"ok": True, "value": {"initialized_after_close": ray.is_initialized()}}
+        results["records_left"] = {"ok": True, "value": {"session": sorted(start_records() - before)}}
         if not only or "two_machines" in only:
             results["two_machines"] = _recorded("two_machines", lambda: two_machines(folder))
+            results["records_left"]["value"]["two_machines"] = sorted(start_records() - before)
     finally:
         Path(out_path).write_text(json.dumps(results, default=repr))
         shutil.rmtree(folder, ignore_errors=True)

@@ -12,8 +12,15 @@ import pytest
 
 from soma import PlacementError
 from soma.ray.devices import (
-    NOSET_CUDA, actor_options, checked_options, cuda_index, cuda_visible_devices, demand_error, hosting_error,
-    machine_gpus, requested_resources,
+    NOSET_CUDA,
+    actor_options,
+    checked_options,
+    cuda_index,
+    cuda_visible_devices,
+    demand_error,
+    hosting_error,
+    machine_gpus,
+    requested_resources,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

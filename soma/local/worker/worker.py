@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -339,7 +340,10 @@ class Worker:
 
         if len(jobs) == 1:
             return [outcome_of(jobs[0])]
-        return [value for _, value in on_threads([lambda job=job: outcome_of(job) for job in jobs], kept_threads())]
+        piece = self.library.pieces.get(jobs[0].piece)  # (loaded: its `batch` made this turn)
+        with piece.interpreter.arriving(len(jobs)) if piece is not None else contextlib.nullcontext():
+            return [value for _, value in on_threads([lambda job=job: outcome_of(job) for job in jobs],
+                                                     kept_threads())]
 
     def flush(self, outcomes: list) -> None:
         # Inputs and outputs of these jobs are dropped by now: what died is reported with them.
