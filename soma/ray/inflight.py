@@ -1,4 +1,4 @@
-"""`map` and `amap` on Ray: the in-flight set `soma.run.mapping` drives (SPEC 7.4), in batches.
+"""`map` and `amap` on Ray: the in-flight set `soma.run.mapping` drives (docs/api.md, "map"), in batches.
 
     map_outputs ──start([(i, x), ...])──▶ RayInflight: batches of `batch_size` inputs,
     amap_outputs                            driver.submit: one call per node for each batch

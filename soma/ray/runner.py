@@ -152,7 +152,7 @@ class Ray(RunnerBase):
                 driver.release(submission)
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
-        """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (SPEC 7.4)."""
+        """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (docs/api.md, "map")."""
         return map_outputs(self._inflight(g, "Ray.map", window, ordered, timeout, retries), xs, window=window,
                            ordered=ordered, progress=progress, timeout=timeout, errors=errors)
 

@@ -1,4 +1,4 @@
-"""An input lost to a dead actor: sent elsewhere, tried again, or its WorkerDied (`retries=N`, SPEC 7.4).
+"""An input lost to a dead actor: sent elsewhere, tried again, or its WorkerDied (`retries=N`).
 
     a try ends with WorkerDied            (soma.ray.faults.translate: `submission.lost` = (call, started))
       the dead actor had not started it   → sent again, no try counted, no error, whatever `retries` is:
