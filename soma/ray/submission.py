@@ -45,7 +45,10 @@ from .actor import (
     writable,
 )
 
-HEAVY_S = 0.010  # an input this slow goes alone in its calls: sharing one would save it < 8 %, and serialize it
+# An input this slow goes alone in its calls: sharing one would save it < 2 % (a call costs Ray ~0.75 ms), and
+# would serialize it behind its batch-mates. (Measured with the driver's clock, a tiny input on a busy 2-core
+# machine looks like 4-8 ms: the threshold stays well above that.)
+HEAVY_S = 0.050
 
 class Out:
     """A value the walk has produced: a ref to a node's output (`producer` its id), or the run's own input."""

@@ -134,7 +134,10 @@ def test_ray_map_sends_inputs_in_batches_each_with_its_own_outcome(observed):
         failed = seen[f"failed_{ordered}"]
         assert (failed["type"], failed["node"], failed["index"]) == ("NodeError", "fails", 11), failed
         assert failed["message"] == "node `fails` failed: ValueError: bad input 11"
-        assert sorted(failed["before"]) == seen["executor"][:11]
+        if ordered:
+            assert failed["before"] == seen["executor"][:11]
+        else:  # as they finish: inputs after it may finish first (one per call until measured cheap)
+            assert set(seen["executor"][:11]) <= set(failed["before"]) <= set(seen["executor"]) - {24}, failed
     assert seen["failed_calls"] < 2 * 12  # the two maps ran inputs 0..11 at least: in batches there too
     # ... and inside its batch the other input's value comes back beside the failure
     (ten, ten_ok, ten_value), (eleven, eleven_ok, eleven_error) = seen["failing_batch"]
@@ -453,7 +456,8 @@ def test_ray_async_with_starts_and_closes_the_runner_off_the_loop(observed):
 
 
 def test_ray_leaves_no_start_records_behind(observed):
-    assert check(observed, "records_left") == {"session": []}
+    left = check(observed, "records_left")
+    assert left["session"] == [] and all(names == [] for names in left.values()), left
 
 
 # -- batches (tests/ray/checks_batching.py) -------------------------------------------------------------------
