@@ -93,6 +93,8 @@ def _take(source, wanted: int, loop: "MapLoop") -> list:
     return items
 
 
+WINDOW_LOOK_S = 0.05  # how often a map without `window=` asks the runner how many inputs it works on at once
+
 class MapLoop:
     """The books of one map: what was taken, what is in flight, what is done and not yet handed out.
 
@@ -119,10 +121,20 @@ class MapLoop:
         self.arrived: deque = deque()  # ordered=False: finished indices in arrival order
         self.deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
         self.next_index = 0  # ordered=True: the index to hand out next
+        self._default = 0  # the default window, as last looked at (`_limit`)
+        self._look_at = 0.0  # when to look again
 
     # -- 1. taking inputs ----------------------------------------------------------------------------------
     def _limit(self) -> int:
-        return self.window or default_window(self.inflight.parallelism())
+        if self.window:
+            return self.window
+        # The default window follows what the runner measures, looked at most every WINDOW_LOOK_S: asking on
+        # every turn took the scheduler's lock once per chunk of outputs (a tenth of a tiny map's host time).
+        now = time.monotonic()
+        if now >= self._look_at:
+            self._default = default_window(self.inflight.parallelism())
+            self._look_at = now + WINDOW_LOOK_S
+        return self._default
 
     def wanted(self) -> int:
         """How many inputs to take now: none until a quarter of the window is free (inputs ship in chunks)."""

@@ -154,6 +154,8 @@ class Encoder:
     and reuse it under the receiver.
     """
 
+    __slots__ = ("_get_store", "shared", "copied", "_alive", "_copies", "_numbered", "_order")
+
     def __init__(self, get_store):
         self._get_store = get_store
         self.shared: list[str] = []
