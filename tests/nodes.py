@@ -598,3 +598,22 @@ class Rendezvous(Node):
                 raise TimeoutError(f"{self.other} never came: the branches did not run at once")
             time.sleep(0.001)
         return Done(os.getpid())
+
+
+class AlwaysDie(Node):
+    """Ends its process (os._exit) on every input."""
+
+    def forward(self, x, ctx):
+        os._exit(3)
+
+
+class RaiseCounting(Node):
+    """Raises ValueError, counting its calls in the file `raised` of `folder` (a line each)."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def forward(self, x, ctx):
+        with open(os.path.join(self.folder, "raised"), "a") as f:
+            f.write("x\n")
+        raise ValueError(f"bad input {x}")

@@ -106,12 +106,18 @@ class RayInflight(Inflight):
                 self.by_ref[ref] = lead
 
     # -- waiting -------------------------------------------------------------------------------
-    def wait(self, timeout):
+    def _nothing_to_wait_for(self):
+        """What `wait` hands out without waiting: the inputs refused at submission, or [] when none is in
+        flight; None when there is something to wait for."""
         if self.refused:
             refused, self.refused = self.refused, []
             return refused
-        if not self.submissions:
-            return []
+        return None if self.submissions else []
+
+    def wait(self, timeout):
+        at_once = self._nothing_to_wait_for()
+        if at_once is not None:
+            return at_once
         if self.ordered:
             # In order, only the oldest input can be handed out next, and map takes no new input before it
             # is (its window counts what is not handed out yet): wait for that one's batch alone, one ray.get.
@@ -130,11 +136,9 @@ class RayInflight(Inflight):
         """`wait` for amap: the refs awaited on the event loop (Ray sets their futures; no thread waits)."""
         import asyncio
 
-        if self.refused:
-            refused, self.refused = self.refused, []
-            return refused
-        if not self.submissions:
-            return []
+        at_once = self._nothing_to_wait_for()
+        if at_once is not None:
+            return at_once
         if self.ordered:
             batch = self._current(next(iter(self.submissions.values())).batch)
             futures = [self._future(ref) for submission in batch for ref in submission.refs]

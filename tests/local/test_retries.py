@@ -13,6 +13,7 @@ import pytest
 import soma
 from soma import Done, Graph, Node, NodeError, RunTimeout, WorkerDied
 from tests.conftest import wait_for
+from tests.nodes import AlwaysDie, RaiseCounting
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,21 +34,6 @@ class DieOnceFor(Node):
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)
         return Done(x * 10)
-
-
-class AlwaysDie(Node):
-    def forward(self, x, ctx):
-        os._exit(3)
-
-
-class Raise(Node):
-    def __init__(self, folder):
-        self.folder = str(folder)
-
-    def forward(self, x, ctx):
-        with open(os.path.join(self.folder, "raised"), "a") as f:
-            f.write("x\n")
-        raise ValueError(f"bad input {x}")
 
 
 class Slow(Node):
@@ -86,8 +72,8 @@ def test_retries_exhausted_say_how_many_tries_were_made(local):
 
 
 def test_a_node_exception_is_never_retried(local, tmp_path):
-    with pytest.raises(NodeError, match=r"^node `raise` failed: ValueError: bad input 4"):
-        local.run(Graph.somatize(Raise(tmp_path)), 4, retries=3)
+    with pytest.raises(NodeError, match=r"^node `raise_counting` failed: ValueError: bad input 4"):
+        local.run(Graph.somatize(RaiseCounting(tmp_path)), 4, retries=3)
     assert open(tmp_path / "raised").read().count("x") == 1
 
 

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from soma import Done, Graph, Node, RunTimeout
-from tests.nodes import AddOne, Double
+from tests.nodes import AddOne, AlwaysDie, Double, RaiseCounting
 
 
 class DieOnceFor(Node):
@@ -52,23 +52,6 @@ class CountRuns(Node):
         with open(os.path.join(self.folder, f"up-{x}"), "a") as f:
             f.write(f"{os.getpid()}\n")
         return Done(x)
-
-
-class AlwaysDie(Node):
-    def forward(self, x, ctx):
-        os._exit(3)
-
-
-class RaiseCounting(Node):
-    """Raises ValueError, counting its calls in a file."""
-
-    def __init__(self, folder):
-        self.folder = str(folder)
-
-    def forward(self, x, ctx):
-        with open(os.path.join(self.folder, "raised"), "a") as f:
-            f.write("x\n")
-        raise ValueError(f"bad input {x}")
 
 
 class SleepCounting(Node):
