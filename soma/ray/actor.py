@@ -44,8 +44,9 @@ import time
 from ..errors import NodeError, PostconditionError, SomaError, traceback_text
 from ..plan import Step
 from ..run.batching import is_batching
-from ..run.interpreter import Interpreter, RunState, on_threads
+from ..run.interpreter import Interpreter, RunState
 from ..run.postcondition import check_postcondition
+from ..run.threads import on_threads
 from ..values import Opaque
 from ..wire import nodecode
 from .devices import cuda_index, cuda_visible_devices, machine_gpus

@@ -26,8 +26,9 @@ import weakref
 
 from ..errors import RunTimeout
 from .base import RunnerBase, as_graph, checked_retries
-from .interpreter import Interpreter, RunState, thread_modes
+from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
+from .threads import thread_modes
 from .trace import Trace
 
 THREADS = 64  # inputs the Executor runs at once at most (threads kept while it is open)

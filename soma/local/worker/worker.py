@@ -15,7 +15,8 @@ import zmq
 
 from ..._log import warn
 from ...errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
-from ...run.interpreter import Interpreter, RunState, kept_threads, on_threads, span
+from ...run.interpreter import Interpreter, RunState, span
+from ...run.threads import kept_threads, on_threads
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
 from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, unlink_all
