@@ -37,7 +37,9 @@ def max_batch_of(node) -> int:
     return int(getattr(node, "max_batch", MAX_BATCH))
 
 
-class _Entry:
+class Entry:
+    """One input at a batching node: its value, its run's state, where its spans go, and its outcome."""
+
     __slots__ = ("x", "state", "spans", "done", "ok", "value")
 
     def __init__(self, x, state, spans):
@@ -61,12 +63,12 @@ class Batcher:
         self.run_batch = run_batch
         self.expecting = expecting
         self.cond = threading.Condition()
-        self.waiting: list[_Entry] = []
+        self.waiting: list[Entry] = []
         self.leading = False
 
     def call(self, x, state, spans):
         """The node's output for `x`, after a batch that held it (its own error raised, if it failed)."""
-        entry = _Entry(x, state, spans)
+        entry = Entry(x, state, spans)
         with self.cond:
             self.waiting.append(entry)
             self.cond.notify_all()  # a leader gathering a batch looks again
@@ -81,7 +83,7 @@ class Batcher:
             raise entry.value
         return entry.value
 
-    def _lead(self, mine: _Entry) -> None:
+    def _lead(self, mine: Entry) -> None:
         """Run batches until the one holding `mine` is done; then let a waiter lead the next."""
         try:
             while not mine.done:

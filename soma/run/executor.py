@@ -26,6 +26,7 @@ import weakref
 
 from ..errors import RunTimeout
 from .base import RunnerBase, as_graph, checked_retries
+from .batching import max_batch_of
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
 from .threads import thread_modes
@@ -167,8 +168,13 @@ class ExecutorInflight(Inflight):
 
     def __init__(self, executor: Executor, g, devices: dict, timeout):
         self.executor, self.g, self.devices, self.timeout = executor, g, devices, timeout
-        self.running: dict = {}  # future → (index, its RunState)
+        self.running: dict = {}  # future → ([index], [its RunState]): one input, or a chunk (`chunked`)
+        self.chunked: set = set()  # futures of a chunk of inputs given to a batching node in one call
         self.modes = thread_modes()  # the map's caller's torch modes, for every input
+        # A graph that is one batching node, untimed: its inputs go to the node in chunks, one call each, on
+        # one thread (no thread per input, meeting at the node: ~250 µs an input here, against the model's 38)
+        interpreter = executor._interpreter(g, devices)
+        self.batch_node = interpreter.batch_node(g.plan()) if timeout is None else None
 
     def parallelism(self) -> int:
         # A pipeline has a stage per node, and a batching node wants a batch's worth of inputs at it.
@@ -178,35 +184,57 @@ class ExecutorInflight(Inflight):
 
     def start(self, items: list) -> None:
         threads = self.executor._threads()
+        if self.batch_node is not None and self.executor._trace is None:
+            size = max(1, max_batch_of(self.g.node(self.batch_node)))
+            for first in range(0, len(items), size):
+                chunk = items[first:first + size]
+                states = [RunState(index=index) for index, _ in chunk]
+                future = threads.submit(self._run_chunk, [x for _, x in chunk], states)
+                self.running[future] = ([index for index, _ in chunk], states)
+                self.chunked.add(future)
+            return
         for index, x in items:
             state = RunState(index=index)
             future = threads.submit(self.executor._run, self.g, self.devices, x, None, index, self.modes, state)
-            self.running[future] = (index, state)
+            self.running[future] = ([index], [state])
+
+    def _run_chunk(self, xs: list, states: list) -> list:
+        interpreter = self.executor._interpreter(self.g, self.devices)
+        with self.modes():
+            return interpreter.run_batch(self.batch_node, xs, states)
 
     def wait(self, timeout):
         done, _ = cf.wait(list(self.running), timeout=timeout, return_when=cf.FIRST_COMPLETED)
-        return [self._outcome(future) for future in done]
+        return [outcome for future in done for outcome in self._outcomes(future)]
 
     async def await_wait(self, timeout):
         import asyncio
 
         wrapped = {asyncio.wrap_future(f): f for f in self.running}
         done, _ = await asyncio.wait(list(wrapped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        return [self._outcome(wrapped[f]) for f in done]
+        return [outcome for f in done for outcome in self._outcomes(wrapped[f])]
 
-    def _outcome(self, future) -> tuple:
-        index, _ = self.running.pop(future)
+    def _outcomes(self, future) -> list:
+        indices, _ = self.running.pop(future)
         exc = future.exception()
-        return (index, False, exc) if exc is not None else (index, True, future.result())
+        if future in self.chunked:
+            self.chunked.discard(future)
+            if exc is not None:  # (soma's own mistake, not a node's: every input of the chunk says so)
+                return [(index, False, exc) for index in indices]
+            return [(index, ok, value) for index, (ok, value) in zip(indices, future.result())]
+        return [(indices[0], False, exc) if exc is not None else (indices[0], True, future.result())]
 
     def expire(self, index: int) -> BaseException:
-        future, state = next((f, s) for f, (i, s) in self.running.items() if i == index)
+        # (only untimed maps send chunks: an input that can expire runs alone)
+        future, state = next((f, ss[0]) for f, (ii, ss) in self.running.items() if ii == [index])
         del self.running[future]
         state.cancelled = True  # it stops before its next node
         return RunTimeout.after(self.timeout, dict.fromkeys(state.running_now()), ())
 
     def close(self) -> None:
-        for future, (_, state) in self.running.items():
+        for future, (_, states) in self.running.items():
             future.cancel()  # not started: never starts
-            state.cancelled = True  # started: stops before its next node
+            for state in states:
+                state.cancelled = True  # started: stops before its next node
         self.running.clear()
+        self.chunked.clear()

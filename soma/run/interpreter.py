@@ -24,7 +24,7 @@ from ..ctx import Ctx
 from ..errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
 from ..plan import Plan, Seq, Step, Wave, fold
 from ..values import Done, unwrap
-from .batching import Batcher, batch_outputs, failing, is_batching
+from .batching import Batcher, Entry, batch_outputs, failing, is_batching, max_batch_of
 from .postcondition import check_postcondition
 from .threads import kept_threads, on_threads
 
@@ -298,6 +298,25 @@ class Interpreter:
         finally:
             if spans is not None:
                 spans.append(span(node_id, start, outcome, "setup"))
+
+    def batch_node(self, plan: Plan) -> str | None:
+        """The node id when `plan` is one step of a node that takes batches (its inputs need not meet on
+        threads: `run_batch` hands them over in one call), else None."""
+        if type(plan) is Step and is_batching(self.nodes[plan.id]):
+            return plan.id
+        return None
+
+    def run_batch(self, node_id: str, xs: list, states: list, spans: list | None = None) -> list:
+        """Run the one-node plan of batching node `node_id` on several inputs at once, on this thread:
+        `(ok, value)` per input, each its own outcome (its output, or its exception), in one
+        `forward_batch` (in batches of at most `max_batch`). What a map's or a worker's inputs cost
+        without a thread each to meet at the node."""
+        size = max(1, max_batch_of(self.nodes[node_id]))
+        outcomes: list = []
+        for first in range(0, len(xs), size):
+            entries = [Entry(None, state, spans) for state in states[first:first + size]]
+            outcomes += self.invoke_batch(node_id, xs[first:first + size], entries)
+        return outcomes
 
     def invoke_batch(self, node_id: str, xs: list, entries: list) -> list:
         """Run a batching node once on `xs`: `(ok, value)` per input (see soma.run.batching). Each input's

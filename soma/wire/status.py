@@ -5,7 +5,8 @@ The host reads it when a worker dies or a run times out, so `WorkerDied` and
 answer. It is a small file the worker maps shared (nothing is sent for it).
 
 Layout: `SLOTS` slots of `SLOT` bytes, one per thread that runs nodes (a thread
-runs one node at a time). A slot is `seq (4 bytes) + length (2) + "job node"`;
+runs one node at a time, for one job, or for the jobs of one batch: "job,job,... node").
+A slot is `seq (4 bytes) + length (2) + "job node"`;
 its thread bumps `seq` before and after writing (odd: being written), so a reader
 never takes half a line, and threads never wait for each other.
 """
@@ -18,7 +19,7 @@ import struct
 import threading
 import weakref
 
-SLOT = 128
+SLOT = 1024  # a batch's job ids fit: ~140 of 6 digits (the ones past that go unnamed)
 SLOTS = 64
 _HEAD = struct.Struct("<IH")  # seq, length
 _SEQ = struct.Struct("<I")
@@ -44,17 +45,36 @@ class StatusPage:
     # -- writer side (the worker) ------------------------------------------------------------------
     def enter(self, job: int, node: str) -> None:
         """This thread now runs `node` for `job`."""
+        mine = self._mine()
+        if mine is not None and mine.showing != (job, node):
+            mine.showing = (job, node)
+            self._put(mine.slot, f"{job} {node}".encode()[: SLOT - 6])
+
+    def enter_batch(self, jobs: list, node: str) -> None:
+        """This thread now runs `node` for all of `jobs` at once (a batch)."""
+        mine = self._mine()
+        if mine is None:
+            return
+        ids, room = [], SLOT - 7 - len(node.encode())
+        for job in jobs:
+            room -= len(str(job)) + 1
+            if room < 0:
+                break  # the rest go unnamed, as a thread without a slot does
+            ids.append(str(job))
+        mine.showing = (tuple(jobs), node)
+        self._put(mine.slot, f"{','.join(ids)} {node}".encode())
+
+    def _mine(self):
+        """This thread's slot (claimed on first use), or None when every slot is taken."""
         mine = getattr(self._local, "mine", None)
         if mine is None:
             with self._lock:
                 if not self._free:
-                    return  # more threads than slots: this one goes unnamed
+                    return None  # more threads than slots: this one goes unnamed
                 mine = self._local.mine = _Slot(self._free.pop())
             # The thread's locals die with it (a wave's branch threads come and go): its slot comes back.
             weakref.finalize(mine, self._free.append, mine.slot)
-        if mine.showing != (job, node):
-            mine.showing = (job, node)
-            self._put(mine.slot, f"{job} {node}".encode()[: SLOT - 6])
+        return mine
 
     def leave(self) -> None:
         """This thread runs nothing now."""
@@ -82,9 +102,9 @@ class StatusPage:
                 size = int.from_bytes(self._map[base + 4:base + 6], "little")
                 data = self._map[base + 6:base + 6 + min(size, SLOT - 6)]
                 if before % 2 == 0 and int.from_bytes(self._map[base:base + 4], "little") == before:
-                    job, _, node = data.decode(errors="replace").partition(" ")
-                    if node and job.lstrip("-").isdigit():
-                        pairs.append((int(job), node))
+                    jobs, _, node = data.decode(errors="replace").partition(" ")
+                    if node:
+                        pairs += [(int(job), node) for job in jobs.split(",") if job.lstrip("-").isdigit()]
                     break
         return pairs
 

@@ -187,3 +187,35 @@ def test_a_worker_killed_by_sigkill_names_the_oom_killer_and_max_memory(local, t
         local.run(Graph.somatize(DieOnceFor(tmp_path, {2}, how="kill")), 2)
     assert ("was killed by signal 9 (SIGKILL: what the kernel's out-of-memory killer sends; "
             "soma.Local(max_memory=...) replaces a worker before it grows that far)") in str(info.value)
+
+
+class DiesInItsBatch(Node):
+    """A batching node that writes each batch it gets to a file, and ends its process the first time a
+    batch holds input 5."""
+
+    max_batch = 8
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def forward_batch(self, xs, ctx):
+        with open(os.path.join(self.folder, "batches"), "a") as f:
+            f.write(" ".join(map(str, xs)) + "\n")
+        mark = os.path.join(self.folder, "died")
+        if 5 in xs and not os.path.exists(mark):
+            open(mark, "w").close()
+            os._exit(3)
+        return Done([10 * x for x in xs])
+
+
+def test_a_worker_that_dies_in_a_batch_counts_a_try_for_every_input_of_the_batch(tmp_path):
+    with soma.Local(workers=1) as one:
+        out = list(one.map(Graph.somatize(DiesInItsBatch(tmp_path)), range(16), window=16, errors="yield"))
+    batches = [list(map(int, line.split())) for line in (tmp_path / "batches").read_text().splitlines()]
+    fatal = next(b for b in batches if 5 in b)
+    died = [y for y in out if isinstance(y, WorkerDied)]
+    # every input of the batch that was running died with it (the status page named them all), none ran again
+    assert sorted(y.index for y in died) == sorted(fatal) and all(y.tries == 1 for y in died), (died, batches)
+    assert [y for y in out if not isinstance(y, WorkerDied)] == [10 * x for x in range(16) if x not in fatal]
+    ran = [x for b in batches for x in b]
+    assert sorted(ran) == list(range(16)), batches  # each input once: the batch that died is not run again

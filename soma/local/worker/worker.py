@@ -329,8 +329,9 @@ class Worker:
             self.flush(outcomes)
 
     def run_turn(self, jobs: list, dropped: set) -> list:
-        """Outcomes of a lane's turn: one job, or the jobs queued for a piece with a batching node, run at once
-        on threads of their own so that they meet at that node (soma.run.batching)."""
+        """Outcomes of a lane's turn: one job, or the jobs queued for a piece with a batching node, run at once:
+        in one call when the piece is that node alone (`run_batch`), else on threads of their own so that
+        they meet at that node (soma.run.batching)."""
         def outcome_of(job):
             if job.id in dropped or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
                 return Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
@@ -342,9 +343,59 @@ class Worker:
         if len(jobs) == 1:
             return [outcome_of(jobs[0])]
         piece = self.library.pieces.get(jobs[0].piece)  # (loaded: its `batch` made this turn)
+        node_id = piece.interpreter.batch_node(piece.plan) if piece is not None else None
+        if node_id is not None and not any(job.traced for job in jobs):
+            return self.run_batch(piece, node_id, jobs, dropped)
         with piece.interpreter.arriving(len(jobs)) if piece is not None else contextlib.nullcontext():
             return [value for _, value in on_threads([lambda job=job: outcome_of(job) for job in jobs],
                                                      kept_threads())]
+
+    def run_batch(self, piece, node_id: str, jobs: list, dropped: set) -> list:
+        """The jobs of a piece that is one batching node, on this thread: decoded, one `forward_batch`,
+        encoded; each job its own outcome. The status page names every job of the batch (a death meanwhile
+        counts a try for each: they had all started)."""
+        start = time.perf_counter()
+        outcomes: list = [None] * len(jobs)
+        live, xs = [], []
+        for i, job in enumerate(jobs):
+            if job.id in dropped or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
+                outcomes[i] = Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
+                continue
+            try:
+                xs.append(self.decode(job.payload, node_id))
+                live.append(i)
+            except NodeError as err:
+                outcomes[i] = Outcome(job.id, False, failures.error_body(err), None, 0.0)
+        if not live:
+            return outcomes
+        status = self.status
+        status.enter_batch([jobs[i].id for i in live], node_id)
+        try:
+            try:
+                results = piece.interpreter.run_batch(node_id, xs, [RunState() for _ in live])
+            except BaseException as err:  # never lose a job: the host is waiting for it
+                results = [(False, NodeError.failed(node_id, f"worker {self.id} could not run it: "
+                                                             f"{type(err).__name__}: {err}",
+                                                    remote_traceback=traceback_text(err)))] * len(live)
+            del xs
+            seconds = (time.perf_counter() - start) / len(live)  # (each job's share: what the host measures)
+            for i, (ok, value) in zip(live, results):
+                body = None
+                if ok:
+                    try:
+                        body = self.encode(value, node_id)
+                    except NodeError as err:
+                        ok, value = False, err
+                if not ok:
+                    if not isinstance(value, NodeError):
+                        value = NodeError.failed(node_id, f"{type(value).__name__}: {value}")
+                    body = failures.error_body(value)
+                outcomes[i] = Outcome(jobs[i].id, ok, body, None, seconds)
+        finally:
+            status.leave()
+        if self.max_memory and not self.over_memory:
+            self.over_memory = private_memory() > self.max_memory
+        return outcomes
 
     def flush(self, outcomes: list) -> None:
         # Inputs and outputs of these jobs are dropped by now: what died is reported with them.
