@@ -24,6 +24,13 @@ import threading
 from . import records
 
 
+def _private_id(handle) -> str | None:
+    """The actor id a Ray handle holds privately (hex), or None where this Ray has no such attribute."""
+    try:
+        return handle._actor_id.hex()
+    except Exception:
+        return None
+
 class CopyActor:
     """One Ray actor holding one copy of a node; `load` counts the inputs routed to it and not yet finished."""
 
@@ -33,8 +40,10 @@ class CopyActor:
     def __init__(self, handle, hello_ref, owner: "NodeActors"):
         self.handle = handle  # the Ray actor handle
         # Its Ray actor id (hex), from its hello, or from Ray's error if it died before saying it: Ray 2.60's
-        # handle has no public accessor for it (only the private `_actor_id`).
-        self.actor_id: str | None = None
+        # handle has no public accessor for it. The private `_actor_id`, where it is there, names it from the
+        # start, so the start record of an actor stopped or killed before its hello can still be found and
+        # removed (a test found one left behind after a session).
+        self.actor_id: str | None = _private_id(handle)
         self.hello = hello_ref  # resolves to (pid, Ray node id, actor id) once the actor is up
         self.pid: int | None = None
         self.ray_node: str | None = None
@@ -196,10 +205,13 @@ class ActorBook:
         removes its own, answering within FORGET_S; those on the driver's machine are removed here too)."""
         for node_actors in nodes:
             actors = list(node_actors.actors)
+            ray = node_actors.ray
+            starting = [actor.hello for actor in actors if not actor.ready]
+            if starting:  # an actor still starting makes its record as it ends: let it say hello, then ask
+                ray.wait(starting, num_returns=len(starting), timeout=FORGET_S)
             for actor in actors:
                 if not actor.ready:
                     node_actors.learn(actor)
-            ray = node_actors.ray
             asked = [control(actor.handle, "forget_record") for actor in actors if actor.ready]
             if asked:
                 ray.wait(asked, num_returns=len(asked), timeout=FORGET_S)
