@@ -173,3 +173,25 @@ def test_soma_torch_batched_stacks_the_inputs_and_gives_each_its_row(runner):
     assert all(b.shape == (3,) for b in batched)
     with pytest.raises(ValueError, match=r"^soma.torch.Batched's max_batch is a positive int, got 0$"):
         Batched(layer, max_batch=0)
+
+
+class Fills(Node):
+    """A batching node alone in its graph: each input x gives a 256 KiB numpy array of x (shared memory on
+    Local), made in one forward_batch."""
+
+    max_batch = 16
+
+    def forward_batch(self, xs, ctx):
+        import numpy
+
+        return Done([numpy.full(1 << 18, x % 251, dtype=numpy.uint8) for x in xs])
+
+
+def test_batched_numpy_outputs_held_many_at_once_keep_their_values(runner):
+    import numpy
+
+    g = Graph.somatize(Fills())
+    held = list(runner.map(g, range(64)))
+    later = list(runner.map(g, range(100, 164)))  # more batches while the first outputs are still held
+    for x, value in [*zip(range(64), held), *zip(range(100, 164), later)]:
+        assert value.shape == (1 << 18,) and numpy.all(value == x % 251), x

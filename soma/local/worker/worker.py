@@ -374,9 +374,7 @@ class Worker:
             try:
                 results = piece.interpreter.run_batch(node_id, xs, [RunState() for _ in live])
             except BaseException as err:  # never lose a job: the host is waiting for it
-                results = [(False, NodeError.failed(node_id, f"worker {self.id} could not run it: "
-                                                             f"{type(err).__name__}: {err}",
-                                                    remote_traceback=traceback_text(err)))] * len(live)
+                results = [(False, self.could_not_run(node_id, err))] * len(live)
             del xs
             seconds = (time.perf_counter() - start) / len(live)  # (each job's share: what the host measures)
             for i, (ok, value) in zip(live, results):
@@ -444,13 +442,16 @@ class Worker:
         except NodeError as err:
             ok, body = False, failures.error_body(err)
         except BaseException as err:  # never lose a job: the host is waiting for it
-            err = NodeError.failed(producer if producer != "?" else entry,
-                                   f"worker {self.id} could not run it: {type(err).__name__}: {err}",
-                                   remote_traceback=traceback_text(err))
+            err = self.could_not_run(producer if producer != "?" else entry, err)
             ok, body = False, failures.error_body(err)
         finally:
             status.leave()
         return Outcome(job.id, ok, body, spans, time.perf_counter() - start)
+
+    def could_not_run(self, node_id: str, err: BaseException) -> NodeError:
+        """soma's own failure while running a job (never the node's: that is its NodeError), named."""
+        return NodeError.failed(node_id, f"worker {self.id} could not run it: {type(err).__name__}: {err}",
+                                remote_traceback=traceback_text(err))
 
     def decode(self, payload: bytes, entry: str):
         decoder = codec.Decoder(self.get_store)
