@@ -280,9 +280,11 @@ def test_needs_gpu_cuda0_to_cpu_graph_trains_end_to_end():
     assert losses[-1] < losses[0] / 2
 
 
+@pytest.mark.timeout(330)
 def test_example_train_converges():
+    # ~15 s quiet; over 120 s once with both cores busy beside the suite (a bound on hanging, not a speed)
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py")], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+                         cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "converged" in out.stdout.splitlines()[-1]
     assert "train loss by epoch: 1:" in out.stdout

@@ -155,3 +155,48 @@ def test_nesting_too_deep_for_pickle_is_named_with_its_depth():
         codec.Encoder(lambda create=True: None).pack(deep)
     assert err.value.too_deep
     assert codec.nesting_depth([1, (2, {"a": [3]})]) == 4 and codec.nesting_depth(7) == 0
+
+
+def _small_tensor_forms():
+    import torch
+
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+              torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
+              torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
+    for dtype in dtypes:
+        base = torch.randn(6, 8, dtype=dtype) if dtype.is_complex else (torch.randn(6, 8) * 10).to(dtype)
+        forms = {"matrix": base, "transposed": base.T, "0-d": base[1, 2], "row": base[2], "column": base[:, 3],
+                 "expanded": base[0, :1].expand(5, 9), "empty": base[:0], "gaps": base[::2, ::3],
+                 "channels_last": base.reshape(1, 6, 8, 1).contiguous(memory_format=torch.channels_last)}
+        if dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+            forms["negative view"] = torch._neg_view(base)
+        if dtype.is_complex:
+            forms["conjugate view"] = base.conj()
+        for form, t in forms.items():
+            yield pytest.param(t, id=f"{str(dtype).rpartition('.')[2]}-{form}")
+
+
+@pytest.mark.parametrize("t", list(_small_tensor_forms()))
+def test_small_tensors_of_every_dtype_and_form_come_back_exactly(t):
+    """Inline tensors (under the inline limit) take the decoder's one-call path: same dtype, shape, values;
+    dense forms keep their strides; lazy conj/neg bits resolved; writable, and not sharing the sender's."""
+    import torch
+
+    out = roundtrip(t)
+
+    def values(x):  # compared as complex128, through float64 for the dtypes that do not convert directly
+        x = x.reshape(-1)
+        if x.dtype in (torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2):
+            x = x.to(torch.float64)
+        return x.to(torch.complex128)
+
+    assert out.dtype == t.dtype and out.shape == t.shape
+    assert torch.equal(values(out), values(t))
+    assert not out.is_neg() and not out.is_conj()
+    if t.is_contiguous() or t.stride() in ((1, 8), (1, 0)) or t.is_contiguous(memory_format=torch.channels_last):
+        assert out.stride() == t.stride()
+    if out.numel() and 0 not in out.stride() and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert out.data_ptr() != t.data_ptr()
+        before = values(t).clone()
+        out.fill_(1)  # writable
+        assert torch.equal(values(t), before)  # and the sender's tensor is untouched by writes to what arrived

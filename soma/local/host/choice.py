@@ -128,13 +128,14 @@ class WorkerChoice:
         """Jobs of `piece` worth having in flight per worker: enough that the worker runs the next ones
         while the last outcomes travel. 2 (one running, one waiting) for jobs that take longer than a
         round trip; up to MAX_DEPTH for jobs of microseconds. MAX_DEPTH until measured. A piece with a
-        batching node: at least its max_batch."""
+        batching node: at least twice its max_batch."""
         service = self.service_s.get(piece.id)
         latency = self.latency_s.get(piece.id)
         if service is None or latency is None:
-            return max(MAX_DEPTH, piece.batch)
-        # A piece with a batching node keeps a batch's worth at each worker: its jobs run together there.
-        return max(2, piece.batch, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
+            return max(MAX_DEPTH, 2 * piece.batch)
+        # A piece with a batching node keeps two batches' worth at each worker: one running, the next one
+        # queuing behind it (with one batch's worth, the worker waited while outcomes went and inputs came).
+        return max(2, 2 * piece.batch, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
 
     def parallelism(self, pieces: list) -> int:
         """How many inputs of a program (its `pieces`) the pool works on at once: map's default window

@@ -6,14 +6,16 @@ and each worker's (inputs it sent). Workers report receipts whose storages died
 (in their RESULTs); the host's own are reported by its `SegmentStore`. When nobody holds
 a segment any more, the owner is told `FREE(name, n)`: n is how many of the
 owner's sends that settles, so a send still in flight keeps the segment busy.
+`HostSegments` is the host's own side of it: its store, its receipts, its idle trim.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 
-from ...wire.shm import owner_pid, unlink_quietly
+from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, owner_pid, unlink_quietly
 
 
 class _Entry:
@@ -92,3 +94,60 @@ class LeaseBook:
     def held_names(self) -> set[str]:
         with self._lock:
             return set(self._entries)
+
+
+class HostSegments:
+    """The host's own segments: its SegmentStore (made on first need), the receipts it lets go (its
+    decoded results dying), and the free segments it keeps for reuse, given back once the pool is idle."""
+
+    def __init__(self, prefix: str, arena: int, book: LeaseBook):
+        self.prefix, self.arena, self.book = prefix, arena, book
+        self.store = None
+        self._lock = threading.Lock()
+        self._released: deque = deque()
+        self._busy_at = time.monotonic()  # when a job was last queued or out (trim_if_idle)
+
+    def get_store(self, create: bool = True):
+        if self.store is None and create:
+            with self._lock:
+                if self.store is None:
+                    from ...wire.shm import SegmentStore
+
+                    self.store = SegmentStore(self.prefix, self.arena, on_release=self._release)
+        return self.store
+
+    def note_sent(self, name: str) -> None:
+        if self.store is not None:
+            self.store.note_sent(name)
+
+    def trim_if_idle(self, busy: bool) -> None:
+        """The host's side of what each worker does: after IDLE_TRIM_S with no job queued or out, the free
+        segments kept for reuse beyond IDLE_KEEP are given back (called by whoever listens)."""
+        now = time.monotonic()
+        if busy:
+            self._busy_at = now
+            return
+        store = self.store
+        if store is not None and store.pooled_bytes() > IDLE_KEEP and now - self._busy_at >= IDLE_TRIM_S:
+            store.trim(IDLE_KEEP)
+
+    def _release(self, name: str, n: int) -> None:
+        self._released.append((name, n))  # any thread, maybe inside GC: only queue it
+
+    def apply_releases(self) -> None:
+        """Apply the host's own dead receipts, and hand segments the host owns back to its store."""
+        if not self._released and not self.book.has_frees:
+            return
+        while self._released:
+            try:
+                name, n = self._released.popleft()
+            except IndexError:
+                break
+            self.book.released(self.book.host_pid, name, n)
+        if self.store is not None:
+            for name, n in self.book.take_frees(self.book.host_pid):
+                self.store.free(name, n)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

@@ -24,62 +24,19 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import Counter, deque
-from typing import NamedTuple
+from collections import Counter
 
 from ..._log import warn
 from ...errors import WorkerDied
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Hello, Result, Stop, Task
-from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, pool_prefix, unlink_all
-from .leases import LeaseBook
-from .procs import WorkerProcess, spawn
+from ...wire.shm import pool_prefix, unlink_all
+from .leases import HostSegments, LeaseBook
+from .procs import spawn
+from .records import Arrived, Gone, Lost, Outcomes, Ready, Undecodable
 
 START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
 PUMP_S = 0.05  # how often the pool's state is looked at (a death nobody reported is found within this)
-
-
-class Undecodable:
-    """An output that arrived but could not be decoded (the scheduler names the node)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-class Ready(NamedTuple):
-    """The worker of `slot` said hello: it takes jobs now."""
-
-    slot: int
-
-
-class Arrived(NamedTuple):
-    """What became of one job, as the host received it (`value` decoded, or the error it raised)."""
-
-    job: int
-    ok: bool
-    value: object  # the output; or the NodeError / Cancelled; or Undecodable
-    spans: list | None  # the worker's node spans, when the job was traced
-    seconds: float  # how long it ran in the worker
-    decode: tuple | None  # (start ns, end ns, bytes) of decoding it here, when traced
-
-
-class Outcomes(NamedTuple):
-    """Outcomes of jobs that the worker of `slot` sent in one Result."""
-
-    slot: int
-    worker: WorkerProcess
-    arrived: list  # [Arrived]
-
-
-class Lost(NamedTuple):
-    """The worker of `slot` is gone (it died, or the pool replaced it): the jobs it held are lost."""
-
-    slot: int
-    worker: WorkerProcess
-    ended: str  # how: "was killed by signal 9 (SIGKILL; ...)", "was stopped because ..."
-    running: list  # [(job id, node id)] its status page said it was running
 
 
 class WorkerPool:
@@ -101,14 +58,12 @@ class WorkerPool:
         self.endpoints = (f"ipc://{self.run_dir}/tasks", f"ipc://{self.run_dir}/results")
         self.workers: list = [None] * len(devices)
         self.closing = False
-        self._busy_at = time.monotonic()  # when a job was last queued or out (trim_if_idle)
         self._state_lock = threading.RLock()
         self._changed = threading.Condition(self._state_lock)  # a worker said hello or died
         self._start_failures = Counter()
         self._spawn_errors: dict = {}  # slot → why its worker could not be started again (tried again later)
         self._book = LeaseBook(self.host_pid)
-        self._store = None
-        self._host_released: deque = deque()
+        self.segments = HostSegments(self.prefix, self.arena, self._book)
         self._send_lock = threading.Lock()
         self._results_closed = False
         self._snapshot = None  # see slots(): None when it must be taken again
@@ -206,8 +161,7 @@ class WorkerPool:
                 self._tasks.close(0)
             if self._results_closed:
                 self._zctx.term()
-        if self._store is not None:
-            self._store.close()
+        self.segments.close()
         unlink_all(self.prefix)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -333,8 +287,7 @@ class WorkerPool:
             for job in jobs:
                 for name in job.shared:
                     self._book.lent(name, worker.pid)
-                    if self._store is not None:
-                        self._store.note_sent(name)
+                    self.segments.note_sent(name)
             task = Task(code, pieces, [(u.id, u.piece.id, u.payload, [u.flow.index] if u.traced else False)
                                        for u in jobs],  # JobSpecs, packed
                         self._book.take_frees(worker.pid), forget)
@@ -423,7 +376,7 @@ class WorkerPool:
         if worker is None or worker.retired:
             # A worker already retired: its outputs are dropped, but the segments they name must still
             # be counted and settled.
-            worker = _Gone(result.pid)
+            worker = Gone(result.pid)
         decoded = []
         decoder = codec.Decoder(self.get_store)
         try:
@@ -444,49 +397,21 @@ class WorkerPool:
         # Releases after the values: a handle echoed back must be counted before the input's receipt drops.
         for name, n in result.releases:
             self._book.released(worker.pid, name, n)
-        if isinstance(worker, _Gone):
+        if isinstance(worker, Gone):
             return []
         if result.leaving:
             self.leaving(worker.slot)
         return [Outcomes(worker.slot, worker, decoded)]
 
-    # -- shared memory -------------------------------------------------------------------------------------
+    # -- shared memory (the host's own segments: leases.HostSegments) -------------------------------------
     def get_store(self, create: bool = True):
-        if self._store is None and create:
-            with self._state_lock:
-                if self._store is None:
-                    from ...wire.shm import SegmentStore
-
-                    self._store = SegmentStore(self.prefix, self.arena, on_release=self._host_release)
-        return self._store
+        return self.segments.get_store(create)
 
     def trim_if_idle(self, busy: bool) -> None:
-        """The host's side of what each worker does: after IDLE_TRIM_S with no job queued or out, the free
-        segments kept for reuse beyond IDLE_KEEP are given back (called by whoever listens)."""
-        now = time.monotonic()
-        if busy:
-            self._busy_at = now
-            return
-        store = self._store
-        if store is not None and store.pooled_bytes() > IDLE_KEEP and now - self._busy_at >= IDLE_TRIM_S:
-            store.trim(IDLE_KEEP)
-
-    def _host_release(self, name: str, n: int) -> None:
-        self._host_released.append((name, n))  # any thread, maybe inside GC: only queue it
+        self.segments.trim_if_idle(busy)
 
     def apply_host_releases(self) -> None:
-        """Apply the host's own dead receipts, and hand segments the host owns back to its pool."""
-        if not self._host_released and not self._book.has_frees:
-            return
-        while self._host_released:
-            try:
-                name, n = self._host_released.popleft()
-            except IndexError:
-                break
-            self._book.released(self.host_pid, name, n)
-        if self._store is not None:
-            for name, n in self._book.take_frees(self.host_pid):
-                self._store.free(name, n)
+        self.segments.apply_releases()
 
     def flush_frees(self) -> None:
         """Tell owners about segments nobody holds any more (otherwise they ride on the next Task)."""
@@ -550,10 +475,3 @@ class WorkerPool:
             warn("soma.local", "soma: could not start a new worker w%s: %s: %s", slot, type(err).__name__, err)
             return
         self._spawn_errors.pop(slot, None)
-
-
-class _Gone:
-    """A worker process the pool no longer has (its last frames still arrive)."""
-
-    def __init__(self, pid: int):
-        self.pid = pid

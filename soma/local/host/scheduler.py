@@ -35,7 +35,7 @@ from ...plan import last_step
 from ...run.postcondition import check_postcondition
 from .choice import WorkerChoice
 from .flows import Flow, Job, Walker
-from .pool import Lost, Outcomes, Ready, Undecodable
+from .records import Lost, Outcomes, Ready, Undecodable
 
 LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 

@@ -13,11 +13,12 @@ How messages flow through a worker (the host is drawn in `soma.local`):
                                              │ lanes go to other serving threads at once; a follower
                                              ▼ takes over receiving if a job runs longer than 2 ms
                      run_lane: each job in order ─▶ run_job:
-                                   decode the input (soma.wire.codec: map shared segments by name)
+                                   decode the input (values.py → soma.wire.codec: map shared segments by name)
                                    Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward,
                                                      Done, postcondition; one input per node at once)
                                    encode the output (tensors become segment handles)
                      flush: Result[outcomes, releases]; outcomes of short jobs travel together
+                                   (and what is done goes before a turn that may be long: a batch)
     host PULL ◀──Hello/Result── PUSH (one lock: any thread may send)
 
     status page: which job and node each thread runs, for the host to read if we die.

@@ -6,7 +6,6 @@ import contextlib
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -14,15 +13,16 @@ from collections import deque
 import zmq
 
 from ..._log import warn
-from ...errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
+from ...errors import Cancelled, NodeError, traceback_text
 from ...run.interpreter import Interpreter, RunState, span
 from ...run.threads import kept_threads, on_threads
-from ...wire import codec, failures, protocol, transport
+from ...wire import failures, protocol, transport
 from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
 from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, unlink_all
 from ...wire.status import StatusPage
-from .imports import AfterImport
 from .library import Library
+from .resources import Arena, DeviceSetup, private_memory
+from .values import decode_input, encode_output
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 WATCHDOG_S = 0.5
@@ -32,17 +32,6 @@ ACTIVE_S = 0.1  # after this long without a job, followers sleep until the next 
 FLUSH_S = 0.001  # outcomes of short jobs wait at most this long to travel together
 MAX_THREADS = 64  # serving threads: one per piece running at once, and one receiving
 _STOP = object()  # next_turn's answer when the worker is stopping
-
-
-def private_memory() -> int:
-    """This process's own resident memory: its resident set less file-backed and shared pages (libraries,
-    and the shared-memory segments values cross in, which soma bounds itself)."""
-    with open("/proc/self/statm", "rb") as f:
-        fields = f.read().split()
-    return (int(fields[1]) - int(fields[2])) * _PAGE
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 class Lane:
@@ -59,7 +48,6 @@ class Worker:
     def __init__(self, args, secret: bytes):
         self.id = args.id
         self.device = args.device
-        self.threads = max(1, args.threads)
         self.host_pid = args.host_pid
         self.prefix = args.prefix
         self.arena = args.arena
@@ -96,23 +84,23 @@ class Worker:
         self.max_memory = args.max_memory  # bytes, or 0: no cap
         self.over_memory = False  # above max_memory after a job: it runs nothing more, and the host replaces it
         self.cancelled: set = set()  # job ids the host no longer wants (dropped unless started)
+        self.pace: dict = {}  # piece id → seconds its last job took here (whether outcomes may wait: run_lane)
         # What this worker knows: node code, nodes, pieces.
         self.library = Library(self.id, self.make_interpreter)
         self.status = StatusPage(args.status, create=True)
         self.store = None
         self.store_lock = threading.Lock()
         self.allocator = Arena(self.get_store)  # ctx.empty / ctx.empty_array
-        self.torch_ready = False
-        self.torch_lock = threading.Lock()
         self.local = threading.local()
-        self.cuda = self.device.startswith("cuda")
+        self.devices = DeviceSetup(self.device, max(1, args.threads))  # torch's threads, CUDA's device
+        self.cuda = self.devices.cuda
         self.preload_torch = args.preload_torch or self.cuda
 
     # -- life --------------------------------------------------------------------------------
     def serve(self) -> int:
         threading.current_thread().name = "lane 0"  # serving threads are named by what they do (the trace shows them)
         signal.signal(signal.SIGTERM, self.terminated)
-        self.when_torch_imports()
+        self.devices.when_torch_imports()
         threading.Thread(target=self.watch_host, name="soma-watchdog", daemon=True).start()
         self.send(protocol.Hello(self.id, os.getpid(), self.device))
         if self.preload_torch:
@@ -317,7 +305,15 @@ class Worker:
                     turn.append(lane.jobs.popleft())  # a batching node's jobs run together: they share calls
                 dropped = {job.id for job in turn if job.id in self.cancelled}
                 self.cancelled -= dropped
+            piece = turn[0].piece
+            if outcomes and (len(turn) > 1 or self.pace.get(piece, FLUSH_S) >= FLUSH_S):
+                # The next turn may be long (a batch; a piece not known to be quick): what is done goes now,
+                # so that it neither waits for that turn nor dies with this worker if that turn ends it (it
+                # would run again elsewhere: the status page no longer names it).
+                self.flush(outcomes)
+                outcomes = []
             for outcome in self.run_turn(turn, dropped):
+                self.pace[piece] = outcome.seconds
                 now = time.monotonic()
                 if not outcomes:
                     first_at = now
@@ -362,7 +358,7 @@ class Worker:
                 outcomes[i] = Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
                 continue
             try:
-                xs.append(self.decode(job.payload, node_id))
+                xs.append(decode_input(job.payload, node_id, self.id, self.get_store))
                 live.append(i)
             except NodeError as err:
                 outcomes[i] = Outcome(job.id, False, failures.error_body(err), None, 0.0)
@@ -381,7 +377,7 @@ class Worker:
                 body = None
                 if ok:
                     try:
-                        body = self.encode(value, node_id)
+                        body = encode_output(value, node_id, self.get_store)
                     except NodeError as err:
                         ok, value = False, err
                 if not ok:
@@ -419,7 +415,7 @@ class Worker:
             if piece is None:
                 plan, steps, entry, producer = self.library.describe(job.piece)
                 status.enter(job.id, entry)
-                self.on_thread()  # (a node's code may touch CUDA as it loads)
+                self.devices.on_thread()  # (a node's code may touch CUDA as it loads)
                 loading = time.monotonic_ns() if spans is not None else 0
                 try:  # its imports (torch: a second or more) are a span of their own, not a silent gap
                     piece = self.library.load(job.piece, plan, steps, entry, producer)
@@ -430,14 +426,14 @@ class Worker:
                 entry, producer = piece.entry, piece.producer
                 status.enter(job.id, entry)
             if self.cuda:
-                self.on_thread()  # a cuda:N worker's current device is per thread: this one's too
-            x = self.decode(job.payload, entry)
+                self.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
+            x = decode_input(job.payload, entry, self.id, self.get_store)
             value = piece.interpreter.run(piece.plan, x, RunState(self, job.id, job.traced[0] if job.traced else None),
                                           spans)
             del x
             if producer != entry:
                 status.enter(job.id, producer)
-            body = self.encode(value, producer)
+            body = encode_output(value, producer, self.get_store)
             ok = True
         except NodeError as err:
             ok, body = False, failures.error_body(err)
@@ -453,38 +449,9 @@ class Worker:
         return NodeError.failed(node_id, f"worker {self.id} could not run it: {type(err).__name__}: {err}",
                                 remote_traceback=traceback_text(err))
 
-    def decode(self, payload: bytes, entry: str):
-        decoder = codec.Decoder(self.get_store)
-        try:
-            return decoder.unpack(payload)
-        except Exception as err:
-            raise NodeError.failed(entry, f"its input could not be received in worker {self.id}: "
-                                          f"{type(err).__name__}: {err}") from None
-
-    def encode(self, value, producer: str) -> bytes:
-        encoder = codec.Encoder(self.get_store)
-        try:
-            data = encoder.pack(value)
-        except codec.GradCrossing as err:
-            raise NodeError.failed(producer, err.reason("it returned")) from None
-        except SharedMemoryFull as err:
-            raise SharedMemoryFull.reserving(producer, err.nbytes, "its output") from None
-        except codec.Unsendable as err:
-            hint = "" if err.too_deep else " (return plain data, tensors, or picklable objects)"
-            raise NodeError.failed(producer, f"its output cannot be sent back to the host: {err}{hint}") from None
-        except Exception as err:
-            raise NodeError.failed(
-                producer, f"its output cannot be sent back to the host: {type(err).__name__}: {err} "
-                          f"(return plain data, tensors, or picklable objects)") from None
-        if encoder.shared:
-            store = self.get_store()
-            for name in encoder.shared:
-                store.note_sent(name)  # before the encoder (and the copies it keeps alive) goes
-        return data
-
     # -- pieces and nodes (the library's) ------------------------------------------------------------
     def make_interpreter(self, nodes: dict, devices: dict) -> Interpreter:
-        return Interpreter(nodes, devices, worker=self.id, allocate=self.allocator, remote=True, on_thread=self.on_thread)
+        return Interpreter(nodes, devices, worker=self.id, allocate=self.allocator, remote=True, on_thread=self.devices.on_thread)
 
     def forget(self, keys: list) -> None:
         """The host's copies of these nodes are gone: drop them, their pieces, and those pieces' idle lanes."""
@@ -504,34 +471,7 @@ class Worker:
         if not getattr(self.local, "serving", False):
             self.status.leave()
 
-    # -- torch, devices, shared memory -----------------------------------------------------------
-    def setup_torch(self) -> None:
-        """This worker's share of threads and its CUDA device, once torch is imported (by whoever)."""
-        import torch
-
-        with self.torch_lock:
-            if self.torch_ready:
-                return
-            torch.set_num_threads(self.threads)
-            if self.cuda:
-                torch.cuda.set_device(int(self.device.split(":")[1]))
-            self.torch_ready = True
-
-    def when_torch_imports(self) -> None:
-        """Run setup_torch as part of the first `import torch` in this process (see imports.py for why)."""
-        if "torch" in sys.modules:
-            self.setup_torch()
-        else:
-            sys.meta_path.insert(0, AfterImport("torch", self.setup_torch))
-
-    def on_thread(self) -> None:
-        """First thing on every thread that runs nodes: CUDA's current device is per thread."""
-        if self.cuda and not getattr(self.local, "pinned", False):
-            import torch
-
-            torch.cuda.set_device(int(self.device.split(":")[1]))
-            self.local.pinned = True
-
+    # -- shared memory -------------------------------------------------------------------------
     def get_store(self, create: bool = True):
         if self.store is None and create:
             with self.store_lock:
@@ -545,40 +485,3 @@ class Worker:
         store = self.get_store()
         for name, n in frees:
             store.free(name, n)
-
-class Arena:
-    """`ctx.empty` and `ctx.empty_array` in a worker: a tensor or an ndarray born in a segment this worker owns
-    and has mapped already (reused ones are faulted in), so returning it copies nothing.
-
-    Small ones come from the heap: they travel inline anyway.
-    """
-
-    def __init__(self, get_store):
-        self.get_store = get_store
-
-    def tensor(self, size: tuple, dtype):
-        import torch
-
-        from ...wire.tensors import _over
-
-        numel = 1
-        for s in size:
-            numel *= s
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if nbytes < codec.INLINE_LIMIT:
-            return torch.empty(size, dtype=dtype)
-        view, _ = self.get_store().allocate(nbytes)
-        return _over(torch, view, dtype, 0, size, None)
-
-    def array(self, shape, dtype, order: str):
-        import numpy
-
-        dtype = numpy.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        nbytes = dtype.itemsize
-        for s in shape:
-            nbytes *= s
-        if nbytes < codec.INLINE_LIMIT or dtype.hasobject:
-            return numpy.empty(shape, dtype, order)
-        view, _ = self.get_store().allocate(nbytes)
-        return numpy.ndarray(shape, dtype, buffer=view, order=order)

@@ -1,0 +1,65 @@
+"""What the worker pool hands up to whoever receives: records of what happened, never calls back.
+
+    Ready      a worker said hello: it takes jobs now
+    Outcomes   the Arrived jobs one Result brought (values decoded, or Undecodable)
+    Lost       a worker is gone, with what its status page said it was running
+
+The pool returns these from `handle(frame)` and `retire(slot)`; the receiver gives
+them to the scheduler (`Scheduler.handle`). Nothing here knows either of them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .procs import WorkerProcess
+
+
+class Undecodable:
+    """An output that arrived but could not be decoded (the scheduler names the node)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Ready(NamedTuple):
+    """The worker of `slot` said hello: it takes jobs now."""
+
+    slot: int
+
+
+class Arrived(NamedTuple):
+    """What became of one job, as the host received it (`value` decoded, or the error it raised)."""
+
+    job: int
+    ok: bool
+    value: object  # the output; or the NodeError / Cancelled; or Undecodable
+    spans: list | None  # the worker's node spans, when the job was traced
+    seconds: float  # how long it ran in the worker
+    decode: tuple | None  # (start ns, end ns, bytes) of decoding it here, when traced
+
+
+class Outcomes(NamedTuple):
+    """Outcomes of jobs that the worker of `slot` sent in one Result."""
+
+    slot: int
+    worker: WorkerProcess
+    arrived: list  # [Arrived]
+
+
+class Lost(NamedTuple):
+    """The worker of `slot` is gone (it died, or the pool replaced it): the jobs it held are lost."""
+
+    slot: int
+    worker: WorkerProcess
+    ended: str  # how: "was killed by signal 9 (SIGKILL; ...)", "was stopped because ..."
+    running: list  # [(job id, node id)] its status page said it was running
+
+
+class Gone:
+    """A worker process the pool no longer has (its last frames still arrive)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid

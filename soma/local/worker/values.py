@@ -1,0 +1,38 @@
+"""A job's input and output in a worker: decoded from the host's message, encoded for it, every failure a
+NodeError that names the node (the encoder's sends counted before it goes: see codec.Encoder)."""
+
+from __future__ import annotations
+
+from ...errors import NodeError, SharedMemoryFull
+from ...wire import codec
+
+
+def decode_input(payload: bytes, entry: str, worker: str, get_store):
+    decoder = codec.Decoder(get_store)
+    try:
+        return decoder.unpack(payload)
+    except Exception as err:
+        raise NodeError.failed(entry, f"its input could not be received in worker {worker}: "
+                                      f"{type(err).__name__}: {err}") from None
+
+
+def encode_output(value, producer: str, get_store) -> bytes:
+    encoder = codec.Encoder(get_store)
+    try:
+        data = encoder.pack(value)
+    except codec.GradCrossing as err:
+        raise NodeError.failed(producer, err.reason("it returned")) from None
+    except SharedMemoryFull as err:
+        raise SharedMemoryFull.reserving(producer, err.nbytes, "its output") from None
+    except codec.Unsendable as err:
+        hint = "" if err.too_deep else " (return plain data, tensors, or picklable objects)"
+        raise NodeError.failed(producer, f"its output cannot be sent back to the host: {err}{hint}") from None
+    except Exception as err:
+        raise NodeError.failed(
+            producer, f"its output cannot be sent back to the host: {type(err).__name__}: {err} "
+                      f"(return plain data, tensors, or picklable objects)") from None
+    if encoder.shared:
+        store = get_store()
+        for name in encoder.shared:
+            store.note_sent(name)  # before the encoder (and the copies it keeps alive) goes
+    return data
