@@ -219,6 +219,12 @@ class ActorBook:
             for actor in actors:
                 node_actors.remove(actor)
                 node_actors.kill(actor)
+            late = [actor for actor in actors if not actor.ready]
+            if late:
+                # Still starting when killed (slower than FORGET_S: a loaded machine): it may have made its
+                # record since it was looked for. Once its hello has failed it writes nothing more: remove it then.
+                ray.wait([actor.hello for actor in late], num_returns=len(late), timeout=FORGET_S)
+                records.forget(late)
 
 
 def control(handle, method: str, *args):

@@ -113,12 +113,22 @@ def _lib():
                              ctypes.c_long]
         lib.munmap.restype = ctypes.c_int
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.madvise.restype = ctypes.c_int
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc = lib
     return _libc
 
 
-def _map_file(path: str, nbytes: int) -> int:
-    """The address of a fresh shared, writable mapping of the first `nbytes` of `path` (no fd kept)."""
+# Linux >= 5.14: map every page of a range now, in one call, instead of one fault per 4 KiB page when the bytes
+# are first touched (a value is about to be written or read whole). Measured here for 1 GiB: about half the
+# time of the faults it replaces. Older kernels answer EINVAL and the pages fault in as before.
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
+POPULATE_BYTES = 1 << 20  # smaller mappings fault in few pages: not worth a call
+
+
+def _map_file(path: str, nbytes: int, populate: int = 0) -> int:
+    """The address of a fresh shared, writable mapping of the first `nbytes` of `path` (no fd kept);
+    `populate`: _MADV_POPULATE_WRITE or _READ to map its pages now when it is large."""
     fd = os.open(path, os.O_RDWR)
     try:
         address = _lib().mmap(None, nbytes, _PROT_RW, _MAP_SHARED, fd, 0)
@@ -127,6 +137,8 @@ def _map_file(path: str, nbytes: int) -> int:
     if address is None or address == ctypes.c_void_p(-1).value:
         err = ctypes.get_errno()
         raise OSError(err, f"could not map {path}: {os.strerror(err)}")
+    if populate and nbytes >= POPULATE_BYTES:
+        _lib().madvise(address, nbytes, populate)  # (a hint: its failure changes nothing but speed)
     return address
 
 
@@ -246,7 +258,7 @@ class SegmentStore:
             raise SharedMemoryFull.reserving(None, size, f"a segment ({err.strerror})") from None
         os.close(fd)
         try:
-            address = _map_file(path, size)
+            address = _map_file(path, size, _MADV_POPULATE_WRITE)  # (the value is copied in next)
         except OSError:
             unlink_quietly(name)
             raise
@@ -326,7 +338,8 @@ class SegmentStore:
             if size < nbytes:
                 # Mapping beyond the end of the file would raise SIGBUS when touched.
                 raise ShmError(f"segment {name} holds {size} bytes, the handle claims {nbytes}")
-            view = self._view(None, owned=False, name=name, address=_map_file(path, nbytes), nbytes=nbytes)
+            view = self._view(None, owned=False, name=name, address=_map_file(path, nbytes, _MADV_POPULATE_READ),
+                              nbytes=nbytes)
         with self._lock:
             self._by_name[name].receipts += 1
         return view
