@@ -119,9 +119,8 @@ _DTYPES: dict = {}  # a dtype's name on the wire → the torch dtype
 
 
 def decode_tensor(dec, handle: list):
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch
+    import torch  # (not sys.modules: another thread may be importing it, and `import` waits for that to end)
+
     kind = handle[0]
     if kind == T_TORCH:
         return _from_torch(dec, handle, torch)
