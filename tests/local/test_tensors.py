@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from soma import Graph, NodeError, SharedMemoryFull  # noqa: E402
+import soma  # noqa: E402
+from soma import Done, Graph, Node, NodeError, SharedMemoryFull  # noqa: E402
 from soma.wire.codec import INLINE_LIMIT  # noqa: E402
 from tests.conftest import shm_names  # noqa: E402
 from tests.nodes import (  # noqa: E402
@@ -167,3 +168,35 @@ def test_a_segment_that_cannot_be_made_for_an_input_is_an_error_naming_the_node(
         local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))
     monkeypatch.undo()
     assert float(local.run(Graph.somatize(Identity()), torch.ones(BIG)).sum()) == BIG  # and nothing is lost
+
+
+class SumsRows(Node):
+    """A batching node over small tensors: each input's sum, and how many shared the call."""
+
+    max_batch = 16
+
+    def setup(self, ctx):
+        import torch
+
+        self.ones = torch.nn.Linear(8, 1, bias=False).requires_grad_(False)  # (a model made at setup, as users do)
+        self.ones.weight.fill_(1.0)
+
+    def forward_batch(self, xs, ctx):
+        sums = self.ones(torch.stack(xs))[:, 0]
+        return Done([(float(s), len(xs)) for s in sums])
+
+
+def test_small_tensors_from_many_threads_while_a_fresh_worker_imports_torch():
+    """A fresh pool's workers import torch on the first tensor (and the node's setup with it) while 64 callers'
+    tensors keep coming: every answer right. (The decoder once read torch from sys.modules instead of importing
+    it: a worker whose torch another thread was importing failed with `partially initialized module 'torch' has
+    no attribute 'float32'`, one pool in three with the batching benchmark's model; this smaller form did not
+    catch it in three tries: it guards the path, the fix is the `import` in soma.wire.tensors.decode_tensor.)"""
+    import concurrent.futures as cf
+
+    xs = [torch.full((8,), float(i)) for i in range(128)]
+    g = Graph.somatize(SumsRows())
+    with soma.Local(workers=2) as fresh, cf.ThreadPoolExecutor(64) as callers:
+        out = list(callers.map(lambda x: fresh.run(g, x), xs))
+    assert [s for s, _ in out] == [8.0 * i for i in range(128)]
+    assert all(1 <= n <= 16 for _, n in out)
