@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ROOT / "tests" / "ray" / "checks.py"
 RUN_S = 600  # the whole subprocess: ~3 min on a quiet machine, up to ~8 min with its 2 cores shared
 
-pytestmark = pytest.mark.timeout(RUN_S + 60)
+# own_ray: a Ray of its own (in the subprocess), so tests/conftest.py runs it last, the session's Ray down first
+pytestmark = [pytest.mark.timeout(RUN_S + 60), pytest.mark.own_ray]
 
 
 def why_ray_cannot_run_here() -> str | None:

@@ -74,14 +74,6 @@ def test_ctx_repr_shows_node_and_device():
     assert out["repr"] == "Ctx(node='encoder', device='meta', worker=None)"
 
 
-def test_failure_is_a_node_error_with_the_cause():
-    g = Graph.somatize(Identity() >> Boom())
-    with pytest.raises(NodeError, match=r"^node `boom` failed: ValueError: boom on 7$") as info:
-        Executor().run(g, 7)
-    assert info.value.node == "boom"
-    assert isinstance(info.value.__cause__, ValueError)
-
-
 def test_forward_must_return_done():
     g = Graph.somatize(ReturnsList().named("tokenize"))
     with pytest.raises(NodeError, match=r"^node `tokenize` failed: forward returned list, not Done$"):

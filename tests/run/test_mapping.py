@@ -29,11 +29,6 @@ from tests.nodes import (
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=["executor", "local"], scope="module")
-def runner(request, local):
-    return soma.Executor() if request.param == "executor" else local
-
-
 def chain_with_a_wave():
     return Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
 
