@@ -12,9 +12,27 @@ import pytest
 import soma
 from soma import Executor, Graph, NodeError, PlacementError, PostconditionError
 from tests.conftest import ROOT, in_threads, shm_names
+from tests.local.nodes import (
+    Burn,
+    Counter,
+    HoldsLock,
+    TouchFile,
+    Tracked,
+    WhereAmI,
+    burn,
+)
 from tests.nodes import (
-    AddOne, Boom, Burn, Count, Counter, Double, HoldsLock, Identity, Join, Pid, ReturnsMovingDevice,
-    ReturnsUnpicklable, SeeCtx, Tokenize, TouchFile, Tracked, Upper, WhereAmI, burn,
+    AddOne,
+    Boom,
+    Count,
+    Double,
+    Identity,
+    Pid,
+    ReturnsMovingDevice,
+    ReturnsUnpicklable,
+    SeeCtx,
+    Tokenize,
+    Upper,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,7 +158,7 @@ def test_node_code_that_cannot_load_in_the_worker(local, tmp_path):
 
 
 def test_concurrent_runs_from_four_threads(local):
-    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
+    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Identity().named("join"))
     g2 = Graph.somatize(Tokenize() >> (Upper() | Count()))
 
     def go(i):
@@ -151,7 +169,7 @@ def test_concurrent_runs_from_four_threads(local):
         assert results[i] == [(((k + 1) * 2, k + 1), (["A", "B"], 2)) for k in range(40)]
 
 
-BURN_SCRIPT = "import sys; from tests.nodes import burn; burn(int(sys.argv[1]))"
+BURN_SCRIPT = "import sys; from tests.local.nodes import burn; burn(int(sys.argv[1]))"
 
 
 def parallel_capacity(n: int) -> float:
@@ -278,7 +296,7 @@ def test_pinning_spreads_devices_over_workers():
 
 def test_threads_per_worker_are_set_and_checked():
     pytest.importorskip("torch")
-    from tests.nodes import Threads
+    from tests.local.nodes import Threads
 
     with soma.Local(workers=1, threads=3) as pool:
         assert pool.run(Graph.somatize(Threads()), 0) == ("3", 3)

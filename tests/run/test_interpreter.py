@@ -4,7 +4,8 @@ every runner (SPEC 2, 7), each test written once and run on each (the `runner` f
 import pytest
 
 from soma import Executor, Graph, NodeError
-from tests.nodes import AddOne, Boom, Count, Double, Identity, Join, ReturnsList, Tokenize, Upper
+from tests.nodes import AddOne, Boom, Count, Double, Identity, Tokenize, Upper
+from tests.run.nodes import ReturnsList
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -13,8 +14,8 @@ def graphs():
     return [
         Graph.somatize(Identity()),
         Graph.somatize(AddOne() >> Double() >> AddOne()),
-        Graph.somatize(Tokenize() >> (Upper() | Count() | Identity()) >> Join()),
-        Graph.somatize(AddOne() >> ((Double() >> AddOne()) | (Identity() | Double())) >> Join()),
+        Graph.somatize(Tokenize() >> (Upper() | Count() | Identity()) >> Identity().named("join")),
+        Graph.somatize(AddOne() >> ((Double() >> AddOne()) | (Identity() | Double())) >> Identity().named("join")),
         Graph.somatize(Double() | AddOne()),
     ]
 
@@ -27,7 +28,7 @@ def test_same_answers_as_in_process(runner, index):
 
 
 def test_run_and_map_give_the_executors_answers(runner):
-    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Join())
+    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Identity().named("join"))
     xs = ["a b c", "d", "x y", "p q r s"]
     executor = [Executor().run(g, x) for x in xs]
     assert [runner.run(g, x) for x in xs] == executor

@@ -11,26 +11,21 @@ import pytest
 import soma
 from soma import Graph, NodeError, RunTimeout, WorkerDied
 from tests.conftest import in_threads, wait_for
-from tests.nodes import (
-    AddOne,
+from tests.nodes import AddOne, Double, Identity, OneCopyCounter, Sleep
+from tests.run.nodes import (
     AppendLine,
-    Double,
     FailOn,
-    Identity,
-    Join,
     NotReentrant,
-    OneCopyCounter,
     OneCopySleep,
     PidAfter,
     SetupCounter,
-    Sleep,
 )
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def chain_with_a_wave():
-    return Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
+    return Graph.somatize(AddOne() >> (Double() | Identity()) >> Identity().named("join"))
 
 
 class Counted:
@@ -215,7 +210,7 @@ def test_a_caller_slower_than_the_timeout_gets_every_output_that_came_in_time(lo
 
 def test_a_timeout_names_the_node_still_running_not_a_finished_branch(local):
     """A wave's branches run on threads of the worker; one that has finished is not running any more."""
-    g = Graph.somatize((Identity() | Identity().named("other")) >> Join() >> Sleep(5).named("slow"))
+    g = Graph.somatize((Identity() | Identity().named("other")) >> Identity().named("join") >> Sleep(5).named("slow"))
     with pytest.raises(RunTimeout) as info:
         list(local.map(g, [0, 1], window=2, timeout=1.0))  # window >= workers: each input whole on a worker
     assert info.value.nodes == ("slow",), str(info.value)

@@ -7,7 +7,7 @@ import pytest
 import soma
 from soma import Graph, NodeError
 from tests.conftest import cuda_available
-from tests.nodes import MakesOnDevice, SetupCounter, SetupFailsOnce, SetupSees
+from tests.run.nodes import MakesOnDevice, SetupCounter, SetupFailsOnce, SetupSees
 
 
 def test_setup_runs_once_before_the_first_forward(runner):

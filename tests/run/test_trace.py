@@ -10,7 +10,7 @@ import pytest
 import soma
 from soma import Graph, NodeError, SomaError
 from tests.conftest import wait_for
-from tests.nodes import AddOne, Boom, Double, Identity, Join, MarkThenSleep, Rendezvous
+from tests.nodes import AddOne, Boom, Double, Identity, MarkThenSleep, Rendezvous
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +36,7 @@ def worker_pids(runner, meta):
 
 
 def test_every_node_execution_of_run_and_map_is_one_complete_event(runner, tmp_path):
-    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
+    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Identity().named("join"))
     path = tmp_path / "run.json"
     before = time.monotonic_ns()
     with runner.trace(path):
