@@ -116,13 +116,18 @@ def why_ray_cannot_run_here(config) -> str | None:
     if not started_as_the_pytest_command(config):
         return ("pytest runs inside another program (pytest.main), which the session must not replace; run "
                 "`python -m pytest` to give Ray a loopback-only network namespace")
+    return why_no_loopback_namespace() or _REPLACING
+
+
+def why_no_loopback_namespace() -> str | None:
+    """None when `unshare -n sh -c 'ip link set lo up'` works here; otherwise why not."""
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         return "unshare or ip is missing: no loopback-only network namespace for Ray"
     probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, text=True)
     if probe.returncode != 0:
         return (f"this machine does not allow a loopback-only network namespace (unshare -n: "
                 f"{probe.stderr.strip() or probe.returncode}), and Ray must not bind its real address in tests")
-    return _REPLACING
+    return None
 
 
 def on_loopback_only() -> bool:

@@ -257,6 +257,15 @@ class Rendezvous(Node):
                      "end": time.monotonic_ns(), "worker": ctx.worker})
 
 
+class FailOdd(Node):
+    """Returns its input, except for odd ones, where it raises ValueError("odd <x>")."""
+
+    def forward(self, x, ctx):
+        if x % 2:
+            raise ValueError(f"odd {x}")
+        return Done(x)
+
+
 class AlwaysDie(Node):
     """Ends its process (os._exit) on every input."""
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from soma import Done, Graph, Node, NodeError, RunTimeout
-from tests.nodes import RaiseCounting
+from tests.nodes import FailOdd, RaiseCounting
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -15,13 +15,6 @@ pytestmark = pytest.mark.timeout(120)
 class Slow(Node):
     def forward(self, x, ctx):
         time.sleep(x)
-        return Done(x)
-
-
-class FailOdd(Node):
-    def forward(self, x, ctx):
-        if x % 2:
-            raise ValueError(f"odd {x}")
         return Done(x)
 
 
