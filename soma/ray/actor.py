@@ -293,7 +293,7 @@ class NodeCopy:
             return self.run(args, token, shape, checks, None)
         start, spans = time.monotonic_ns(), []
         try:
-            return self.run(args, token, shape, checks, spans)
+            return self.run(args, token, shape, checks, spans, trace_tag[0])
         finally:
             self._keep(trace_tag[1], start, [(trace_tag[0], spans)])
 
@@ -313,7 +313,9 @@ class NodeCopy:
             spans = [] if trace_tag is not None else None
             if spans is not None:
                 traced.append((trace_tag, spans))
-            calls.append(lambda a=args[start:start + count], s=shape, c=checks, p=spans: self.run(a, None, s, c, p))
+            index = trace_tag[0] if trace_tag is not None else None
+            calls.append(lambda a=args[start:start + count], s=shape, c=checks, p=spans, i=index:
+                         self.run(a, None, s, c, p, i))
             start += count
         try:
             return self._each(calls)
@@ -341,8 +343,9 @@ class NodeCopy:
         """Keep a traced call's record for the driver: when it ran, on which thread, the inputs it carried."""
         self.traced.append((block, start_ns, time.monotonic_ns(), threading.get_native_id(), inputs))
 
-    def run(self, args: tuple, token, shape, checks, spans):
-        """The value, or a `Failed` (see the module's drawing). With `spans`, the node's spans go there."""
+    def run(self, args: tuple, token, shape, checks, spans, index=None):
+        """The value, or a `Failed` (see the module's drawing). With `spans`, the node's spans go there;
+        `index`: a traced input's position in its map (a batching node's trace event lists them)."""
         failed = first_failure(args)
         if failed is not None:
             return failed  # upstream first: the error the driver raises is the earliest one
@@ -356,7 +359,7 @@ class NodeCopy:
         x = shaped(shape, args)
         self.running = token
         try:
-            value = self.interpreter.run(self.plan, x, RunState(), spans)
+            value = self.interpreter.run(self.plan, x, RunState(index=index), spans)
         except NodeError as err:
             return Failed(err)
         finally:

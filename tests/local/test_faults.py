@@ -15,9 +15,8 @@ import soma
 from soma import Graph, NodeError, RunTimeout, SharedMemoryFull, WorkerDied
 from soma.wire import protocol
 from tests.conftest import ROOT, shm_names, wait_for
-from tests.nodes import (
-    AddOne, Die, FullShm, Identity, MarkThenSleep, NodeExitsAtLoad, Pid, Raises, ReturnsExitAtPickle, Sleep,
-)
+from tests.local.nodes import FullShm, NodeExitsAtLoad, Raises, ReturnsExitAtPickle
+from tests.nodes import AddOne, Die, Identity, MarkThenSleep, Pid, Sleep
 
 pytestmark = pytest.mark.timeout(120)
 

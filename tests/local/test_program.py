@@ -5,10 +5,10 @@ import itertools
 import pytest
 
 from soma import Graph, GraphError, PlacementError
+from soma.local.host.program import Piece, compile_program, output_devices
 from soma.plan import Seq, Wave
 from soma.wire.protocol import parse_piece
-from soma.local.host.program import Piece, compile_program, output_devices
-from tests.nodes import AddOne, Count, Double, Identity, Join, OneCopyCounter, Tokenize, Upper
+from tests.nodes import AddOne, Count, Double, Identity, OneCopyCounter, Tokenize, Upper
 
 CPU2 = ["cpu", "cpu"]
 GPU2 = ["cuda:0", "cuda:1"]
@@ -34,7 +34,7 @@ def test_a_chain_is_one_piece():
 
 
 def test_a_top_level_wave_spreads_its_branches():
-    g = Graph.somatize(Tokenize() >> (Upper() | (Count() >> Identity())) >> Join())
+    g = Graph.somatize(Tokenize() >> (Upper() | (Count() >> Identity())) >> Identity().named("join"))
     program = compile_program(g, keys(), CPU2)
     assert str(program) == "[tokenize] >> ([upper] | [count >> identity]) >> [join]"
     assert isinstance(program, Seq) and isinstance(program.items[1], Wave)
@@ -49,7 +49,8 @@ def test_a_branch_across_two_cuda_devices_is_cut_where_the_device_changes():
 
 
 def test_a_chain_across_devices_keeps_unplaced_nodes_with_their_neighbours():
-    g = Graph.somatize(AddOne() >> Double().on("cuda:0") >> Identity() >> Count().on("cuda:1") >> Join())
+    g = Graph.somatize(AddOne() >> Double().on("cuda:0") >> Identity() >> Count().on("cuda:1")
+                       >> Identity().named("join"))
     program = compile_program(g, keys(), GPU2)
     assert str(program) == "[add_one >> double >> identity] >> [count >> join]"
     assert [p.cuda for p in pieces(program)] == ["cuda:0", "cuda:1"]
@@ -100,7 +101,7 @@ def test_what_a_piece_returned_is_checked_where_it_was_declared():
 
 
 def test_a_map_runs_each_input_whole_when_the_graph_allows():
-    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Join())
+    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Identity().named("join"))
     whole = compile_program(g, keys(), CPU2, whole=True)
     assert isinstance(whole, Piece) and str(whole) == "[tokenize >> (upper | count) >> join]"
     limited = Graph.somatize(AddOne() >> OneCopyCounter() >> Double())

@@ -1,4 +1,5 @@
-"""Long jobs survive what goes wrong: retries after a dead worker, errors in their place, memory caps.
+"""Long jobs on a pool survive what goes wrong: retries after a dead worker, memory caps. (What `retries` and
+`errors=` mean on every runner is in tests/run/test_retries.py.)
 
 Every death here is real (a worker's process ends: os._exit, SIGKILL); "once" is kept in
 files, so a node knows across processes whether it already died for an input.
@@ -6,14 +7,13 @@ files, so a node knows across processes whether it already died for an input.
 
 import os
 import signal
-import time
 
 import pytest
 
 import soma
-from soma import Done, Graph, Node, NodeError, RunTimeout, WorkerDied
+from soma import Done, Graph, Node, WorkerDied
 from tests.conftest import wait_for
-from tests.nodes import AlwaysDie, RaiseCounting
+from tests.nodes import AlwaysDie
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,12 +34,6 @@ class DieOnceFor(Node):
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)
         return Done(x * 10)
-
-
-class Slow(Node):
-    def forward(self, x, ctx):
-        time.sleep(x)
-        return Done(x)
 
 
 def runs_of(folder, x) -> int:
@@ -71,26 +65,6 @@ def test_retries_exhausted_say_how_many_tries_were_made(local):
     assert str(err).endswith("3 tries, each lost to a dead worker (retries=2)")
 
 
-def test_a_node_exception_is_never_retried(local, tmp_path):
-    with pytest.raises(NodeError, match=r"^node `raise_counting` failed: ValueError: bad input 4"):
-        local.run(Graph.somatize(RaiseCounting(tmp_path)), 4, retries=3)
-    assert open(tmp_path / "raised").read().count("x") == 1
-
-
-def test_a_timeout_is_never_retried(local):
-    with pytest.raises(RunTimeout):
-        local.run(Graph.somatize(Slow()), 5, timeout=0.5, retries=3)
-    assert local.run(Graph.somatize(Slow()), 0) == 0  # the pool goes on
-
-
-def test_retries_must_be_a_count(local):
-    for bad in (-1, 1.5, "2", True):
-        with pytest.raises(ValueError, match=r"^retries must be a number of tries beyond the first"):
-            local.run(Graph.somatize(Slow()), 0, retries=bad)
-        with pytest.raises(ValueError, match=r"^retries must be a number of tries beyond the first"):
-            soma.Executor().run(Graph.somatize(Slow()), 0, retries=bad)
-
-
 @pytest.mark.parametrize("ordered", [True, False])
 def test_a_map_with_retries_yields_every_output_once_in_order(local, tmp_path, ordered):
     doomed = {3, 11, 12, 30}
@@ -111,32 +85,6 @@ def test_inputs_a_dead_worker_had_not_started_go_elsewhere_without_an_error(loca
     assert isinstance(out[0], WorkerDied) and out[0].index == 0 and out[0].tries == 1
     assert out[1:] == [10 * i for i in range(1, 12)]
     assert all(runs_of(tmp_path, i) == 1 for i in range(12))  # each ran once: nothing was tried twice
-
-
-def test_errors_yield_puts_each_failure_in_its_place_and_goes_on(local, tmp_path):
-    g = Graph.somatize(FailOdd())
-    for runner in (soma.Executor(), local):
-        for ordered in (True, False):
-            out = list(runner.map(g, range(10), errors="yield", ordered=ordered))
-            errs = sorted((e.index, str(e)) for e in out if isinstance(e, NodeError))
-            assert errs == [(i, f"node `fail_odd` failed: ValueError: odd {i}") for i in (1, 3, 5, 7, 9)]
-            values = [v for v in out if not isinstance(v, NodeError)]
-            assert (values if ordered else sorted(values)) == [0, 2, 4, 6, 8]
-            if ordered:
-                assert [isinstance(v, NodeError) for v in out] == [i % 2 == 1 for i in range(10)]
-
-
-def test_errors_must_be_raise_or_yield(local):
-    for runner in (soma.Executor(), local):
-        with pytest.raises(ValueError, match=r"^map's errors must be 'raise' or 'yield', got 'skip'$"):
-            runner.map(Graph.somatize(FailOdd()), [1], errors="skip")
-
-
-class FailOdd(Node):
-    def forward(self, x, ctx):
-        if x % 2:
-            raise ValueError(f"odd {x}")
-        return Done(x)
 
 
 class Grow(Node):

@@ -10,9 +10,8 @@ import soma  # noqa: E402
 from soma import Done, Graph, Node, NodeError, SharedMemoryFull  # noqa: E402
 from soma.wire.codec import INLINE_LIMIT  # noqa: E402
 from tests.conftest import shm_names  # noqa: E402
-from tests.nodes import (  # noqa: E402
-    Double, Identity, InPlaceAdd, MakeTensor, Obeys, RequiresGradOutput, Shared, Slice, WrapInHolder, in_segment,
-)
+from tests.local.nodes import InPlaceAdd, MakeTensor, Slice, WrapInHolder  # noqa: E402
+from tests.nodes import Double, Identity, Obeys, RequiresGradOutput, Shared, in_segment  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 BIG = INLINE_LIMIT // 4 * 4  # float32 elements: 4x the inline limit in bytes

@@ -1,11 +1,11 @@
 
 from soma import Graph
 from soma.plan import Seq, Step, Wave, first_step, fold, last_step
-from tests.nodes import AddOne, Count, Double, Identity, Join, Tokenize, Upper
+from tests.nodes import AddOne, Count, Double, Identity, Tokenize, Upper
 
 
 def test_plan_structure_and_equality():
-    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Join())
+    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Identity().named("join"))
     expected = Seq((Step("tokenize"), Wave((Step("upper"), Step("count"))), Step("join")))
     assert g.plan() == expected
     assert g.plan() != Seq((Step("tokenize"), Step("join")))
@@ -13,12 +13,12 @@ def test_plan_structure_and_equality():
 
 
 def test_plan_prints_in_the_dsl_notation():
-    g = Graph.somatize(AddOne() >> ((Double() >> Identity()) | Count()) >> Join())
+    g = Graph.somatize(AddOne() >> ((Double() >> Identity()) | Count()) >> Identity().named("join"))
     assert str(g.plan()) == "add_one >> ((double >> identity) | count) >> join"
 
 
 def test_placing_changes_neither_the_plan_nor_the_graph_nor_the_output():
-    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
+    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Identity().named("join"))
     plan, nodes, edges, out = g.plan(), g.nodes(), g.edges(), g.run(1)
     for nid in g.nodes():
         g.place(nid, "cpu")
@@ -41,7 +41,7 @@ def test_the_plan_never_sees_the_placement():
 
 
 def test_steps_lists_ids_in_order():
-    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Join())
+    g = Graph.somatize(AddOne() >> (Double() | Identity()) >> Identity().named("join"))
     assert list(g.plan().steps()) == ["add_one", "double", "identity", "join"]
 
 

@@ -38,12 +38,12 @@ from tests.nodes import (  # noqa: E402
     Double,
     Fill,
     Identity,
-    Join,
     MarkThenSleep,
     Obeys,
     OneCopyCounter,
     Pid,
     PlusOne,
+    Rendezvous,
     RequiresGradOutput,
     ReturnsMovingDevice,
     ReturnsOn,
@@ -61,22 +61,6 @@ DEADLINE_S = 60.0
 
 
 # -- nodes of these checks (by value, from __main__) ------------------------------------------------
-
-class Rendezvous(Node):
-    """Writes its marker, then waits for the other branch's: only branches that run at once both see it."""
-
-    def __init__(self, folder, me, other):
-        self.folder, self.me, self.other = folder, me, other
-
-    def forward(self, x, ctx):
-        start = time.monotonic_ns()
-        Path(self.folder, self.me).write_text("here")
-        deadline = time.monotonic() + 20
-        while not Path(self.folder, self.other).exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return Done({"pid": os.getpid(), "saw_other": Path(self.folder, self.other).exists(),
-                     "start": start, "end": time.monotonic_ns(), "worker": ctx.worker})
-
 
 class DieOn(Node):
     """Ends its process (os._exit) on one input; returns (input, its pid) for every other one."""
@@ -177,7 +161,7 @@ class OnGpu(Node):
 # -- the checks of the local session ----------------------------------------------------------------
 
 def same_answers(cluster):
-    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Join())
+    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Identity().named("join"))
     xs = ["a b c", "d", "x y", "p q r s"]
     return {"executor": [Executor().run(g, x) for x in xs],
             "run": [cluster.run(g, x) for x in xs],
@@ -188,7 +172,8 @@ def same_answers(cluster):
 def wave_overlap(cluster):
     folder = tempfile.mkdtemp(prefix="soma-rendezvous-")
     try:
-        g = Graph.somatize(Identity() >> (Rendezvous(folder, "a", "b") | Rendezvous(folder, "b", "a")))
+        a, b = Path(folder, "a"), Path(folder, "b")
+        g = Graph.somatize(Identity() >> (Rendezvous(a, b) | Rendezvous(b, a)))
         first, second = cluster.run(g, None)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -323,7 +308,7 @@ def node_error(cluster):
         out["map"] = _error(err)
         out["map"]["index"] = err.index
     out["map_before"] = seen
-    wave = Graph.somatize(Identity() >> (Boom() | Boom()) >> Join())
+    wave = Graph.somatize(Identity() >> (Boom() | Boom()) >> Identity().named("join"))
     try:
         cluster.run(wave, 1)
     except Exception as err:
@@ -331,7 +316,7 @@ def node_error(cluster):
         out["wave"]["notes"] = list(getattr(err, "__notes__", []))
     # A failure upstream of a wave reaches the join (or the driver) through both branches: one failure,
     # with the Executor's text and no note of "another branch"
-    for name, g in (("upstream_of_join", Boom() >> (Identity() | Identity()) >> Join()),
+    for name, g in (("upstream_of_join", Boom() >> (Identity() | Identity()) >> Identity().named("join")),
                     ("upstream_of_last_wave", Boom() >> (Identity() | Identity()))):
         g = Graph.somatize(g)
         for runner in ("executor", "ray"):
@@ -354,7 +339,8 @@ def unsendable_input(cluster):
 
     out = {}
     one_entry = Graph.somatize(AddOne() >> Double())
-    for name, g in (("run", one_entry), ("run_wave_first", Graph.somatize((AddOne() | Double()) >> Join()))):
+    wave_first = Graph.somatize((AddOne() | Double()) >> Identity().named("join"))
+    for name, g in (("run", one_entry), ("run_wave_first", wave_first)):
         try:
             cluster.run(g, {"bad": Unpicklable()})
         except Exception as err:

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from soma import Done, Graph, Node, RunTimeout
-from tests.nodes import AddOne, AlwaysDie, Double, RaiseCounting
+from tests.nodes import AddOne, AlwaysDie, Double, FailOdd, RaiseCounting
 
 
 class DieOnceFor(Node):
@@ -66,13 +66,6 @@ class SleepCounting(Node):
         import time
 
         time.sleep(x)
-        return Done(x)
-
-
-class FailOdd(Node):
-    def forward(self, x, ctx):
-        if x % 2:
-            raise ValueError(f"odd {x}")
         return Done(x)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,23 +23,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import why_no_loopback_namespace
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ROOT / "tests" / "ray" / "checks.py"
 RUN_S = 600  # the whole subprocess: ~3 min on a quiet machine, up to ~8 min with its 2 cores shared
 
-pytestmark = pytest.mark.timeout(RUN_S + 60)
+# own_ray: a Ray of its own (in the subprocess), so tests/conftest.py runs it last, the session's Ray down first
+pytestmark = [pytest.mark.timeout(RUN_S + 60), pytest.mark.own_ray]
 
 
 def why_ray_cannot_run_here() -> str | None:
     if importlib.util.find_spec("ray") is None:
         return "ray is not installed (pip install 'soma[ray]')"
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare or ip is missing: no loopback-only network namespace for Ray"
-    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return (f"this machine does not allow a loopback-only network namespace (unshare -n: "
-                f"{probe.stderr.strip() or probe.returncode}), and Ray must not bind its real address in tests")
-    return None
+    return why_no_loopback_namespace()
 
 
 @pytest.fixture(scope="module")

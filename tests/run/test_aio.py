@@ -45,11 +45,6 @@ class MarkAndSleep(Node):
         return Done(x)
 
 
-@pytest.fixture(params=["executor", "local"], scope="module")
-def runner(request, local):
-    return soma.Executor() if request.param == "executor" else local
-
-
 def test_arun_and_amap_give_what_run_and_map_give(runner):
     g = Graph.somatize(AddOne() >> AddOne())
 

@@ -1,9 +1,18 @@
-"""The device postcondition, with and without torch."""
+"""The device postcondition (soma/run/postcondition.py), where the node ran on every runner, then with and
+without torch in-process."""
 
 import pytest
 
 from soma import Done, Graph, Node, NodeError, Opaque, PostconditionError
 from tests.nodes import Identity, Located, Obeys, ReturnsOn
+
+
+def test_postcondition_where_the_node_ran(runner):
+    g = Graph.somatize(ReturnsOn("cpu").named("encoder").on("meta"))
+    with pytest.raises(PostconditionError) as info:
+        runner.run(g, None)
+    assert str(info.value) == "node `encoder` failed: it declared `meta` but returned a value on `cpu`"
+    assert runner.run(Graph.somatize(Obeys().on("meta")), None).device == "meta"
 
 
 def test_fires_and_names_the_node_without_torch():

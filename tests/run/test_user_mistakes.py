@@ -4,8 +4,7 @@ import traceback
 
 import pytest
 
-import soma
-from soma import Done, Graph, Node, NodeError
+from soma import Done, Node, NodeError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,11 +17,6 @@ class Echo(Node):
 class AddOne(Node):
     def forward(self, x, ctx):
         return Done(x + 1)
-
-
-@pytest.fixture(params=["executor", "local"], scope="module")
-def runner(request, local):
-    return soma.Executor() if request.param == "executor" else local
 
 
 def test_a_node_or_an_expression_runs_where_a_graph_was_expected(runner):

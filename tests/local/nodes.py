@@ -1,0 +1,202 @@
+"""Nodes of the tests of soma.Local alone (tests/local/): state, CPU work, processes that die at a given
+moment, locks and files that cannot travel, tensors in shared memory. Workers import them by name
+(`tests.local.nodes`: they start with the host's sys.path)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from soma import Done, Node
+
+
+class Counter(Node):
+    """Stateful: counts its calls (state lives wherever the node runs)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, x, ctx):
+        self.calls += 1
+        return Done(self.calls)
+
+
+def burn(n: int) -> int:
+    """A fixed amount of pure-Python work that holds the GIL (unlike a wall-clock loop)."""
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+    return total
+
+
+class Burn(Node):
+    """Pure-Python work of a fixed size: threads in one process serialize on it, processes do not."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def forward(self, x, ctx):
+        return Done(burn(self.n))
+
+
+class WhereAmI(Node):
+    """Returns (worker id, pid, device) as the ctx and the process see them."""
+
+    def forward(self, x, ctx):
+        return Done((ctx.worker, os.getpid(), ctx.device))
+
+
+class ExitAtUnpickle:
+    """Kills the process that unpickles it: a worker loading node code, or one decoding its input."""
+
+    def __reduce__(self):
+        return (os._exit, (7,))
+
+
+class NodeExitsAtLoad(Node):
+    def __init__(self):
+        self.bomb = ExitAtUnpickle()
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class ExitAtPickle:
+    """Kills the process that pickles it: a worker sending it back as a result."""
+
+    def __reduce__(self):
+        os._exit(9)
+
+
+class ReturnsExitAtPickle(Node):
+    def forward(self, x, ctx):
+        return Done(ExitAtPickle())
+
+
+class HoldsLock(Node):
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class TouchFile(Node):
+    """Creates a file: proves (or disproves) that the node ran at all."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def forward(self, x, ctx):
+        with open(self.path, "w") as f:
+            f.write("ran")
+        return Done(x)
+
+
+class MakeTensor(Node):
+    """Makes a tensor of `numel` float32 ones, on the heap or through ctx.empty."""
+
+    def __init__(self, numel, through_ctx=False, value=1.0):
+        self.numel, self.through_ctx, self.value = numel, through_ctx, value
+
+    def forward(self, x, ctx):
+        import torch
+
+        t = ctx.empty(self.numel, dtype=torch.float32) if self.through_ctx else torch.empty(self.numel)
+        t.fill_(self.value)
+        return Done(t)
+
+
+class Slice(Node):
+    def forward(self, x, ctx):
+        return Done(x[1:5])
+
+
+class InPlaceAdd(Node):
+    def forward(self, x, ctx):
+        x.add_(1)
+        return Done(None)
+
+
+class Holder:
+    """A plain object carrying tensors: it travels by pickle, its tensors still as handles."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+
+class WrapInHolder(Node):
+    def forward(self, x, ctx):
+        return Done(Holder([x, x[:2]]))
+
+
+class Tracked(Node):
+    """Counts the live instances of its class in the process it runs in (weakly: dropped copies vanish)."""
+
+    live = None
+
+    def __init__(self):
+        self.tag = "tracked"  # some state, so unpickling calls __setstate__
+
+    def __setstate__(self, state):
+        import weakref
+
+        self.__dict__.update(state)
+        if Tracked.live is None:
+            Tracked.live = weakref.WeakSet()
+        Tracked.live.add(self)
+
+    def forward(self, x, ctx):
+        import gc
+
+        gc.collect()
+        return Done(len(Tracked.live))
+
+
+class Raises(Node):
+    """Raises the exception it was made with (SystemExit, KeyboardInterrupt, ...)."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def forward(self, x, ctx):
+        raise self.exc
+
+
+class FullShm(Node):
+    """Makes this process's /dev/shm look full, then makes a big tensor through ctx.empty or on the heap.
+
+    Through ctx.empty the patch is undone at once; a heap tensor is copied into shared memory after
+    forward returns, so the patch stays for the rest of the worker's life (use a pool of its own).
+    """
+
+    def __init__(self, through_ctx):
+        self.through_ctx = through_ctx
+
+    def forward(self, x, ctx):
+        import errno
+
+        import torch
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        real, os.posix_fallocate = os.posix_fallocate, full
+        try:
+            if self.through_ctx:
+                return Done(ctx.empty(1 << 22, dtype=torch.float32))
+            t = torch.ones(1 << 22)
+        finally:
+            if self.through_ctx:
+                os.posix_fallocate = real
+        return Done(t)  # encoded after forward returns, while fallocate still fails
+
+
+class Threads(Node):
+    """Returns (OMP_NUM_THREADS as this process sees it, torch's intra-op threads)."""
+
+    def forward(self, x, ctx):
+        import torch
+
+        return Done((os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()))
+

@@ -1,0 +1,124 @@
+"""Nodes of the contract tests every runner runs (tests/run/): setup, map's order and errors, copies.
+Workers and actors import them by name (`tests.run.nodes`: they start with the driver's sys.path)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from soma import Done, Node
+from tests.nodes import Sleep
+
+
+class ReturnsList(Node):
+    def forward(self, x, ctx):
+        return [x]
+
+
+class SetupCounter(Node):
+    """Counts setup() and forward() calls in the copy it runs in; returns (pid, setups, calls)."""
+
+    def __init__(self):
+        self.setups = 0
+        self.calls = 0
+
+    def setup(self, ctx):
+        self.setups += 1
+        self.setup_ctx = (ctx.node, ctx.device, ctx.worker)
+
+    def forward(self, x, ctx):
+        self.calls += 1
+        return Done((os.getpid(), self.setups, self.calls))
+
+
+class SetupSees(Node):
+    """Returns what its setup's ctx said: (node, device, worker is given), seen from the copy itself."""
+
+    def setup(self, ctx):
+        self.seen = (ctx.node, ctx.device, ctx.worker is not None)
+
+    def forward(self, x, ctx):
+        return Done(self.seen)
+
+
+class OneCopySleep(Sleep):
+    copies = 1
+
+
+class PidAfter(Node):
+    """Sleeps `seconds`, then returns its pid (a stateless node that takes a while)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def forward(self, x, ctx):
+        time.sleep(self.seconds)
+        return Done(os.getpid())
+
+
+class FailOn(Node):
+    """Returns its input, except for `bad`, where it raises ValueError."""
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def forward(self, x, ctx):
+        if x == self.bad:
+            raise ValueError(f"bad input {x!r}")
+        return Done(x)
+
+
+class AppendLine(Node):
+    """Appends its input to a file (one line per execution: a count of what really ran), returns it."""
+
+    def __init__(self, path, seconds=0.0):
+        self.path, self.seconds = path, seconds
+
+    def forward(self, x, ctx):
+        with open(self.path, "a") as f:
+            f.write(f"{x}\n")
+        time.sleep(self.seconds)
+        return Done(x)
+
+
+class NotReentrant(Node):
+    """Fails if two threads are ever inside its forward at once (the copy rule)."""
+
+    def __init__(self, seconds=0.01):
+        self.seconds = seconds
+        self.inside = 0
+
+    def forward(self, x, ctx):
+        self.inside += 1
+        try:
+            if self.inside > 1:
+                raise AssertionError("two threads inside one node's forward at once")
+            time.sleep(self.seconds)
+            return Done(x)
+        finally:
+            self.inside -= 1
+
+
+class SetupFailsOnce(Node):
+    """Its first setup raises; the next one succeeds. Returns how many setups it saw."""
+
+    def __init__(self):
+        self.tries = 0
+
+    def setup(self, ctx):
+        self.tries += 1
+        if self.tries == 1:
+            raise ValueError("the model file is not there yet")
+
+    def forward(self, x, ctx):
+        return Done(self.tries)
+
+
+class MakesOnDevice(Node):
+    """Makes a tensor on ctx.device: fails where that device does not exist."""
+
+    def forward(self, x, ctx):
+        import torch
+
+        return Done(torch.ones(2, device=ctx.device))
+

@@ -1,0 +1,57 @@
+"""The interpreter every runner shares (soma/run/interpreter.py): the same answers and the same errors on
+every runner (SPEC 2, 7), each test written once and run on each (the `runner` fixture)."""
+
+import pytest
+
+from soma import Executor, Graph, NodeError
+from tests.nodes import AddOne, Boom, Count, Double, Identity, Tokenize, Upper
+from tests.run.nodes import ReturnsList
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def graphs():
+    return [
+        Graph.somatize(Identity()),
+        Graph.somatize(AddOne() >> Double() >> AddOne()),
+        Graph.somatize(Tokenize() >> (Upper() | Count() | Identity()) >> Identity().named("join")),
+        Graph.somatize(AddOne() >> ((Double() >> AddOne()) | (Identity() | Double())) >> Identity().named("join")),
+        Graph.somatize(Double() | AddOne()),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_same_answers_as_in_process(runner, index):
+    g = graphs()[index]
+    x = "a b c" if "tokenize" in g.nodes() else 5
+    assert runner.run(g, x) == Executor().run(g, x)
+
+
+def test_run_and_map_give_the_executors_answers(runner):
+    g = Graph.somatize(Tokenize() >> (Upper() | Count()) >> Identity().named("join"))
+    xs = ["a b c", "d", "x y", "p q r s"]
+    executor = [Executor().run(g, x) for x in xs]
+    assert [runner.run(g, x) for x in xs] == executor
+    assert list(runner.map(g, xs)) == executor
+    assert sorted(runner.map(g, xs, ordered=False), key=lambda out: out[1]) == sorted(executor, key=lambda o: o[1])
+
+
+def test_values_keep_their_types(runner):
+    value = {"t": (1, 2, (3, [4, {5: "five"}])), "s": {1, 2}, "f": frozenset({3}), "b": b"\x00\xff",
+             "big": 2 ** 100, "none": None, "float": 1.5, 7: "int key", (1, 2): "tuple key"}
+    out = runner.run(Graph.somatize(Identity()), value)
+    assert out == value
+    assert type(out["t"]) is tuple and type(out["t"][2][1]) is list and type(out["s"]) is set
+
+
+def test_a_failure_is_a_node_error_naming_the_node_with_its_cause(runner):
+    g = Graph.somatize(Identity() >> Boom())
+    with pytest.raises(NodeError, match=r"^node `boom` failed: ValueError: boom on 7$") as info:
+        runner.run(g, 7)
+    assert info.value.node == "boom"
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_forward_must_return_done_wherever_it_runs(runner):
+    with pytest.raises(NodeError, match=r"^node `returns_list` failed: forward returned list, not Done$"):
+        runner.run(Graph.somatize(ReturnsList()), 1)
