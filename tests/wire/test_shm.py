@@ -238,7 +238,7 @@ def test_nothing_kept_for_reuse_means_a_full_dev_shm_is_shared_memory_full(prefi
 def test_trim_gives_back_the_largest_free_segments_first_down_to_what_is_kept(prefix):
     store = SegmentStore(prefix, cap=1 << 30)
     live, live_name = store.allocate(GRANULE)  # in use: never trimmed
-    small, big = _free_segment(store, GRANULE), _free_segment(store, 8 * GRANULE)
+    small, _big = _free_segment(store, GRANULE), _free_segment(store, 8 * GRANULE)
     assert store.trim(4 * GRANULE) == 8 * GRANULE
     assert files(prefix) == sorted([small, live_name]) and store.pooled_bytes() == GRANULE
     assert store.trim(0) == GRANULE and files(prefix) == [live_name]
