@@ -43,6 +43,14 @@ def batch_size(graph: ActorGraph, window: int, timeout) -> int:
     return max(1, min(cap, -(-window // spread)))
 
 
+def parallelism(graph: ActorGraph, cpus: int) -> int:
+    """How many inputs a map works on at once (the default window is twice this): one per CPU; a batching
+    node's graph a batch's worth per CPU, so that its calls carry batches (as Local keeps batches at each
+    worker), not the one or two inputs a window of a few frees at a time."""
+    batch = max([1] + [node_actors.max_batch for node_actors in graph.actors.values() if node_actors.max_batch])
+    return cpus * batch
+
+
 def measured(graph: ActorGraph, seconds: float) -> None:
     """Learn what one input costs (actor-seconds): falls at once, rises by a tenth of the gap, since a slow
     consumer or a busy machine makes inputs look dearer than they are, and the quickest say best what the
@@ -74,7 +82,7 @@ class RayInflight(Inflight):
         self.futures: dict = {}  # amap: ref → its asyncio future (set by Ray's own callback), until concluded
 
     def parallelism(self) -> int:
-        return self.driver.cpus
+        return parallelism(self.graph, self.driver.cpus)
 
     # -- starting ------------------------------------------------------------------------------
     def start(self, items: list) -> None:

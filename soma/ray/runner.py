@@ -42,7 +42,7 @@ from ..run.trace import Trace
 from . import tracing
 from .devices import checked_options
 from .driver import CLOSED, Driver
-from .inflight import RayInflight, batch_size
+from .inflight import RayInflight, batch_size, parallelism
 from .submission import Submission, value_of
 
 
@@ -212,7 +212,7 @@ class Ray(RunnerBase):
     def _inflight(self, g, where: str, window, ordered: bool, timeout, retries) -> RayInflight:
         retries = checked_retries(retries)
         driver, g, graph = self._compiled(g, where)
-        batch = batch_size(graph, window or default_window(driver.cpus), timeout)
+        batch = batch_size(graph, window or default_window(parallelism(graph, driver.cpus)), timeout)
         return RayInflight(driver, graph, timeout, ordered, batch, retries, tracer=self, source=g, by_cost=True)
 
     def _compiled(self, g, where: str):

@@ -157,6 +157,7 @@ def test_a_batching_node_with_setup_runs_setup_once_per_copy(runner):
     assert all(runner.map(WithSetup(), range(10)))
 
 
+@pytest.mark.timeout(300)  # (on Ray two new actors import torch: over 120 s once with both cores busy)
 def test_soma_torch_batched_stacks_the_inputs_and_gives_each_its_row(runner):
     torch = pytest.importorskip("torch")
     from soma.torch import Batched, Module
