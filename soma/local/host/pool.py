@@ -7,7 +7,7 @@
               ── find_dead() / retire(worker) → Lost               mean: outputs decoded (segments mapped,
                                                                   leases counted), hellos, deaths
 
-The pool calls nothing above it: what happens comes back as records (`Ready`,
+The pool calls nothing above it: what happens comes back as events (`Ready`,
 `Outcomes` of `Arrived` jobs, `Lost`), which the caller hands to the scheduler.
 Sockets belong to the threads that use them: the PULL socket to whoever receives
 (receiving.py keeps one such thread at a time), the ROUTER to whoever holds
@@ -31,9 +31,9 @@ from ...errors import WorkerDied
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
+from .events import Arrived, Gone, Lost, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
 from .procs import spawn
-from .records import Arrived, Gone, Lost, Outcomes, Ready, Undecodable
 
 START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
 PUMP_S = 0.05  # how often the pool's state is looked at (a death nobody reported is found within this)

@@ -34,8 +34,8 @@ from ...errors import (
 from ...plan import last_step
 from ...run.postcondition import check_postcondition
 from .choice import WorkerChoice
+from .events import Lost, Outcomes, Ready, Undecodable
 from .flows import Flow, Job, Walker
-from .records import Lost, Outcomes, Ready, Undecodable
 
 LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 

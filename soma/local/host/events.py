@@ -1,4 +1,4 @@
-"""What the worker pool hands up to whoever receives: records of what happened, never calls back.
+"""What the worker pool hands up to whoever receives: events, what happened (it never calls back up).
 
     Ready      a worker said hello: it takes jobs now
     Outcomes   the Arrived jobs one Result brought (values decoded, or Undecodable)
