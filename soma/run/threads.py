@@ -20,7 +20,8 @@ def on_threads(calls: list, kept: "KeptThreads | None" = None) -> list:
     Returns one `(True, value)` or `(False, exception)` per call, in order: a failure
     waits for its siblings. Threads inherit torch's grad and inference mode from this
     one. In-process every call gets a new thread and no thread is left behind; with
-    `kept` (in a worker) this thread runs the first call and kept threads the others.
+    `kept` (in a worker) this thread runs the first call and kept threads the others (this
+    thread too, any of them no kept thread has started by then).
     """
     results: list = [None] * len(calls)
     inherit = thread_modes()
@@ -47,9 +48,14 @@ def on_threads(calls: list, kept: "KeptThreads | None" = None) -> list:
 class KeptThreads:
     """Threads a worker keeps for waves' branches: starting two threads per input cost ~180 µs here.
 
-    `run(calls)` runs the first call on this thread and each other on an idle kept
-    thread (a new one when none is idle, so nested waves never wait for a thread),
-    and returns when all are done. A kept thread is a branch's own for the call.
+    `run(calls)` runs the first call on this thread and hands each other to an idle kept
+    thread (a new one when none is idle, so nested waves never wait for a thread), and
+    returns when all are done. A call runs whole on the one thread that claims it first:
+    this thread, done with its own, runs those no kept thread has started yet. Waking a
+    kept thread and handing it the GIL cost 0.3-1.7 ms here while the other core was busy
+    (3-5 % of a 30 ms input with one wave), and pure-Python branches serialize on the GIL
+    anyway; a call that blocks releases the GIL, and every call still unclaimed then has
+    its own thread ready to start it, so calls that need each other still run at once.
     """
 
     def __init__(self):
@@ -58,17 +64,7 @@ class KeptThreads:
         self._made = 0  # threads made so far (they are named "branch 1", "branch 2", ...)
 
     def run(self, calls: list) -> None:
-        left = [len(calls) - 1]
-        all_done = threading.Event()
-        if not left[0]:
-            all_done.set()
-
-        def finished():
-            with self._lock:
-                left[0] -= 1
-                if not left[0]:
-                    all_done.set()
-
+        handed = []
         for call in calls[1:]:
             with self._lock:
                 inbox = self._idle.pop() if self._idle else None
@@ -76,19 +72,50 @@ class KeptThreads:
                 inbox = queue.SimpleQueue()
                 self._made += 1
                 threading.Thread(target=self._serve, args=(inbox,), name=f"branch {self._made}", daemon=True).start()
-            inbox.put((call, finished))
+            branch = _Branch(call, inbox)
+            inbox.put(branch)
+            handed.append(branch)
         calls[0]()
-        all_done.wait()
+        for branch in handed:
+            if branch.claim.acquire(False):  # no kept thread has started it: it runs here, now
+                self._give_back(branch)  # (its thread skips it when it wakes: the next wave may use it)
+                branch.call()
+                branch.done.set()
+        for branch in handed:
+            branch.done.wait()
 
     def _serve(self, inbox) -> None:
         while True:
-            call, finished = inbox.get()
+            branch = inbox.get()
+            if not branch.claim.acquire(False):  # the thread that handed it over ran it
+                self._give_back(branch)
+                continue
             try:
-                call()  # (it catches what its branch raises)
+                branch.call()  # (it catches what its branch raises)
             finally:
-                with self._lock:
-                    self._idle.append(inbox)
-                finished()
+                self._give_back(branch)  # idle before done: the next wave finds this thread
+                branch.done.set()
+
+    def _give_back(self, branch) -> None:
+        """The thread `branch` was handed to is idle again (once: by itself, or by whoever ran its call)."""
+        with self._lock:
+            if not branch.given_back:
+                branch.given_back = True
+                self._idle.append(branch.inbox)
+
+
+class _Branch:
+    """One call handed to a kept thread: `claim` is taken by whichever thread runs it; `done` is set after.
+    `inbox` is the thread's; it goes back to the idle ones once (`given_back`), by whoever is first."""
+
+    __slots__ = ("call", "inbox", "claim", "done", "given_back")
+
+    def __init__(self, call, inbox):
+        self.call = call
+        self.inbox = inbox
+        self.claim = threading.Lock()
+        self.done = threading.Event()
+        self.given_back = False
 
 
 _kept: "KeptThreads | None" = None
