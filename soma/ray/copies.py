@@ -166,10 +166,11 @@ class ActorBook:
     def add(self, key, node_actors: NodeActors) -> None:
         self._nodes[key] = node_actors
 
-    def actors(self) -> list[CopyActor]:
-        """Every actor of every node, now."""
+    def actors(self, node_keys: set | None = None) -> list[CopyActor]:
+        """Every actor of every node now (of the nodes whose key is in `node_keys`, when given)."""
         with self.lock:
-            return [actor for node_actors in self._nodes.values() for actor in node_actors.actors]
+            return [actor for key, node_actors in self._nodes.items()
+                    if node_keys is None or key[0] in node_keys for actor in node_actors.actors]
 
     def learn(self, actor: CopyActor) -> None:
         """Read an actor's hello (its pid and machine) if it has not been read yet."""

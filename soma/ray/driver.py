@@ -6,6 +6,8 @@
     actor_graph(g)            ──▶  an ActorGraph for g's placement  ──▶ copies.NodeActors per node;
                                    (PlacementError here)                devices: options, hosting
     submit(graph, items, ...) ──▶  [Submission], every call sent    ──▶ submission.submit (the walk)
+    submit_run / run_over     ──▶  one run's input: with concurrent runs of a batching graph, submitted
+                                   together                         ──▶ gathering
     outcomes(batch, graph, t) ──▶  [(ok, value)] per input of a batch, one ray.get (None: not yet);
                                    Ray's errors as soma's           ──▶ faults
     settled(s, graph, values) ──▶  (ok, value) from values already fetched (Ray's futures, `await`)
@@ -26,12 +28,13 @@ import weakref
 
 from ..errors import RunTimeout, SomaError
 from ..run.aio import InputFuture
-from ..run.batching import is_batching, max_batch_of
+from ..run.batching import batch_wait_of, is_batching, max_batch_of
 from ..run.registry import NodeRegistry
-from . import records
+from . import records, tracing
 from .copies import ActorBook, NodeActors
 from .devices import actor_options, demand_error, hosting_error, requested_resources
 from .faults import abandon, expire, translate
+from .gathering import Gathering
 from .settler import Settler
 from .submission import ActorGraph, Submission, outcome, release, submit
 from .tries import next_try
@@ -43,8 +46,9 @@ CLOSED_IN_FLIGHT = "this soma.Ray was closed while this run was in flight"
 class Driver:
     """What one soma.Ray holds once connected: `ray`, the cluster's CPUs, this driver's Ray node, the actors."""
 
-    def __init__(self, ray, actor_class, options: dict):
+    def __init__(self, ray, actor_class, options: dict, tracer=None):
         self.ray = ray
+        self.tracer = tracer  # whose open trace block (`current_trace`), if any, takes a let-go node's records
         self.cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.ray_node = ray.get_runtime_context().get_node_id()
         self.book = ActorBook()
@@ -63,7 +67,7 @@ class Driver:
             if self.closed:
                 raise SomaError(CLOSED)
             if self._registry.has_dead:
-                self.book.forget(set(self._registry.take_dead()))  # nodes let go can never run again
+                self._forget(set(self._registry.take_dead()))
             version = g.placement_version
             found = self._graphs.get(g)
             if found is not None and found[0] == version:
@@ -71,6 +75,14 @@ class Driver:
             graph = self._compile(g)
             self._graphs[g] = (version, graph)
             return graph
+
+    def _forget(self, node_keys: set) -> None:
+        """Stop the actors of nodes let go (they can never run again); inside a trace block their records
+        are taken first: every node execution inside the block is in it (SPEC 7.5)."""
+        trace = self.tracer.current_trace if self.tracer is not None else None
+        if trace is not None:
+            tracing.collect(self, trace, self.book.actors(node_keys))
+        self.book.forget(node_keys)
 
     def _compile(self, g) -> ActorGraph:
         """The actors of each node (made on first use), checked against the cluster's machines."""
@@ -108,7 +120,10 @@ class Driver:
                     node_actors.max_batch = max_batch_of(node)
                 self.book.add(key, node_actors)
             actors[node_id] = node_actors
-        return ActorGraph(g.plan(), actors, devices)
+        batching = [g.node(n) for n in g.nodes() if is_batching(g.node(n))]
+        gathering = Gathering(min(batch_wait_of(node) for node in batching),
+                              max(max_batch_of(node) for node in batching)) if batching else None
+        return ActorGraph(g.plan(), actors, devices, gathering)
 
     # -- submitting and fetching ---------------------------------------------------------------
     def submit(self, graph: ActorGraph, items: list, timed: bool, trace=None, retries: int = 0) -> list[Submission]:
@@ -118,6 +133,19 @@ class Driver:
         submissions = [Submission(index, next(self._tokens), timed, trace, x, retries) for index, x in items]
         self._submit(graph, [x for _, x in items], submissions)
         return submissions
+
+    def submit_run(self, graph: ActorGraph, x, timed: bool, trace=None, retries: int = 0) -> list[Submission]:
+        """`submit` of one run's input; a graph with a batching node submits concurrent runs together
+        (soma.ray.gathering). Call `run_over` once the run is over."""
+        if graph.gathering is None or timed:
+            return self.submit(graph, [(None, x)], timed, trace, retries)
+        return graph.gathering.submit(lambda items, trace, retries: self.submit(graph, items, False, trace, retries),
+                                      x, trace, retries)
+
+    def run_over(self, graph: ActorGraph, timed: bool) -> None:
+        """A run `submit_run` submitted is over (done, failed, expired or cancelled)."""
+        if graph.gathering is not None and not timed:
+            graph.gathering.over()
 
     def resubmit(self, graph: ActorGraph, old: Submission, again: Submission) -> None:
         """Submit `again`, the next try of `old`'s input (or the same one, sent elsewhere: it takes over

@@ -109,7 +109,7 @@ class Ray(RunnerBase):
                 if not ray.is_initialized():
                     ray.init(address=self.address, **self.init)
                     self._owns_session = True
-                self._driver = Driver(ray, _actor_class(ray), self.options)
+                self._driver = Driver(ray, _actor_class(ray), self.options, tracer=self)
         return self
 
     def close(self) -> None:
@@ -137,8 +137,9 @@ class Ray(RunnerBase):
         driver, _, graph = self._compiled(g, "Ray.run")
         trace = self._trace
         deadline = time.monotonic() + timeout if timeout is not None else None
+        timed = timeout is not None
         with trace.host_step("run", input=None) if trace is not None else contextlib.nullcontext():
-            [submission] = driver.submit(graph, [(None, x)], timeout is not None, trace, retries)
+            [submission] = driver.submit_run(graph, x, timed, trace, retries)  # (with concurrent runs: batching)
             try:
                 while True:
                     settled = driver.outcomes([submission], graph, _left(deadline))
@@ -150,6 +151,7 @@ class Ray(RunnerBase):
                     submission = after
             finally:
                 driver.release(submission)
+                driver.run_over(graph, timed)
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (docs/api.md, "map")."""
@@ -179,8 +181,12 @@ class Ray(RunnerBase):
         if self._driver is None:
             await asyncio.to_thread(self.start)  # (connecting to Ray takes seconds: not on the loop)
         driver, _, graph = self._compiled(g, "Ray.arun")
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        [submission] = driver.submit(graph, [(None, x)], timeout is not None, self._trace, retries)
+        timed = timeout is not None
+        deadline = time.monotonic() + timeout if timed else None
+        if graph.gathering is not None and not timed:  # it may wait batch_wait for company: not on the loop
+            [submission] = await asyncio.to_thread(driver.submit_run, graph, x, timed, self._trace, retries)
+        else:
+            [submission] = driver.submit_run(graph, x, timed, self._trace, retries)
         futures: list = []
         try:
             while True:
@@ -203,6 +209,7 @@ class Ray(RunnerBase):
             for future in futures:
                 future.cancel()  # (done ones stay as they are)
             driver.release(submission)
+            driver.run_over(graph, timed)
 
     def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """`map` as an async iterator: `async for y in cluster.amap(g, xs)`; `xs` may be an async iterable."""

@@ -76,10 +76,11 @@ class Call:
 class ActorGraph:
     """A graph under one placement, ready to submit: its plan, the actors of each node, and the plan's walk."""
 
-    __slots__ = ("plan", "actors", "devices", "entry_nodes", "shares_input", "walk", "upstream", "cost")
+    __slots__ = ("plan", "actors", "devices", "entry_nodes", "shares_input", "walk", "upstream", "cost", "gathering")
 
-    def __init__(self, plan: Plan, actors: dict, devices: dict):
+    def __init__(self, plan: Plan, actors: dict, devices: dict, gathering=None):
         self.plan = plan
+        self.gathering = gathering  # its concurrent runs' meeting place when a node batches (soma.ray.gathering)
         self.actors = actors  # node id → NodeActors
         self.devices = devices
         self.entry_nodes = fold(plan, lambda step: [step.id], _first_item, _every_branch)

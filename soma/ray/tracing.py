@@ -3,6 +3,7 @@
     block opens   the driver's track is named; each actor that is up has its clock offset measured
     in the block  every call of a traced input carries its trace tag (index, block): the actor keeps one
                   record per Ray call (soma.ray.actor: when, which thread, the inputs and their node spans)
+    node let go   (its graph garbage inside the block) its actors are asked for their records before they stop
     block ends    every actor is asked for its records (`take_spans`, in its control group); of this
                   block's: one `ray call` event per Ray call (args `inputs`, `batch`: what it carried) and
                   one node event per node execution, on the actor's track, on the driver's clock
@@ -32,9 +33,13 @@ def block_started(driver, trace) -> None:
             offset_of(driver, actor)
 
 
-def collect(driver, trace) -> None:
-    """Take every actor's records and add this block's to `trace` (an actor that does not answer: lost)."""
-    actors = driver.book.actors()
+def collect(driver, trace, actors: list | None = None) -> None:
+    """Take every actor's records (these `actors`' when given: a node let go inside the block, before its
+    actors stop) and add this block's to `trace` (an actor that does not answer: lost)."""
+    if actors is None:
+        actors = driver.book.actors()
+    if not actors:
+        return
     for actor, taken in zip(actors, ask(driver.ray, [a.handle for a in actors], "take_spans", SPANS_ANSWER_S)):
         if taken == UNANSWERED:
             continue  # dead, or stuck: its records are lost with it

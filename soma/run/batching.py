@@ -37,6 +37,10 @@ def max_batch_of(node) -> int:
     return int(getattr(node, "max_batch", MAX_BATCH))
 
 
+def batch_wait_of(node) -> float:
+    return float(getattr(node, "batch_wait", BATCH_WAIT))
+
+
 class Entry:
     """One input at a batching node: its value, its run's state, where its spans go, and its outcome."""
 
@@ -59,7 +63,7 @@ class Batcher:
     def __init__(self, node_id: str, node, run_batch, expecting):
         self.node_id = node_id
         self.max_batch = max(1, max_batch_of(node))
-        self.wait_s = float(getattr(node, "batch_wait", BATCH_WAIT))
+        self.wait_s = batch_wait_of(node)
         self.run_batch = run_batch
         self.expecting = expecting
         self.cond = threading.Condition()

@@ -1,5 +1,6 @@
 """Batching nodes: a node with `forward_batch(xs, ctx)` gets the inputs that are at it at once, on every runner."""
 
+import asyncio
 import os
 import threading
 import time
@@ -92,13 +93,22 @@ def test_a_lone_run_is_a_batch_of_one(runner):
     assert runner.run(Graph.somatize(Pre() >> Embed()), 1)[:2] == (4, 1)
 
 
-@pytest.mark.xfail_on("ray", reason="soma.Ray batches the inputs of one map call only: concurrent run() calls each "
-                     "reach the actor as a Ray call of their own, so a batching node gets batches of one (SPEC 2: "
-                     "concurrent run/arun calls share a batch)")
 def test_concurrent_runs_share_a_batch(runner):
     g = Graph.somatize(Embed())
     runner.run(g, 0)  # (warm: its code loaded)
     out = in_threads(lambda k: runner.run(g, k), 24)
+    assert [v for v, _, _ in out] == [2 * k for k in range(24)]
+    assert max(size for _, size, _ in out) > 1, out
+
+
+def test_concurrent_aruns_share_a_batch(runner):
+    g = Graph.somatize(Embed())
+    runner.run(g, 0)  # (warm: its code loaded)
+
+    async def together():
+        return await asyncio.wait_for(asyncio.gather(*(runner.arun(g, k) for k in range(24))), 60)
+
+    out = asyncio.run(together())
     assert [v for v, _, _ in out] == [2 * k for k in range(24)]
     assert max(size for _, size, _ in out) > 1, out
 

@@ -134,9 +134,6 @@ class SlowSetup(soma.Node):
         return soma.Done(x)
 
 
-@pytest.mark.xfail_on("ray", reason="soma.Ray stops the actors of a node whose graph was let go inside a trace "
-                     "block without taking their records first, so that node's spans are lost (SPEC 7.5: every node "
-                     "execution inside the block is recorded)")
 def test_setup_is_a_span_of_its_own_and_the_first_forward_does_not_include_it(runner, tmp_path):
     path = tmp_path / "setup.json"
     with runner.trace(path):
