@@ -6,7 +6,14 @@ import pytest
 
 import soma
 from soma import (
-    DeviceError, GraphError, NodeError, PlacementError, PostconditionError, RunTimeout, SomaError, WorkerDied,
+    DeviceError,
+    GraphError,
+    NodeError,
+    PlacementError,
+    PostconditionError,
+    RunTimeout,
+    SomaError,
+    WorkerDied,
 )
 
 

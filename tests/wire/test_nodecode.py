@@ -10,7 +10,6 @@ import traceback
 from pathlib import Path
 
 from soma.wire import nodecode
-
 from tests.conftest import ROOT  # noqa: E402
 
 SCRIPT = '''\

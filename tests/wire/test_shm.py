@@ -7,7 +7,15 @@ import os
 import pytest
 
 from soma.local.host.leases import LeaseBook
-from soma.wire.shm import GRANULE, SHM_DIR, SegmentStore, ShmError, address_of, owner_pid, pool_prefix
+from soma.wire.shm import (
+    GRANULE,
+    SHM_DIR,
+    SegmentStore,
+    ShmError,
+    address_of,
+    owner_pid,
+    pool_prefix,
+)
 
 
 @pytest.fixture
