@@ -31,6 +31,9 @@ Contenders alternate round by round (benchmarks/README.md).
     no death  the same map, nobody dies        death  the actor dies mid-map
 * gil_wave: a wave of 4 branches of 50 ms pure-Python work (`burn`), per run.
     executor soma.Executor() (threads: one GIL)     ray  soma.Ray (an actor per branch)
+* concurrent_runs: 64 threads calling `cluster.run` at once, the batching MLP of benchmarks/_models.py
+  (max_batch 64) against the same model per item; items/s, and the mean batch the node saw (concurrent
+  runs meet at the driver: docs/ray.md "Batches"). Needs torch; skipped without it.
 * tensor: 256 MiB of float32 made in one actor and read (its last element) in another,
   time beyond the tensor's creation; and the parts that explain it, in this process:
   pickling it (what Ray does to a torch tensor), ray.put, ray.get of that ref.
@@ -39,6 +42,7 @@ Contenders alternate round by round (benchmarks/README.md).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -317,6 +321,46 @@ def tensor(suite, ray, cluster, soma):
         suite.add(name, {"question": "tensor", "MiB": mib}, h.ms(values), "ms")
 
 
+def concurrent_runs(suite, cluster, soma):
+    """64 threads calling `cluster.run` at once on the batching MLP node, against the same model per item: they
+    meet at the driver (docs/ray.md, "Batches"), so the batching node's calls carry several runs each."""
+    import concurrent.futures as cf
+    import statistics
+
+    import _models as m
+    import torch
+
+    n = {"full": 1024, "quick": 512, "smoke": 64}[suite.mode]
+    xs = m.inputs(n)
+    expected = m.model()(torch.stack(xs))
+    graphs = {"per_item": soma.Graph.somatize(m.PerItem()), "batched": soma.Graph.somatize(m.Batched())}
+    callers = cf.ThreadPoolExecutor(64)
+    sizes: list = []
+
+    def rate(kind):
+        g = graphs[kind]
+        elapsed, out = h.timed(lambda: list(callers.map(lambda x: cluster.run(g, x), xs)))
+        got = torch.stack([row for row, _ in out])
+        if not torch.allclose(got, expected, atol=1e-4):
+            raise h.WrongValue(f"ray/{kind} from 64 threads returned outputs that are not the model's")
+        if kind == "batched":
+            sizes.append(statistics.mean(size for _, size in out))
+        return n / elapsed
+
+    try:
+        for g in graphs.values():  # warm: the actors up, torch imported in them
+            list(callers.map(lambda x, g=g: cluster.run(g, x), xs[:64]))
+        samples = h.alternate({kind: (lambda k=kind: rate(k)) for kind in graphs},
+                              repeat=suite.repeat(full=5, quick=3, smoke=1), self_timed=True)
+    finally:
+        callers.shutdown()
+    params = {"question": "concurrent_runs", "inputs": n, "threads": 64}
+    for kind, values in samples.items():
+        suite.add("ray", {**params, "kind": kind}, values, "items/s")
+    suite.add_ratio("ray", {**params, "kind": "batched"}, samples["batched"], samples["per_item"], vs="per_item")
+    suite.add("ray", {**params, "what": "mean_batch"}, sizes, "inputs")
+
+
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     rerun_on_loopback(argv)
@@ -346,6 +390,9 @@ def main(argv=None) -> list[dict]:
             print("  gil_wave done", flush=True)
             tensor(suite, ray, cluster, soma)
             print("  tensor done", flush=True)
+            if importlib.util.find_spec("torch") is not None:
+                concurrent_runs(suite, cluster, soma)
+                print("  concurrent runs done", flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return suite.finish(lambda: print_summary(suite))
@@ -375,6 +422,13 @@ def print_summary(suite: h.Suite) -> None:
                for name in ("actors", "soma", "tasks", "pickle.dumps", "ray.put", "ray.get", "clone")]
     h.print_table(f"{NAME}: a float32 tensor between two actors on one machine, ms beyond its creation (and its "
                   f"parts, in this process)", ["what", "ms"], tensors)
+    per = suite.find("ray", "items/s", question="concurrent_runs", kind="per_item")
+    if per is not None:
+        h.print_table(f"{NAME}: 64 threads calling soma.Ray.run at once, the MLP (benchmarks/_models.py), items/s",
+                      ["per item", "batched (x)", "mean batch"],
+                      [[h.cell(per), h.cell(suite.find("ray", "items/s", question="concurrent_runs", kind="batched"),
+                                            suite.find("ray", "x", question="concurrent_runs")),
+                        h.cell(suite.find("ray", "inputs", question="concurrent_runs", what="mean_batch"))]])
 
 
 if __name__ == "__main__":

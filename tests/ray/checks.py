@@ -737,6 +737,16 @@ def _recorded(name: str, call) -> dict:
     return result
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main(out_path: str, only: list) -> None:
     """Run the checks (`only`: just these, by name, to debug one) and write what each observed to `out_path`."""
     results: dict = {}
@@ -744,8 +754,22 @@ def main(out_path: str, only: list) -> None:
     folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")  # Ray's own temp dir: a crashed run leaves no trace
     from soma.ray import records
 
-    def start_records() -> set:  # the start records on this machine (soma.ray.records)
-        return set(os.listdir(records.folder())) if os.path.isdir(records.folder()) else set()
+    def start_records() -> set:
+        """The start records on this machine (soma.ray.records) whose actor's process is gone: this session's
+        are all gone once it is shut down, and a live process's record is another Ray run's on this machine."""
+        where = records.folder()
+        left = set()
+        for name in os.listdir(where) if os.path.isdir(where) else ():
+            try:
+                with open(os.path.join(where, name), "rb") as f:
+                    pid = int(f.read(10))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except (OSError, ValueError):
+                pid = None  # unreadable: counted
+            if pid is None or not _alive(pid):
+                left.add(name)
+        return left
 
     before = start_records()
     try:
