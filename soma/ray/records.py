@@ -147,11 +147,12 @@ def _sweep(where: str) -> None:
                 pid = f.read(10).strip()
         except OSError:
             continue
-        if not pid.isdigit() or not _alive(int(pid)):
+        if not pid.isdigit() or not process_alive(int(pid)):
             remove(path)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (one of another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

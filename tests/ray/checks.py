@@ -737,16 +737,6 @@ def _recorded(name: str, call) -> dict:
     return result
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def main(out_path: str, only: list) -> None:
     """Run the checks (`only`: just these, by name, to debug one) and write what each observed to `out_path`."""
     results: dict = {}
@@ -767,7 +757,7 @@ def main(out_path: str, only: list) -> None:
                 continue  # removed meanwhile
             except (OSError, ValueError):
                 pid = None  # unreadable: counted
-            if pid is None or not _alive(pid):
+            if pid is None or not records.process_alive(pid):
                 left.add(name)
         return left
 
