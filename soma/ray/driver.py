@@ -140,7 +140,12 @@ class Driver:
         if graph.gathering is None or timed:
             return self.submit(graph, [(None, x)], timed, trace, retries)
         return graph.gathering.submit(lambda items, trace, retries: self.submit(graph, items, False, trace, retries),
-                                      x, trace, retries)
+                                      x, trace, retries, drop=self._drop)
+
+    def _drop(self, submission: Submission) -> None:
+        """A submitted run nobody waits for (its caller was interrupted): cancelled, its loads given back."""
+        self.abandon(submission)
+        self.release(submission, "cancelled")
 
     def run_over(self, graph: ActorGraph, timed: bool) -> None:
         """A run `submit_run` submitted is over (done, failed, expired or cancelled)."""

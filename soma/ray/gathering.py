@@ -33,9 +33,11 @@ class Gathering:
         self.active = 0  # runs of this graph between `submit` and `over`
         self.group: _Group | None = None
 
-    def submit(self, submit_many, x, trace, retries: int) -> list:
+    def submit(self, submit_many, x, trace, retries: int, drop=None) -> list:
         """`[Submission]` of input `x`, submitted with the runs that came within the wait (`submit_many(items,
-        trace, retries)` submits a group). Counts the run as in flight: call `over` once it is over."""
+        trace, retries)` submits a group). Counts the run as in flight: call `over` once it is over.
+        `drop(submission)`: what becomes of this run's submission when the caller is interrupted (Ctrl-C)
+        while its group is being submitted: nobody else would ever release it."""
         with self.cond:
             self.active += 1
             group, leads, position = self.group, False, 0
@@ -58,18 +60,32 @@ class Gathering:
             except BaseException:
                 self.over()
                 raise
-        if leads:
-            deadline = time.monotonic() + self.wait_s
-            with self.cond:
-                while self.group is group:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
+        try:
+            if leads:
+                deadline = time.monotonic() + self.wait_s
+                with self.cond:
+                    while self.group is group:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            self.group = None
+                            break
+                        self.cond.wait(left)
+                group.submit(submit_many)
+            else:
+                group.done.wait()
+        except BaseException:  # interrupted: the others go on; this run's submission, if made, is dropped
+            self.over()
+            if leads:
+                with self.cond:
+                    if self.group is group:
                         self.group = None
-                        break
-                    self.cond.wait(left)
-            group.submit(submit_many)
-        else:
+                if not group.done.is_set():
+                    group.submit(submit_many)  # (the members wait for it: submitted all the same)
             group.done.wait()
+            mine = group.submissions[position]
+            if mine is not None and drop is not None:
+                drop(mine)
+            raise
         failed = group.errors[position]
         if failed is not None:
             self.over()

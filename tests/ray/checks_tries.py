@@ -110,7 +110,7 @@ def retries(cluster):
         g = Graph.somatize(DieOnceFor(mapped, doomed, killed))
         outputs = list(cluster.map(g, range(30), retries=2, ordered=ordered, window=6))
         out[f"map_{ordered}"] = {"outputs": outputs,
-                                 "doomed_runs": {x: len(runs(mapped, f"ran-{x}")) for x in doomed | killed},
+                                 "doomed_runs": {x: runs(mapped, f"ran-{x}") for x in doomed | killed},  # pids
                                  "died": sorted(int(n.split("-")[1]) for n in os.listdir(mapped) if n.startswith("d"))}
     out["after"] = cluster.run(g, 1)
     return out

@@ -80,3 +80,35 @@ def test_runs_of_other_retries_or_trace_blocks_do_not_share_a_group():
     in_threads(lambda k: gathering.submit(submit, k, None, k % 2), 8)
     for group in submit.groups[1:]:
         assert len({x % 2 for x in group}) == 1, submit.groups  # one retries count per group
+
+
+class Interrupted(BaseException):
+    """Stands for a Ctrl-C in the thread that submits a group."""
+
+
+def test_an_interrupted_submission_leaves_no_run_counted_and_no_member_waiting():
+    gathering = Gathering(wait_s=0.3, most=64)
+    first_submit = Recorder()
+    gathering.submit(first_submit, "first", None, 0)
+    dropped = []
+
+    def interrupted_submit(items, trace, retries):
+        raise Interrupted()
+
+    outcomes = {}
+
+    def one(k):
+        try:
+            outcomes[k] = gathering.submit(interrupted_submit, k, None, 0, drop=dropped.append)
+        except Interrupted:
+            outcomes[k] = "interrupted"
+        except Exception as err:  # the other members: told their group could not be submitted
+            outcomes[k] = type(err).__name__
+
+    in_threads(one, 4)
+    assert sorted(outcomes) == [0, 1, 2, 3]
+    assert sorted(outcomes.values()).count("interrupted") == 1, outcomes  # only the leader was interrupted
+    assert all(v in ("interrupted", "SomaError") for v in outcomes.values()), outcomes
+    assert dropped == []  # nothing was submitted, so nothing to drop
+    gathering.over()  # "first"
+    assert gathering.active == 0

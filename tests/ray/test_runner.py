@@ -371,11 +371,16 @@ def test_ray_retries_run_an_input_lost_to_a_dead_actor_again_and_say_how_many_tr
     assert seen["raised"]["type"] == "NodeError" and seen["raised"]["count"] == 1
     assert seen["timed_out"]["type"] == "RunTimeout" and seen["timed_out"]["nodes"] == ["sleep_counting"]
     assert seen["timed_out"]["count"] == 1
-    for ordered in (True, False):  # every output once, in order when asked; each doomed input ran twice
+    for ordered in (True, False):  # every output once, in order when asked; each doomed input ran again
         mapped = seen[f"map_{ordered}"]
         expected = [10 * i for i in range(30)]
         assert (mapped["outputs"] if ordered else sorted(mapped["outputs"])) == expected, mapped
-        assert mapped["doomed_runs"] == {"3": 2, "12": 2, "21": 2} and mapped["died"] == [3, 12, 21]
+        assert mapped["died"] == [3, 12, 21]
+        # Twice each: the fatal run, then one that lived. A third run only when the second one's actor died
+        # under another doomed input of its call (that call's values die with it: at least once, as Ray does).
+        fatal = {pids[0] for pids in mapped["doomed_runs"].values()}
+        for x, pids in mapped["doomed_runs"].items():
+            assert len(pids) == 2 or (len(pids) == 3 and pids[1] in fatal), (x, mapped)
     assert seen["after"] == 10
 
 
