@@ -120,9 +120,9 @@ class Driver:
                     node_actors.max_batch = max_batch_of(node)
                 self.book.add(key, node_actors)
             actors[node_id] = node_actors
-        batching = [g.node(n) for n in g.nodes() if is_batching(g.node(n))]
-        gathering = Gathering(min(batch_wait_of(node) for node in batching),
-                              max(max_batch_of(node) for node in batching)) if batching else None
+        batching = [n for n in g.nodes() if is_batching(g.node(n))]
+        gathering = Gathering(min(batch_wait_of(g.node(n)) for n in batching),
+                              max(max_batch_of(g.node(n)) for n in batching), node=batching[0]) if batching else None
         return ActorGraph(g.plan(), actors, devices, gathering)
 
     # -- submitting and fetching ---------------------------------------------------------------

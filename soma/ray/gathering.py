@@ -26,7 +26,8 @@ from ..errors import SomaError
 class Gathering:
     """The open group of one graph's concurrent runs, and how many of its runs are in flight."""
 
-    def __init__(self, wait_s: float, most: int):
+    def __init__(self, wait_s: float, most: int, node: str = "?"):
+        self.node = node  # the batching node its runs meet for (named in the error of a lost group)
         self.wait_s = wait_s  # the batching nodes' shortest batch_wait
         self.most = max(1, most)  # their largest max_batch
         self.cond = threading.Condition()
@@ -42,7 +43,7 @@ class Gathering:
             self.active += 1
             group, leads, position = self.group, False, 0
             if group is None and self.active > 1:  # others in flight: company may come within the wait
-                group = self.group = _Group(trace, retries, [(None, x)])
+                group = self.group = _Group(trace, retries, [(None, x)], self.node)
                 leads = True
                 if self.most == 1:
                     self.group = None  # (a batch of one is full at once)
@@ -99,9 +100,10 @@ class Gathering:
 
 
 class _Group:
-    __slots__ = ("trace", "retries", "items", "submissions", "errors", "done")
+    __slots__ = ("trace", "retries", "items", "submissions", "errors", "done", "node")
 
-    def __init__(self, trace, retries: int, items: list):
+    def __init__(self, trace, retries: int, items: list, node: str = "?"):
+        self.node = node
         self.trace = trace
         self.retries = retries
         self.items = items  # (index None, x) per member, in the order they joined
@@ -126,7 +128,8 @@ class _Group:
                         self.errors.append(err)
         finally:
             if len(self.errors) < len(self.items):  # (interrupted: nobody may wait forever)
-                lost = SomaError("soma.Ray could not submit this run with the others of its batch")
+                lost = SomaError(f"soma.Ray could not submit this run: the run that was submitting it with "
+                                 f"others for batching node `{self.node}` was interrupted; run it again")
                 self.submissions += [None] * (len(self.items) - len(self.submissions))
                 self.errors += [lost] * (len(self.items) - len(self.errors))
             self.done.set()

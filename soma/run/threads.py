@@ -63,6 +63,11 @@ class KeptThreads:
         self._lock = threading.Lock()
         self._made = 0  # threads made so far (they are named "branch 1", "branch 2", ...)
 
+    @property
+    def made(self) -> int:
+        """How many kept threads exist (they are never ended: a worker's or an actor's for its life)."""
+        return self._made
+
     def run(self, calls: list) -> None:
         handed = []
         for call in calls[1:]:

@@ -460,7 +460,8 @@ class Worker:
             for piece_id in [p for p, lane in self.lanes.items() if not lane.busy and not lane.jobs]:
                 if piece_id not in self.library.specs:
                     del self.lanes[piece_id]
-            for piece_id in [p for p in list(self.pace) if p not in self.library.specs]:  # (list: one C copy)
+            # list(): one copy in C, atomic under the GIL (lane threads write `pace` without the lock)
+            for piece_id in [p for p in list(self.pace) if p not in self.library.specs]:
                 self.pace.pop(piece_id, None)  # (else a forgotten piece's pace stays for the worker's life)
 
     # -- what runs now, for the status page (RunState's observer) ----------------------------------
