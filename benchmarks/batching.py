@@ -53,7 +53,7 @@ def maps(suite: h.Suite, local) -> None:
     def rate(name, runner, kind):
         source = groups if kind == "hand" else xs
         elapsed, out = h.timed(lambda: list(runner.map(graphs[kind], source)))
-        rows = [row for group in out for row in group] if kind == "hand" else [row for row, _ in out]
+        rows = [row for group in out for row, _ in group] if kind == "hand" else [row for row, _ in out]
         check(name, rows, expected)
         if kind == "batched":
             sizes.setdefault(name, []).append(statistics.mean(size for _, size in out))

@@ -17,7 +17,10 @@ come back as return values; the worker's side is drawn in `soma.local.worker`):
       │                                    (x encoded once by soma.wire.codec: tensors into shared
       │                                    segments, handles only) ─▶ the queue
       │   _pump                            a worker for each job (choice.py: its CUDA device, the
-      │                                    copies it holds, the copies allowed, fewest jobs out)
+      │                                    copies it holds, the copies allowed, fewest jobs out);
+      │                                    a batching node alone keeps its inputs unencoded until
+      │                                    here: those going to one worker are encoded together
+      │                                    into Bundles (flows.Walker.bundle)
       ├─▶ WorkerPool.send      pool        one Task per worker, with the node code and piece specs
       │                                    it lacks ── ROUTER ── ipc ──────────▶ worker: decode, run
       │                                                                          (soma.run.interpreter:

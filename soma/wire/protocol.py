@@ -8,7 +8,9 @@ opens a frame into a record. The values inside (a node's input and output) are
     host → worker   Task(code, pieces, jobs, frees, forget)
                         code    {node key: the node, pickled}      only what this worker lacks
                         pieces  {piece id: piece spec}             only what this worker lacks
-                        jobs   [JobSpec(id, piece, payload, traced)] one input for one piece each
+                        jobs   [JobSpec(id, piece, payload, traced)] one input for one piece each,
+                               or Bundle(ids, piece, payload)   inputs of a one-node batching piece,
+                                                                 encoded together as one list
                         frees   [[segment, n]]                     see soma.wire.shm
                         forget  [node key]                         the host let these nodes go
                     Free(frees)      Cancel(job ids: drop them if not started)      Stop()
@@ -16,6 +18,8 @@ opens a frame into a record. The values inside (a node's input and output) are
                     Result(worker, pid, outcomes, releases, leaving)
                         outcomes [Outcome(job, ok, body, spans, seconds)]
                                  body: the encoded output when ok, else an error body (below)
+                                 a Bundle's: Outcome(ids, [per id: True | bytes | error body],
+                                 the encoded list of the True ones' outputs, None, seconds each)
                         releases [[segment, n]]                    receipts whose storages died
                         leaving  over max_memory: it takes nothing more, and the host replaces it
                                  once every job it was sent has come back (answered, or Cancelled)
@@ -66,8 +70,19 @@ class JobSpec(NamedTuple):
     traced: object  # False, or [the input's index (None for a run)]: record spans for runner.trace()
 
 
+class Bundle(NamedTuple):
+    """Inputs of one piece that is a batching node alone, encoded together (one encoder pass, one message
+    entry, one decode in the worker, one outcome back): the per-input costs hand-batching does not pay.
+    `ids[i]` is the job of `payload`'s i-th input, or 0 when that input is not wanted (the rest of a bundle
+    sent again after its worker left before starting it: the whole payload travels, only these run)."""
+
+    ids: list
+    piece: int
+    payload: bytes  # the inputs, as one list encoded by soma.wire.codec
+
+
 class Outcome(NamedTuple):
-    """What became of one job."""
+    """What became of one job (or of a Bundle's: see the module's docstring)."""
 
     job: int
     ok: bool
@@ -136,7 +151,7 @@ def parse(secret: bytes, frame: bytes, origin: str):
         kind = fields[0]
         if kind == TASK:
             code, pieces, jobs, frees, forget = fields[1:]
-            return Task(code, pieces, [JobSpec(*u) for u in jobs], frees, forget)
+            return Task(code, pieces, [JobSpec(*u) if len(u) == 4 else Bundle(*u) for u in jobs], frees, forget)
         if kind == RESULT:
             worker, pid, outcomes, releases, leaving = fields[1:]
             return Result(worker, pid, [Outcome(*o) for o in outcomes], releases, leaving)

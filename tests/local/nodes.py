@@ -200,3 +200,46 @@ class Threads(Node):
 
         return Done((os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()))
 
+
+
+class AddsInPlace(Node):
+    """A batching node that adds 1 to each input tensor in place and returns its sum: two inputs that
+    arrived as one object (or over one copy) would see each other's addition."""
+
+    max_batch = 16
+
+    def forward_batch(self, xs, ctx):
+        return Done([float(x.add_(1).sum()) for x in xs])
+
+
+class SameOutputForAll(Node):
+    """A batching node that returns one tensor object as the output of every input of its batch."""
+
+    max_batch = 16
+
+    def forward_batch(self, xs, ctx):
+        import torch
+
+        out = torch.full((1 << 14,), float(len(xs)))  # a heap tensor over the inline limit: copied to go back
+        return Done([out] * len(xs))
+
+
+class LockFor(Node):
+    """A batching node whose output for input `bad` is a lock (it cannot travel back); the others' doubled."""
+
+    max_batch = 16
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def forward_batch(self, xs, ctx):
+        return Done([threading.Lock() if x == self.bad else (x * 2, len(xs)) for x in xs])
+
+
+class CountsBatch(Node):
+    """A batching node: each input doubled, with how many shared its call."""
+
+    max_batch = 16
+
+    def forward_batch(self, xs, ctx):
+        return Done([(x * 2, len(xs)) for x in xs])

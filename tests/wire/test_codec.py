@@ -200,3 +200,29 @@ def test_small_tensors_of_every_dtype_and_form_come_back_exactly(t):
         before = values(t).clone()
         out.fill_(1)  # writable
         assert torch.equal(values(t), before)  # and the sender's tensor is untouched by writes to what arrived
+
+
+def test_a_list_header_is_msgpacks_for_every_length():
+    import msgpack
+
+    for n in (0, 1, 15, 16, 65535, 65536):
+        assert msgpack.unpackb(codec._list_header(n) + b"\xc0" * n) == [None] * n
+
+
+def test_values_packed_each_on_their_own_share_nothing_on_arrival(stores):
+    """A bundle's inputs (and a batch's outputs) are packed with pack_each: the same tensor twice arrives as
+    two tensors over two copies (a node that adds to one in place must not change the other), while inside
+    one value a tensor named twice still arrives as one object."""
+    import torch
+
+    sender, receiver = stores
+    small, big = torch.arange(8.0), torch.arange(float(1 << 14))  # inline, and copied into a segment
+    encoder = codec.Encoder(lambda create: sender)
+    data = encoder.pack_each([small, small, big, big, [big, big]])
+    out = codec.Decoder(lambda create: receiver).unpack(data)
+    assert [torch.equal(a, b) for a, b in zip(out, [small, small, big, big])] == [True] * 4
+    out[0].add_(1)
+    out[2].add_(1)
+    assert torch.equal(out[1], small) and torch.equal(out[3], big)  # no view of the other's copy
+    assert out[4][0] is out[4][1]  # within one value: one object, as pack gives
+    assert torch.equal(out[4][0], big)

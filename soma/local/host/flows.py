@@ -57,12 +57,17 @@ class Flow:
 
 
 class Job:
-    """One input for one piece: queued, then outstanding at a worker."""
+    """One input for one piece: queued, then outstanding at a worker.
+
+    A job of a bundled piece (`piece.bundle`, a batching node alone) is not encoded when it is made:
+    it keeps its input (`value`) until it is sent, when the jobs going to one worker are encoded
+    together into a `Bundle` (`Walker.bundle`); from then on it is `position` in that bundle.
+    """
 
     __slots__ = ("id", "flow", "try_", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
-                 "behind", "traced")
+                 "behind", "traced", "value", "bundle", "position")
 
-    def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then):
+    def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then, value=None):
         self.id = job_id
         self.flow = flow
         self.try_ = flow.tries  # the try of its flow it belongs to
@@ -77,6 +82,41 @@ class Job:
         self.behind = 0  # jobs already at its worker when it was sent (its wait there, unseen)
         self.sent_ns = 0  # when traced
         self.traced = flow.trace is not None
+        self.value = value  # a bundled piece's input, until it is encoded in a bundle
+        self.bundle = None  # that Bundle, once it is
+        self.position = 0  # its input's place in the bundle's payload
+
+    def wire(self) -> tuple:
+        """The JobSpec's fields (protocol.JobSpec), as the pool packs them."""
+        return self.id, self.piece.id, self.payload, [self.flow.index] if self.traced else False
+
+
+class Bundle:
+    """Inputs of a bundled piece encoded together: one payload (a list), the segments it lends, and the
+    encoder that keeps what its handles name alive (every job of the bundle holds it: see Job.keep)."""
+
+    __slots__ = ("piece", "payload", "shared", "keep", "size")
+
+    def __init__(self, piece: Piece, payload: bytes, encoder, size: int):
+        self.piece, self.payload, self.shared, self.keep, self.size = piece, payload, encoder.shared, encoder, size
+
+
+class BundleSend:
+    """What one send of a bundle carries: its payload, and the ids of the jobs of it that run now (0 for an
+    input whose job is elsewhere or over: a bundle sent again after its worker left carries its whole
+    payload, and the worker runs only the inputs named)."""
+
+    __slots__ = ("bundle", "ids", "piece", "shared")
+
+    def __init__(self, bundle: Bundle, jobs: list):
+        self.bundle, self.piece, self.shared = bundle, bundle.piece, bundle.shared
+        self.ids = [0] * bundle.size
+        for job in jobs:
+            self.ids[job.position] = job.id
+
+    def wire(self) -> tuple:
+        """The Bundle's fields (protocol.Bundle), as the pool packs them."""
+        return self.ids, self.piece.id, self.bundle.payload
 
 
 class Walker:
@@ -105,6 +145,8 @@ class Walker:
 
     def _piece(self, piece: Piece):
         def start_piece(x, flow: Flow, then, encoded: dict) -> list:
+            if piece.bundle and flow.trace is None:  # encoded with the others that go where it goes (bundle)
+                return [Job(next(self.job_ids), flow, piece, _UNENCODED, then, x)]
             return [Job(next(self.job_ids), flow, piece, self.encode(x, piece, flow, encoded), then)]
         return start_piece
 
@@ -114,26 +156,57 @@ class Walker:
         if found is not None:
             return found
         encoder = codec.Encoder(self.get_store)
-        entry = piece.entry
-        step = flow.trace.host_step("encode input", node=entry, input=flow.index) if flow.trace else None
-        try:
-            if step is not None:
-                with step as args:
-                    payload = encoder.pack(x)
-                    args.update(bytes=len(payload), shm_copies=encoder.copied)
-            else:
-                payload = encoder.pack(x)
-        except codec.GradCrossing as err:
-            raise NodeError.failed(entry, err.reason("its input is")) from None
-        except codec.Unsendable as err:
-            raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
-        except SharedMemoryFull as err:
-            raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
-        except OSError as err:  # a segment that could not be made or mapped (too many open files, ...)
-            raise NodeError.failed(entry, f"its input could not be put in shared memory: {type(err).__name__}: "
-                                          f"{err}") from err
+        step = flow.trace.host_step("encode input", node=piece.entry, input=flow.index) if flow.trace else None
+        if step is not None:
+            with step as args:
+                payload = _packed(encoder.pack, x, piece.entry)
+                args.update(bytes=len(payload), shm_copies=encoder.copied)
+        else:
+            payload = _packed(encoder.pack, x, piece.entry)
         found = encoded[id(x)] = (payload, encoder.shared, encoder)
         return found
+
+    def bundle(self, piece: Piece, jobs: list) -> tuple[list, list]:
+        """Encode the inputs of `jobs` (of one bundled piece, going to one worker) together: `(the jobs now
+        in a bundle, [(job, the NodeError its input raised)])`. One encoder pass for all; when that fails,
+        each input goes in a bundle of its own, so a bad input fails by itself and the others still go."""
+        try:
+            return self._bundled(piece, jobs), []
+        except NodeError:
+            pass
+        bundled, failed = [], []
+        for job in jobs:
+            try:
+                bundled += self._bundled(piece, [job])
+            except NodeError as err:
+                failed.append((job, err))
+        return bundled, failed
+
+    def _bundled(self, piece: Piece, jobs: list) -> list:
+        encoder = codec.Encoder(self.get_store)
+        payload = _packed(encoder.pack_each, [job.value for job in jobs], piece.entry)
+        bundle = Bundle(piece, payload, encoder, len(jobs))
+        for position, job in enumerate(jobs):
+            job.bundle, job.position, job.keep, job.value = bundle, position, encoder, None
+        return jobs
+
+
+_UNENCODED = (None, (), None)  # a bundled piece's job before its bundle: no payload, no segments, nothing kept
+
+
+def _packed(pack, x, entry: str) -> bytes:
+    """`pack(x)` (an encoder's); what stops it is a NodeError of node `entry` that says why."""
+    try:
+        return pack(x)
+    except codec.GradCrossing as err:
+        raise NodeError.failed(entry, err.reason("its input is")) from None
+    except codec.Unsendable as err:
+        raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
+    except SharedMemoryFull as err:
+        raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
+    except OSError as err:  # a segment that could not be made or mapped (too many open files, ...)
+        raise NodeError.failed(entry, f"its input could not be put in shared memory: {type(err).__name__}: "
+                                      f"{err}") from err
 
 
 def _seq(_, items: list):

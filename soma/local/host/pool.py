@@ -260,9 +260,9 @@ class WorkerPool:
     def send(self, slot: int, jobs: list) -> bool:
         """Send jobs to the worker of `slot` in one Task, with the code and piece specs it lacks.
 
-        Each job has `.id`, `.piece` (a Piece), `.payload`, `.shared` (segment names it
-        lends) and `.traced`. False when the worker cannot be reached (the listener
-        reports its death).
+        Each job (a flows.Job, or a flows.BundleSend: several inputs in one entry) has `.piece`
+        (a Piece), `.shared` (segment names it lends) and `.wire()` (its JobSpec's or Bundle's
+        fields). False when the worker cannot be reached (the listener reports its death).
         """
         self.apply_host_releases()  # so the frees this Task carries are current
         with self._send_lock:
@@ -288,8 +288,7 @@ class WorkerPool:
                 for name in job.shared:
                     self._book.lent(name, worker.pid)
                     self.segments.note_sent(name)
-            task = Task(code, pieces, [(u.id, u.piece.id, u.payload, [u.flow.index] if u.traced else False)
-                                       for u in jobs],  # JobSpecs, packed
+            task = Task(code, pieces, [u.wire() for u in jobs],  # JobSpecs and Bundles, packed
                         self._book.take_frees(worker.pid), forget)
             if not self._send(worker, protocol.pack(self.secret, task)):
                 return False
@@ -381,6 +380,9 @@ class WorkerPool:
         decoder = codec.Decoder(self.get_store)
         try:
             for job_id, ok, body, spans, seconds in result.outcomes:
+                if type(job_id) is list:  # a Bundle's outcomes
+                    decoded += _bundle_arrived(decoder, job_id, ok, body, seconds)
+                    continue
                 start = time.monotonic_ns() if spans is not None else 0
                 if ok:
                     try:
@@ -475,3 +477,32 @@ class WorkerPool:
             warn("soma.local", "soma: could not start a new worker w%s: %s: %s", slot, type(err).__name__, err)
             return
         self._spawn_errors.pop(slot, None)
+
+
+def _bundle_arrived(decoder, ids: list, oks: list, body, seconds: float) -> list:
+    """A Bundle's outcomes, one Arrived per input: `oks[i]` is True (its output is the next one of the
+    list `body` decodes to), bytes (its output, encoded alone: the worker could not encode the list), or
+    an error body. A list that cannot be decoded leaves every output in it Undecodable."""
+    listed = sum(1 for ok in oks if ok is True)
+    shared: list = []
+    if listed:
+        try:
+            shared = decoder.unpack(body)
+            if type(shared) is not list or len(shared) != listed:
+                raise ValueError(f"a bundle's outputs decoded to {type(shared).__name__} of "
+                                 f"{len(shared) if type(shared) is list else '?'} values, not {listed}")
+        except Exception as err:
+            shared = [Undecodable(err)] * listed
+    arrived, values = [], iter(shared)
+    for job_id, ok in zip(ids, oks):
+        if ok is True:
+            arrived.append(Arrived(job_id, True, next(values), None, seconds, None))
+        elif type(ok) is bytes:
+            try:
+                value = decoder.unpack(ok)
+            except Exception as err:
+                value = Undecodable(err)
+            arrived.append(Arrived(job_id, True, value, None, seconds, None))
+        else:
+            arrived.append(Arrived(job_id, False, failures.error_from(ok), None, seconds, None))
+    return arrived

@@ -44,9 +44,12 @@ class Piece(Plan):
     this many copies of it may exist (None: as many as there are workers).
     `spec`: the piece as the protocol carries it (packed once). `batch`: its batching nodes' largest
     `max_batch` (0 when it has none): a worker runs that many of its jobs together, so they share calls.
+    `bundle`: `batch` when the piece is a batching node alone, else 0: its inputs travel in Bundles of at
+    most that many (protocol.Bundle: one encoding, one message entry, one outcome for many inputs).
     """
 
-    __slots__ = ("id", "plan", "keys", "devices", "cuda", "max_copies", "spec", "entry", "checked_outputs", "batch")
+    __slots__ = ("id", "plan", "keys", "devices", "cuda", "max_copies", "spec", "entry", "checked_outputs", "batch",
+                 "bundle")
 
     def __init__(self, plan: Plan, keys: dict, devices: dict, max_copies: int | None, batch: int = 0):
         ids = list(plan.steps())
@@ -62,6 +65,7 @@ class Piece(Plan):
             ("entry", ids[0]),  # the first node: the one its input is for
             ("checked_outputs", outputs_to_check(plan, devices)),  # its output → what the postcondition checks
             ("batch", batch),  # its batching nodes' largest max_batch (0: none): how many of its jobs run together
+            ("bundle", batch if type(plan) is Step else 0),
         ):
             object.__setattr__(self, name, value)
 
@@ -71,8 +75,7 @@ class Piece(Plan):
     def __eq__(self, other):
         return self is other
 
-    def __hash__(self):
-        return hash(self.id)
+    __hash__ = object.__hash__  # (a piece is itself only, as __eq__ says: hashed in C, not by a call per job)
 
     def steps(self):
         return self.plan.steps()

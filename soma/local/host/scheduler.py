@@ -35,7 +35,7 @@ from ...plan import last_step
 from ...run.postcondition import check_postcondition
 from .choice import WorkerChoice
 from .events import Lost, Outcomes, Ready, Undecodable
-from .flows import Flow, Job, Walker
+from .flows import BundleSend, Flow, Job, Walker
 
 LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 
@@ -107,10 +107,14 @@ class Scheduler:
         self.queue = waiting
         depths: dict = {}
         full: set = set()  # pieces no worker can take more of in this pump (loads only grow during it)
+        stale = self.walker.stale
         for job in queue:
-            if self.walker.stale(job):
+            if job.piece.id in full:  # (a stale one among them is dropped once its piece has room: a pump looks
+                waiting.append(job)   # at each waiting job then, not at every pump while a deep window waits)
                 continue
-            slot = None if job.piece.id in full else self._place(job, usable, depths)
+            if stale(job):
+                continue
+            slot = self._place(job, usable, depths)
             if slot is None:
                 full.add(job.piece.id)
                 waiting.append(job)
@@ -158,14 +162,42 @@ class Scheduler:
             if job.traced:
                 job.sent_ns = time.monotonic_ns()
         try:
+            items = self._wire_items(jobs)
             # False: it died on the way; whoever receives finds it dead, and these jobs fail as WorkerDied.
-            self.pool.send(slot, jobs)
+            if items:
+                self.pool.send(slot, items)
         except Exception as err:  # never leave an input waiting forever on soma's own mistake
             for job in jobs:
                 if job.id in self.outstanding:
                     self._give_back(job)
                 self._finish(job.flow, False, _internal(err, f"sending node `{job.piece.entry}` to a worker"))
 
+    def _wire_items(self, jobs: list) -> list:
+        """What the jobs going to one worker travel as: each job on its own, and those of a bundled piece in
+        Bundles (`BundleSend`s) of at most its `bundle` inputs: the ones not encoded yet are encoded together
+        here, one encoder pass per bundle; one sent before (its worker left before starting it) goes again
+        in its own bundle's payload. An input that cannot be encoded fails alone, here (lock held)."""
+        items, fresh, again = [], {}, {}
+        for job in jobs:
+            if job.bundle is not None:
+                again.setdefault(job.bundle, []).append(job)
+            elif job.piece.bundle and job.payload is None:
+                fresh.setdefault(job.piece, []).append(job)
+            else:
+                items.append(job)
+        for piece, waiting in fresh.items():
+            for first in range(0, len(waiting), piece.bundle):
+                bundled, failed = self.walker.bundle(piece, waiting[first:first + piece.bundle])
+                if not failed:  # (the common case: one bundle of them all)
+                    items.append(BundleSend(bundled[0].bundle, bundled))
+                    continue
+                for job in bundled:
+                    again.setdefault(job.bundle, []).append(job)
+                for job, err in failed:
+                    self._give_back(job)
+                    self._end_job(job, False, err)
+        items += [BundleSend(bundle, members) for bundle, members in again.items()]
+        return items
     def _give_back(self, job: Job) -> None:
         """`job` is no longer at its worker (its outcome came, or the worker is gone): lock held."""
         del self.outstanding[job.id]
@@ -298,7 +330,9 @@ class Scheduler:
         """The job is over: its continuation makes the next jobs, or the flow's outcome (lock held)."""
         flow = job.flow
         flow.jobs.discard(job)
-        self._enqueue(job.then(ok, value))
+        made = job.then(ok, value)
+        if made:
+            self._enqueue(made)
         if flow.outcome is not None:
             self._finish(flow, *flow.outcome)
 

@@ -7,12 +7,14 @@ How messages flow through a worker (the host is drawn in `soma.local`):
                                              ▼
                      accept(Task): register the node code and piece specs it carries (library.py:
                                    code unpickled on first use, a piece's Interpreter built once); append
-                                   each JobSpec to its piece's Lane (a lane keeps arrival order)
+                                   each JobSpec (one input) or Bundle (inputs of a batching node alone,
+                                   encoded as one list) to its piece's Lane (a lane keeps arrival order)
                                              │ the receiving thread runs the first runnable lane
                                              │ itself (no hand-off for a short job); other runnable
                                              │ lanes go to other serving threads at once; a follower
                                              ▼ takes over receiving if a job runs longer than 2 ms
-                     run_lane: each job in order ─▶ run_job:
+                     run_lane: each job in order ─▶ run_job (a batching node's queued jobs and
+                                   Bundles, up to max_batch inputs: run_batch, one forward_batch):
                                    decode the input (values.py → soma.wire.codec: map shared segments by name)
                                    Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward,
                                                      Done, postcondition; one input per node at once)

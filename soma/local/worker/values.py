@@ -18,18 +18,29 @@ def decode_input(payload: bytes, entry: str, worker: str, get_store):
 
 def encode_output(value, producer: str, get_store) -> bytes:
     encoder = codec.Encoder(get_store)
+    return _encoded(encoder, encoder.pack, value, producer, get_store, "its output")
+
+
+def encode_outputs(values: list, producer: str, get_store) -> bytes:
+    """A batch's outputs as one list, each encoded as if alone (`Encoder.pack_each`: no two share an object
+    on arrival); a NodeError when any of them cannot be (the caller encodes them one by one then)."""
+    encoder = codec.Encoder(get_store)
+    return _encoded(encoder, encoder.pack_each, values, producer, get_store, "an output of its batch")
+
+
+def _encoded(encoder, pack, value, producer: str, get_store, what: str) -> bytes:
     try:
-        data = encoder.pack(value)
+        data = pack(value)
     except codec.GradCrossing as err:
         raise NodeError.failed(producer, err.reason("it returned")) from None
     except SharedMemoryFull as err:
-        raise SharedMemoryFull.reserving(producer, err.nbytes, "its output") from None
+        raise SharedMemoryFull.reserving(producer, err.nbytes, what) from None
     except codec.Unsendable as err:
         hint = "" if err.too_deep else " (return plain data, tensors, or picklable objects)"
-        raise NodeError.failed(producer, f"its output cannot be sent back to the host: {err}{hint}") from None
+        raise NodeError.failed(producer, f"{what} cannot be sent back to the host: {err}{hint}") from None
     except Exception as err:
         raise NodeError.failed(
-            producer, f"its output cannot be sent back to the host: {type(err).__name__}: {err} "
+            producer, f"{what} cannot be sent back to the host: {type(err).__name__}: {err} "
                       f"(return plain data, tensors, or picklable objects)") from None
     if encoder.shared:
         store = get_store()

@@ -17,12 +17,12 @@ from ...errors import Cancelled, NodeError, traceback_text
 from ...run.interpreter import Interpreter, RunState, span
 from ...run.threads import kept_threads, on_threads
 from ...wire import failures, protocol, transport
-from ...wire.protocol import Cancel, Free, Outcome, Result, Stop, Task
+from ...wire.protocol import Bundle, Cancel, Free, Outcome, Result, Stop, Task
 from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, unlink_all
 from ...wire.status import StatusPage
 from .library import Library
 from .resources import Arena, DeviceSetup, private_memory
-from .values import decode_input, encode_output
+from .values import decode_input, encode_output, encode_outputs
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 WATCHDOG_S = 0.5
@@ -227,7 +227,8 @@ class Worker:
                 # Only what still waits in a lane can be dropped (a Cancel comes after its Task, on the
                 # same socket): the rest has started or is done, and its id need not be kept.
                 wanted = set(message.jobs)
-                self.cancelled.update(u.id for lane in self.lanes.values() for u in lane.jobs if u.id in wanted)
+                self.cancelled.update(i for lane in self.lanes.values() for u in lane.jobs for i in _ids(u)
+                                      if i in wanted)
         elif isinstance(message, Stop):
             self.stopping.set()
             self.finish()
@@ -301,12 +302,12 @@ class Worker:
                     break
                 turn = [lane.jobs.popleft()]
                 loaded = self.library.pieces.get(turn[0].piece)
-                while loaded is not None and len(turn) < loaded.batch and lane.jobs:
-                    turn.append(lane.jobs.popleft())  # a batching node's jobs run together: they share calls
-                dropped = {job.id for job in turn if job.id in self.cancelled}
+                if loaded is not None and loaded.batch:  # a batching node's jobs run together: they share calls
+                    self.fill_turn(turn, lane.jobs, loaded.batch)
+                dropped = {i for job in turn for i in _ids(job) if i in self.cancelled}
                 self.cancelled -= dropped
             piece = turn[0].piece
-            if outcomes and (len(turn) > 1 or self.pace.get(piece, FLUSH_S) >= FLUSH_S):
+            if outcomes and (len(turn) > 1 or type(turn[0]) is Bundle or self.pace.get(piece, FLUSH_S) >= FLUSH_S):
                 # The next turn may be long (a batch; a piece not known to be quick): what is done goes now,
                 # so that it neither waits for that turn nor dies with this worker if that turn ends it (it
                 # would run again elsewhere: the status page no longer names it).
@@ -324,6 +325,28 @@ class Worker:
         if outcomes:
             self.flush(outcomes)
 
+    @staticmethod
+    def fill_turn(turn: list, queued: deque, batch: int) -> None:
+        """Take the lane's next jobs into `turn` while its inputs stay within `batch` (a Bundle counts its
+        inputs); a traced job and a Bundle never share a turn (a Bundle's inputs run in one call, untraced)."""
+        bundled = type(turn[0]) is Bundle
+        traced = not bundled and bool(turn[0].traced)
+        size = _size(turn[0])
+        while queued:
+            item = queued[0]
+            if type(item) is Bundle:
+                if traced:
+                    break
+                bundled = True
+            elif item.traced:
+                if bundled:
+                    break
+                traced = True
+            size += _size(item)
+            if size > batch:
+                break
+            turn.append(queued.popleft())
+
     def run_turn(self, jobs: list, dropped: set) -> list:
         """Outcomes of a lane's turn: one job, or the jobs queued for a piece with a batching node, run at once:
         in one call when the piece is that node alone (`run_batch`), else on threads of their own so that
@@ -336,60 +359,154 @@ class Worker:
                 self.over_memory = private_memory() > self.max_memory
             return outcome
 
-        if len(jobs) == 1:
+        bundled = any(type(job) is Bundle for job in jobs)
+        if len(jobs) == 1 and not bundled:
             return [outcome_of(jobs[0])]
         piece = self.library.pieces.get(jobs[0].piece)  # (loaded: its `batch` made this turn)
+        if piece is None and bundled:  # a Bundle is the first input of its piece here: load it first
+            piece, failure = self.load_bundled(jobs)
+            if piece is None:
+                return [_failed(job, failure) if type(job) is Bundle else
+                        Outcome(job.id, False, failures.error_body(failure), None, 0.0) for job in jobs]
         node_id = piece.interpreter.batch_node(piece.plan) if piece is not None else None
-        if node_id is not None and not any(job.traced for job in jobs):
+        if node_id is not None and not any(type(job) is not Bundle and job.traced for job in jobs):
             return self.run_batch(piece, node_id, jobs, dropped)
+        if bundled:  # (the host bundles only the inputs of a batching node alone: never here)
+            failure = NodeError.failed(piece.entry, f"worker {self.id} was sent a bundle of inputs for a piece "
+                                                    f"that is not one batching node (a bug in soma: please report it)")
+            return [_failed(job, failure) if type(job) is Bundle else outcome_of(job) for job in jobs]
         with piece.interpreter.arriving(len(jobs)) if piece is not None else contextlib.nullcontext():
             return [value for _, value in on_threads([lambda job=job: outcome_of(job) for job in jobs],
                                                      kept_threads())]
 
+    def load_bundled(self, jobs: list) -> tuple:
+        """`(the piece, None)` of the turn's first job, loaded here, or `(None, the NodeError)` that stopped
+        it (each input of the turn gets it). The status page names every job of the turn meanwhile."""
+        piece_id, entry = jobs[0].piece, "?"
+        try:
+            plan, steps, entry, producer = self.library.describe(piece_id)
+            self.status.enter_batch([i for job in jobs for i in _ids(job)], entry)
+            self.devices.on_thread()  # (a node's code may touch CUDA as it loads)
+            return self.library.load(piece_id, plan, steps, entry, producer), None
+        except NodeError as err:
+            return None, err
+        except BaseException as err:  # never lose a job: the host is waiting for it
+            return None, self.could_not_run(entry, err)
+        finally:
+            self.status.leave()
+
     def run_batch(self, piece, node_id: str, jobs: list, dropped: set) -> list:
-        """The jobs of a piece that is one batching node, on this thread: decoded, one `forward_batch`,
-        encoded; each job its own outcome. The status page names every job of the batch (a death meanwhile
-        counts a try for each: they had all started)."""
+        """The jobs of a piece that is one batching node, on this thread: decoded (a Bundle's inputs in one
+        pass), one `forward_batch`, encoded (a Bundle's outputs as one list); an outcome per job and one per
+        Bundle. The status page names every job of the batch (a death meanwhile counts a try for each: they
+        had all started)."""
         start = time.perf_counter()
         outcomes: list = [None] * len(jobs)
-        live, xs = [], []
+        answers: list = [None] * len(jobs)  # a Bundle's: {job id: ok, or its error body} (see protocol.Outcome)
+        live, xs = [], []  # (which job, which job id) of each input that runs, and the inputs
         for i, job in enumerate(jobs):
+            if type(job) is Bundle:
+                answers[i] = self.open_bundle(job, i, node_id, dropped, live, xs)
+                continue
             if job.id in dropped or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
                 outcomes[i] = Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
                 continue
             try:
                 xs.append(decode_input(job.payload, node_id, self.id, self.get_store))
-                live.append(i)
+                live.append((i, job.id))
             except NodeError as err:
                 outcomes[i] = Outcome(job.id, False, failures.error_body(err), None, 0.0)
-        if not live:
-            return outcomes
-        status = self.status
-        status.enter_batch([jobs[i].id for i in live], node_id)
-        try:
+        if live:
+            status = self.status
+            status.enter_batch([job_id for _, job_id in live], node_id)
             try:
-                results = piece.interpreter.run_batch(node_id, xs, [RunState() for _ in live])
-            except BaseException as err:  # never lose a job: the host is waiting for it
-                results = [(False, self.could_not_run(node_id, err))] * len(live)
-            del xs
-            seconds = (time.perf_counter() - start) / len(live)  # (each job's share: what the host measures)
-            for i, (ok, value) in zip(live, results):
-                body = None
-                if ok:
-                    try:
-                        body = encode_output(value, node_id, self.get_store)
-                    except NodeError as err:
-                        ok, value = False, err
-                if not ok:
-                    if not isinstance(value, NodeError):
-                        value = NodeError.failed(node_id, f"{type(value).__name__}: {value}")
-                    body = failures.error_body(value)
-                outcomes[i] = Outcome(jobs[i].id, ok, body, None, seconds)
-        finally:
-            status.leave()
+                try:
+                    results = piece.interpreter.run_batch(node_id, xs, [RunState() for _ in live])
+                except BaseException as err:  # never lose a job: the host is waiting for it
+                    results = [(False, self.could_not_run(node_id, err))] * len(live)
+                del xs
+                seconds = (time.perf_counter() - start) / len(live)  # (each job's share: what the host measures)
+                bundled: dict = {}  # a Bundle's place in the turn → [(job id, output)] of its inputs that ran ok
+                for (i, job_id), (ok, value) in zip(live, results):
+                    if ok and answers[i] is not None:
+                        bundled.setdefault(i, []).append((job_id, value))
+                        continue
+                    body = None
+                    if ok:
+                        try:
+                            body = encode_output(value, node_id, self.get_store)
+                        except NodeError as err:
+                            ok, value = False, err
+                    if not ok:
+                        if not isinstance(value, NodeError):
+                            value = NodeError.failed(node_id, f"{type(value).__name__}: {value}")
+                        body = failures.error_body(value)
+                    if answers[i] is not None:
+                        answers[i][job_id] = body
+                    else:
+                        outcomes[i] = Outcome(job_id, ok, body, None, seconds)
+                for i, done in bundled.items():
+                    outcomes[i] = self.close_bundle(jobs[i], answers[i], done, node_id, seconds)
+            finally:
+                status.leave()
+        for i, job in enumerate(jobs):
+            if outcomes[i] is None:  # a Bundle none of whose inputs ran ok
+                outcomes[i] = self.close_bundle(job, answers[i], [], node_id, 0.0)
         if self.max_memory and not self.over_memory:
             self.over_memory = private_memory() > self.max_memory
         return outcomes
+
+    def open_bundle(self, bundle: Bundle, i: int, node_id: str, dropped: set, live: list, xs: list) -> dict:
+        """A Bundle's inputs that run (decoded in one pass) go to `live` and `xs`; what becomes of the others
+        (dropped, or not decodable) is in the answers it returns: {job id: its error body}, in payload order."""
+        answers: dict = {}
+        wanted = []
+        for position, job_id in enumerate(bundle.ids):
+            if not job_id:
+                continue
+            if job_id in dropped or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
+                answers[job_id] = failures.error_body(Cancelled())
+            else:
+                answers[job_id] = None  # (its place, in payload order: filled in when its output comes)
+                wanted.append((position, job_id))
+        if not wanted:
+            return answers
+        try:
+            values = decode_input(bundle.payload, node_id, self.id, self.get_store)
+            if type(values) is not list or len(values) != len(bundle.ids):
+                raise NodeError.failed(node_id, f"its input could not be received in worker {self.id}: a bundle "
+                                                f"of {len(bundle.ids)} inputs decoded to something else (a bug in "
+                                                f"soma: please report it)")
+        except NodeError as err:
+            body = failures.error_body(err)
+            for _, job_id in wanted:
+                answers[job_id] = body
+            return answers
+        for position, job_id in wanted:
+            live.append((i, job_id))
+            xs.append(values[position])
+        return answers
+
+    def close_bundle(self, bundle: Bundle, answers: dict, done: list, node_id: str, seconds: float) -> Outcome:
+        """A Bundle's one outcome: the outputs of `done` (its inputs that ran ok) encoded as one list, or each
+        alone when the list cannot be (then one that cannot fails by itself); every other input's answer."""
+        body = None
+        if done:
+            try:
+                body = encode_outputs([value for _, value in done], node_id, self.get_store)
+                for job_id, _ in done:
+                    answers[job_id] = True
+            except NodeError:
+                for job_id, value in done:
+                    try:
+                        answers[job_id] = encode_output(value, node_id, self.get_store)
+                    except NodeError as err:
+                        answers[job_id] = failures.error_body(err)
+                body = None
+        lost = NodeError.failed(node_id, f"worker {self.id} lost its output (a bug in soma: please report it)")
+        ids = list(answers)
+        return Outcome(ids, [failures.error_body(lost) if answers[job_id] is None else answers[job_id]
+                             for job_id in ids], body, None, seconds)
 
     def flush(self, outcomes: list) -> None:
         # Inputs and outputs of these jobs are dropped by now: what died is reported with them.
@@ -488,3 +605,20 @@ class Worker:
         store = self.get_store()
         for name, n in frees:
             store.free(name, n)
+
+
+def _ids(job) -> list:
+    """The job ids a lane's entry stands for: a JobSpec's one, a Bundle's named ones."""
+    return [i for i in job.ids if i] if type(job) is Bundle else [job.id]
+
+
+def _size(job) -> int:
+    """How many inputs a lane's entry brings to a turn."""
+    return sum(1 for i in job.ids if i) if type(job) is Bundle else 1
+
+
+def _failed(bundle: Bundle, err: NodeError) -> Outcome:
+    """A Bundle's outcome when none of its inputs could run: `err` for each."""
+    ids = _ids(bundle)
+    body = failures.error_body(err)
+    return Outcome(ids, [body] * len(ids), None, None, 0.0)

@@ -1,0 +1,54 @@
+"""Local's batching: a batching node alone is a piece whose inputs travel in Bundles (one encoding, one message
+entry and one outcome for many inputs). Each input still crosses as if it went alone, and fails alone."""
+
+import pytest
+
+from soma import Graph, NodeError
+from tests.local.nodes import AddsInPlace, CountsBatch, LockFor, SameOutputForAll
+from tests.nodes import Unpicklable
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_same_tensor_many_times_in_a_map_reaches_the_node_as_distinct_inputs(local):
+    small, big = torch.zeros(8), torch.zeros(1 << 14)  # inline, and copied into a segment
+    xs = [small] * 20 + [big] * 20
+    out = list(local.map(Graph.somatize(AddsInPlace()), xs))
+    assert out == [8.0] * 20 + [float(1 << 14)] * 20  # each added to its own copy, once
+    assert float(small.sum()) == 0.0 and float(big.sum()) == 0.0  # the caller's tensors are untouched
+
+
+def test_one_output_object_for_a_whole_batch_arrives_as_each_inputs_own(local):
+    held = list(local.map(Graph.somatize(SameOutputForAll()), range(48)))
+    firsts = [t[0].item() for t in held]
+    held[0].add_(1000)  # the caller changes one result: no other may change with it
+    assert [t[0].item() for t in held[1:]] == firsts[1:]
+    assert all(t.shape == (1 << 14,) and torch.all(t == t[0]) for t in held[1:])
+
+
+def test_an_input_that_cannot_be_sent_fails_alone_and_the_rest_still_share_calls(local):
+    xs = [*range(10), Unpicklable(), *range(11, 40)]
+    out = list(local.map(Graph.somatize(CountsBatch()), xs, errors="yield"))
+    bad = out[10]
+    assert isinstance(bad, NodeError) and bad.index == 10 and bad.node == "counts_batch"
+    assert "its input cannot be sent to a worker" in str(bad) and "Unpicklable" in str(bad)
+    good = [y for i, y in enumerate(out) if i != 10]
+    assert [y[0] for y in good] == [x * 2 for x in [*range(10), *range(11, 40)]]
+    assert max(size for _, size in good) > 1  # still batched
+
+
+def test_an_output_that_cannot_be_sent_back_fails_alone(local):
+    out = list(local.map(Graph.somatize(LockFor(5)), range(32), errors="yield"))
+    bad = out[5]
+    assert isinstance(bad, NodeError) and bad.index == 5 and "cannot be sent back to the host" in str(bad)
+    assert [y[0] for i, y in enumerate(out) if i != 5] == [x * 2 for x in range(32) if x != 5]
+
+
+def test_a_map_of_a_batching_node_is_sent_in_bundles_of_at_most_max_batch(local):
+    out = list(local.map(Graph.somatize(CountsBatch()), range(200)))
+    assert [y for y, _ in out] == [x * 2 for x in range(200)]
+    sizes = [size for _, size in out]
+    assert max(sizes) <= CountsBatch.max_batch
+    assert sum(1 for size in sizes if size > 1) >= 150  # most inputs shared a call
