@@ -186,6 +186,16 @@ class Scheduler:
             else:
                 items.append(job)
         for piece, waiting in fresh.items():
+            if len(waiting) == 1:  # one input alone (a lone run's): a job of its own, as any other piece's
+                job = waiting[0]
+                try:
+                    job.payload, job.shared, job.keep = self.walker.encode(job.value, piece, job.flow, {})
+                    job.value = None
+                    items.append(job)
+                except NodeError as err:
+                    self._give_back(job)
+                    self._end_job(job, False, err)
+                continue
             for first in range(0, len(waiting), piece.bundle):
                 bundled, failed = self.walker.bundle(piece, waiting[first:first + piece.bundle])
                 if not failed:  # (the common case: one bundle of them all)
