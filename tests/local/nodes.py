@@ -243,3 +243,20 @@ class CountsBatch(Node):
 
     def forward_batch(self, xs, ctx):
         return Done([(x * 2, len(xs)) for x in xs])
+
+
+class LogsBatches(Node):
+    """A batching node that appends each input it runs to a file (a count of what really ran), then sleeps."""
+
+    max_batch = 8
+
+    def __init__(self, path, seconds):
+        self.path, self.seconds = path, seconds
+
+    def forward_batch(self, xs, ctx):
+        import time
+
+        with open(self.path, "a") as f:
+            f.write("".join(f"{x}\n" for x in xs))
+        time.sleep(self.seconds)
+        return Done(list(xs))

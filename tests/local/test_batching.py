@@ -4,7 +4,14 @@ entry and one outcome for many inputs). Each input still crosses as if it went a
 import pytest
 
 from soma import Graph, NodeError
-from tests.local.nodes import AddsInPlace, CountsBatch, LockFor, SameOutputForAll
+from tests.conftest import wait_for
+from tests.local.nodes import (
+    AddsInPlace,
+    CountsBatch,
+    LockFor,
+    LogsBatches,
+    SameOutputForAll,
+)
 from tests.nodes import Unpicklable
 
 torch = pytest.importorskip("torch")
@@ -52,3 +59,17 @@ def test_a_map_of_a_batching_node_is_sent_in_bundles_of_at_most_max_batch(local)
     sizes = [size for _, size in out]
     assert max(sizes) <= CountsBatch.max_batch
     assert sum(1 for size in sizes if size > 1) >= 150  # most inputs shared a call
+
+
+def test_leaving_a_map_early_drops_the_bundles_still_queued_at_the_workers(local, tmp_path):
+    log = tmp_path / "ran"
+    outputs = local.map(Graph.somatize(LogsBatches(str(log), 0.05)), range(10_000), window=64)
+    assert [next(outputs) for _ in range(3)] == [0, 1, 2]
+    outputs.close()
+    wait_for(lambda: not local._scheduler.outstanding, what="the cancelled jobs' outcomes")
+    assert not local._scheduler.flows
+    ran = [int(x) for x in log.read_text().split()]
+    assert len(ran) == len(set(ran))  # none twice
+    # 64 were in flight: each worker ran the batch it had started and at most one more, never its queued bundles
+    assert len(ran) <= 40, len(ran)
+    assert [y for y, _ in local.map(Graph.somatize(CountsBatch()), range(4))] == [0, 2, 4, 6]  # the pool goes on

@@ -2,8 +2,11 @@
 
     choose(piece, usable slots, depth) → a slot, or None (no worker can take one more of its jobs)
 
-A worker pinned to the piece's CUDA device, if it has one; among those, the one
-with the fewest jobs outstanding, preferring the worker that already holds copies
+A worker pinned to the piece's CUDA device, if it has one, and, for a batching
+node alone, one with none of its sends (bundles) out, or one out while a full
+bundle waits (GATHER_SENDS: one running, the next queued behind it): what comes
+meanwhile waits here and goes as one bundle; among those, the one with the
+fewest jobs outstanding, preferring the worker that already holds copies
 of most of the piece's nodes (their state lives there), then the one that holds
 the fewest copies; a worker without a copy qualifies only while the nodes'
 `copies` allow another. A worker runs its jobs of one piece one after another (a
@@ -20,6 +23,7 @@ from .program import Piece
 
 MAX_DEPTH = 64  # at most this many jobs per worker in flight when inputs are tiny (see depth)
 EMA = 0.2
+GATHER_SENDS = 2  # a batching node alone: its sends (bundles, or one job) out at a worker before the next waits
 
 
 class WorkerChoice:
@@ -32,22 +36,29 @@ class WorkerChoice:
         self.service_s: dict = {}  # piece id → EMA of one job's time in a worker
         self.latency_s: dict = {}  # piece id → EMA of its jobs' way to a worker and back, less their time there
         self.first_seen: set = set()  # pieces whose first job's outcome has come
+        self.sends: dict = {}  # (slot, piece id) → a batching node alone's sends out at that worker (see choose)
 
     # -- choosing ----------------------------------------------------------------------------------------
     def has_room(self, usable) -> bool:
         """Whether any of these workers can take one more job at all."""
         return any(self.load[slot] < MAX_DEPTH for slot in usable)
 
-    def choose(self, piece: Piece, usable, depth: int):
-        """A worker for a job of `piece`, or None; the copies it will hold there are counted."""
+    def choose(self, piece: Piece, usable, depth: int, gather: int = 0):
+        """A worker for a job of `piece`, or None; the copies it will hold there are counted. `gather`: the
+        job is a batching node alone's (untraced), and a worker takes it only while fewer than `gather` of
+        the piece's sends are out there (1: none, the next bundle goes only to a worker with nothing of it
+        to run; GATHER_SENDS when a full bundle is waiting). What arrives meanwhile gathers into the next
+        bundle; a lone input finds nothing out and goes at once."""
         best, best_rank = None, None
         keys = piece.keys.values()
         holders = self.holders
         lanes = self.lanes
+        sends = self.sends if gather else None
         for slot in usable:
             load = self.load[slot]
             if (load >= max(MAX_DEPTH, piece.batch) or lanes.get((slot, piece.id), 0) >= depth
-                    or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda)):
+                    or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda)
+                    or (sends and sends.get((slot, piece.id), 0) >= gather)):
                 continue
             holds = 0
             for key in keys:
@@ -93,6 +104,20 @@ class WorkerChoice:
         else:
             del self.lanes[lane]
         self.load[job.slot] -= 1
+
+    def sent(self, slot: int, piece_id: int) -> None:
+        """A send of a batching node alone's inputs (a bundle, or one job) went to the worker of `slot`."""
+        key = (slot, piece_id)
+        self.sends[key] = self.sends.get(key, 0) + 1
+
+    def send_over(self, slot: int, piece_id: int) -> None:
+        """Every job of such a send is back (answered, lost, or handed back)."""
+        key = (slot, piece_id)
+        left = self.sends.get(key, 0) - 1
+        if left > 0:
+            self.sends[key] = left
+        else:
+            self.sends.pop(key, None)
 
     def slot_lost(self, slot: int) -> None:
         """The worker of `slot` is gone: the copies it held are gone with it."""

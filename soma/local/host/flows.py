@@ -65,7 +65,7 @@ class Job:
     """
 
     __slots__ = ("id", "flow", "try_", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
-                 "behind", "traced", "value", "bundle", "position")
+                 "behind", "traced", "value", "bundle", "position", "send")
 
     def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then, value=None):
         self.id = job_id
@@ -85,6 +85,7 @@ class Job:
         self.value = value  # a bundled piece's input, until it is encoded in a bundle
         self.bundle = None  # that Bundle, once it is
         self.position = 0  # its input's place in the bundle's payload
+        self.send = None  # the Send it went out in, while it is out (a batching node alone's: Scheduler)
 
     def wire(self) -> tuple:
         """The JobSpec's fields (protocol.JobSpec), as the pool packs them."""
@@ -101,15 +102,25 @@ class Bundle:
         self.piece, self.payload, self.shared, self.keep, self.size = piece, payload, encoder.shared, encoder, size
 
 
+class Send:
+    """One send of a batching node alone's inputs to a worker (a bundle, or one job): how many of its jobs are
+    still out there. When none is, the worker has one send fewer out (WorkerChoice.send_over)."""
+
+    __slots__ = ("slot", "piece_id", "left")
+
+    def __init__(self, slot: int, piece_id: int, left: int):
+        self.slot, self.piece_id, self.left = slot, piece_id, left
+
+
 class BundleSend:
     """What one send of a bundle carries: its payload, and the ids of the jobs of it that run now (0 for an
     input whose job is elsewhere or over: a bundle sent again after its worker left carries its whole
     payload, and the worker runs only the inputs named)."""
 
-    __slots__ = ("bundle", "ids", "piece", "shared")
+    __slots__ = ("bundle", "ids", "piece", "shared", "jobs")
 
     def __init__(self, bundle: Bundle, jobs: list):
-        self.bundle, self.piece, self.shared = bundle, bundle.piece, bundle.shared
+        self.bundle, self.piece, self.shared, self.jobs = bundle, bundle.piece, bundle.shared, jobs
         self.ids = [0] * bundle.size
         for job in jobs:
             self.ids[job.position] = job.id

@@ -33,9 +33,9 @@ from ...errors import (
 )
 from ...plan import last_step
 from ...run.postcondition import check_postcondition
-from .choice import WorkerChoice
+from .choice import GATHER_SENDS, WorkerChoice
 from .events import Lost, Outcomes, Ready, Undecodable
-from .flows import BundleSend, Flow, Job, Walker
+from .flows import BundleSend, Flow, Job, Send, Walker
 
 LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 
@@ -108,13 +108,20 @@ class Scheduler:
         depths: dict = {}
         full: set = set()  # pieces no worker can take more of in this pump (loads only grow during it)
         stale = self.walker.stale
+        waiting_of: dict = {}  # a batching node alone (its piece) → its untraced jobs queued now
+        for job in queue:
+            if job.piece.bundle and not job.traced:
+                waiting_of[job.piece] = waiting_of.get(job.piece, 0) + 1
+        # → how many of its sends a worker may have out to take more: one running and a full bundle behind it,
+        # else only a worker with none out (the others' new inputs wait here and gather into one bundle)
+        gathering = {piece.id: GATHER_SENDS if n >= piece.bundle else 1 for piece, n in waiting_of.items()}
         for job in queue:
             if job.piece.id in full:  # (a stale one among them is dropped once its piece has room: a pump looks
                 waiting.append(job)   # at each waiting job then, not at every pump while a deep window waits)
                 continue
             if stale(job):
                 continue
-            slot = self._place(job, usable, depths)
+            slot = self._place(job, usable, depths, gathering)
             if slot is None:
                 full.add(job.piece.id)
                 waiting.append(job)
@@ -143,13 +150,13 @@ class Scheduler:
                     starting += (slot,)
         return usable, starting
 
-    def _place(self, job: Job, usable, depths: dict):
+    def _place(self, job: Job, usable, depths: dict, gathering: dict):
         """The worker that takes `job` now (counted as taken), or None when none can."""
         piece = job.piece
         depth = depths.get(piece.id)
         if depth is None:
             depth = depths[piece.id] = self.choice.depth(piece)
-        slot = self.choice.choose(piece, usable, depth)
+        slot = self.choice.choose(piece, usable, depth, 0 if job.traced else gathering.get(piece.id, 0))
         if slot is not None:
             self.choice.take(job, slot)
             self.outstanding[job.id] = job
@@ -162,7 +169,7 @@ class Scheduler:
             if job.traced:
                 job.sent_ns = time.monotonic_ns()
         try:
-            items = self._wire_items(jobs)
+            items = self._wire_items(slot, jobs)
             # False: it died on the way; whoever receives finds it dead, and these jobs fail as WorkerDied.
             if items:
                 self.pool.send(slot, items)
@@ -172,7 +179,7 @@ class Scheduler:
                     self._give_back(job)
                 self._finish(job.flow, False, _internal(err, f"sending node `{job.piece.entry}` to a worker"))
 
-    def _wire_items(self, jobs: list) -> list:
+    def _wire_items(self, slot: int, jobs: list) -> list:
         """What the jobs going to one worker travel as: each job on its own, and those of a bundled piece in
         Bundles (`BundleSend`s) of at most its `bundle` inputs: the ones not encoded yet are encoded together
         here, one encoder pass per bundle; one sent before (its worker left before starting it) goes again
@@ -207,11 +214,24 @@ class Scheduler:
                     self._give_back(job)
                     self._end_job(job, False, err)
         items += [BundleSend(bundle, members) for bundle, members in again.items()]
+        for item in items:  # a batching node alone's sends are counted at their worker (WorkerChoice.choose)
+            members = item.jobs if type(item) is BundleSend else [item]
+            if item.piece.bundle and not members[0].traced:
+                send = Send(slot, item.piece.id, len(members))
+                for job in members:
+                    job.send = send
+                self.choice.sent(slot, item.piece.id)
         return items
     def _give_back(self, job: Job) -> None:
         """`job` is no longer at its worker (its outcome came, or the worker is gone): lock held."""
         del self.outstanding[job.id]
         self.choice.give_back(job)
+        send = job.send
+        if send is not None:
+            job.send = None
+            send.left -= 1
+            if not send.left:
+                self.choice.send_over(send.slot, send.piece_id)
 
     def _fail_unplaceable(self) -> None:
         """Jobs whose only workers cannot start (now, or any more) would wait forever: fail them, saying why."""
