@@ -7,7 +7,8 @@ An input in flight is a `Flow`: it walks the program (`Seq`s and `Wave`s around
     start(program, x) ──▶ Flow ── walker.start ──▶ Job(piece, encoded x) ──▶ queue
                                                                               │ _pump: a worker for each
                                                                               ▼ job (choice.py)
-                        pool.send(slot, jobs)  (one Task per worker and pump)
+                        pool.send(slot, jobs)  (one Task per worker and pump; a batching node alone's
+                                                jobs encoded together there, in Bundles: _wire_items)
     receiving ── handle([Outcomes | Ready | Lost]) ──▶ each job's continuation: the jobs it makes next
                                                       (queued), or its flow's end: (index, ok, value) → sink
 
@@ -222,6 +223,7 @@ class Scheduler:
                     job.send = send
                 self.choice.sent(slot, item.piece.id)
         return items
+
     def _give_back(self, job: Job) -> None:
         """`job` is no longer at its worker (its outcome came, or the worker is gone): lock held."""
         del self.outstanding[job.id]
