@@ -260,3 +260,17 @@ class LogsBatches(Node):
             f.write("".join(f"{x}\n" for x in xs))
         time.sleep(self.seconds)
         return Done(list(xs))
+
+
+class GrowsPerBatch(Node):
+    """A batching node that keeps `mib` more MiB of its own memory per batch; each input's `(x, pid)`."""
+
+    max_batch = 4
+
+    def __init__(self, mib):
+        self.mib = mib
+        self.kept = []
+
+    def forward_batch(self, xs, ctx):
+        self.kept.append(bytearray(os.urandom(1)) * (self.mib << 20))  # written: resident, not just reserved
+        return Done([(x, os.getpid()) for x in xs])

@@ -3,11 +3,13 @@ entry and one outcome for many inputs). Each input still crosses as if it went a
 
 import pytest
 
+import soma
 from soma import Graph, NodeError
 from tests.conftest import wait_for
 from tests.local.nodes import (
     AddsInPlace,
     CountsBatch,
+    GrowsPerBatch,
     LockFor,
     LogsBatches,
     SameOutputForAll,
@@ -74,3 +76,13 @@ def test_leaving_a_map_early_drops_the_bundles_still_queued_at_the_workers(local
     # three of them on a slow machine, never the bundles still queued behind them
     assert len(ran) <= 48, len(ran)
     assert [y for y, _ in local.map(Graph.somatize(CountsBatch()), range(4))] == [0, 2, 4, 6]  # the pool goes on
+
+
+def test_bundles_a_worker_over_max_memory_never_started_run_on_its_replacement():
+    # Two batches put a worker 120 MiB over where it started, above the cap: it hands back the bundles queued
+    # behind them (cancelled, not started) and is replaced; they go again, whole, to the next worker.
+    with soma.Local(workers=1, max_memory="100MiB") as capped:
+        out = list(capped.map(Graph.somatize(GrowsPerBatch(60)), range(24)))
+    assert [x for x, _ in out] == list(range(24))  # every output, once, in order
+    pids = [pid for _, pid in out]
+    assert len(set(pids)) >= 3 and all(pids.count(pid) <= 2 * GrowsPerBatch.max_batch for pid in pids), pids
