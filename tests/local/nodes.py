@@ -274,3 +274,20 @@ class GrowsPerBatch(Node):
     def forward_batch(self, xs, ctx):
         self.kept.append(bytearray(os.urandom(1)) * (self.mib << 20))  # written: resident, not just reserved
         return Done([(x, os.getpid()) for x in xs])
+
+
+class GrowsAfterSleep(Node):
+    """A batching node that sleeps, then keeps `mib` more MiB of its own memory per batch; each input doubled."""
+
+    max_batch = 4
+
+    def __init__(self, mib, seconds):
+        self.mib, self.seconds = mib, seconds
+        self.kept = []
+
+    def forward_batch(self, xs, ctx):
+        import time
+
+        time.sleep(self.seconds)
+        self.kept.append(bytearray(os.urandom(1)) * (self.mib << 20))  # written: resident, not just reserved
+        return Done([x * 2 for x in xs])

@@ -9,6 +9,7 @@ from tests.conftest import wait_for
 from tests.local.nodes import (
     AddsInPlace,
     CountsBatch,
+    GrowsAfterSleep,
     GrowsPerBatch,
     LockFor,
     LogsBatches,
@@ -86,3 +87,30 @@ def test_bundles_a_worker_over_max_memory_never_started_run_on_its_replacement()
     assert [x for x, _ in out] == list(range(24))  # every output, once, in order
     pids = [pid for _, pid in out]
     assert len(set(pids)) >= 3 and all(pids.count(pid) <= 2 * GrowsPerBatch.max_batch for pid in pids), pids
+
+
+def test_a_bundle_handed_back_goes_again_naming_only_the_inputs_still_wanted(monkeypatch):
+    # Input 0 runs alone and puts its worker over the cap; inputs 1-4 gather into one bundle queued behind it;
+    # input 2 is cancelled there. The worker hands the bundle back unstarted: it goes again to the replacement
+    # with input 2's place empty, and the other three run.
+    from soma.local.host import flows
+
+    sent = []
+    made = flows.BundleSend.__init__
+
+    def recording(self, bundle, jobs):
+        made(self, bundle, jobs)
+        sent.append((id(bundle), list(self.ids)))
+
+    monkeypatch.setattr(flows.BundleSend, "__init__", recording)
+    with soma.Local(workers=1, max_memory="100MiB") as capped:
+        g = Graph.somatize(GrowsAfterSleep(120, 0.5))
+        first = capped.submit(g, 0)
+        wait_for(lambda: capped._scheduler.outstanding, what="input 0 at the worker")
+        futures = [capped.submit(g, x) for x in (1, 2, 3, 4)]
+        wait_for(lambda: len(capped._scheduler.outstanding) == 5, what="inputs 1-4 sent as one bundle")
+        assert futures[1].cancel()
+        assert first.result(timeout=60) == 0
+        assert [f.result(timeout=60) for f in (futures[0], futures[2], futures[3])] == [2, 6, 8]
+    again = [ids for bundle, ids in sent if sum(1 for b, _ in sent if b == bundle) > 1]
+    assert again and all(ids.count(0) == 1 for ids in again[1:]) and again[0].count(0) == 0, sent
