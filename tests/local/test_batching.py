@@ -9,6 +9,7 @@ from tests.conftest import wait_for
 from tests.local.nodes import (
     AddsInPlace,
     CountsBatch,
+    EchoesBatch,
     GrowsAfterSleep,
     GrowsPerBatch,
     LockFor,
@@ -28,6 +29,33 @@ def test_the_same_tensor_many_times_in_a_map_reaches_the_node_as_distinct_inputs
     out = list(local.map(Graph.somatize(AddsInPlace()), xs))
     assert out == [8.0] * 20 + [float(1 << 14)] * 20  # each added to its own copy, once
     assert float(small.sum()) == 0.0 and float(big.sum()) == 0.0  # the caller's tensors are untouched
+
+
+def test_the_same_numpy_array_many_times_reaches_the_node_as_distinct_inputs(local):
+    import numpy
+
+    small, big = numpy.zeros(8), numpy.zeros(1 << 14)  # inline, and copied into a segment
+    out = list(local.map(Graph.somatize(AddsInPlace()), [small] * 20 + [big] * 20))
+    assert out == [8.0] * 20 + [float(1 << 14)] * 20
+    assert small.sum() == 0 and big.sum() == 0
+
+
+def test_numpy_bytes_and_dicts_of_arrays_cross_a_bundle_exactly(local):
+    import numpy
+
+    xs = [{"image": numpy.arange(i, i + 12, dtype=numpy.uint8).reshape(3, 4), "label": i} for i in range(10)]
+    xs += [bytes([i]) * (1 << 16) for i in range(10)]  # large bytes: the bundle's values go one by one, by pickle
+    xs += [numpy.full(1 << 15, i, dtype=numpy.float32)[::2] for i in range(10)]  # strided, in segments
+    xs += [(i, b"small", numpy.float64(i) / 3) for i in range(10)]
+    out = list(local.map(Graph.somatize(EchoesBatch()), xs))
+    for x, y in zip(xs, out):
+        if isinstance(x, dict):
+            assert y["label"] == x["label"] and y["image"].dtype == numpy.uint8
+            assert numpy.array_equal(y["image"], x["image"])
+        elif isinstance(x, numpy.ndarray):
+            assert y.dtype == x.dtype and numpy.array_equal(y, x)
+        else:
+            assert type(y) is type(x) and y == x
 
 
 def test_one_output_object_for_a_whole_batch_arrives_as_each_inputs_own(local):

@@ -109,19 +109,15 @@ class Scheduler:
         depths: dict = {}
         full: set = set()  # pieces no worker can take more of in this pump (loads only grow during it)
         stale = self.walker.stale
-        waiting_of: dict = {}  # a batching node alone (its piece) → its untraced jobs queued now
-        for job in queue:
-            if job.piece.bundle and not job.traced:
-                waiting_of[job.piece] = waiting_of.get(job.piece, 0) + 1
-        # → how many of its sends a worker may have out to take more: one running and a full bundle behind it,
-        # else only a worker with none out (the others' new inputs wait here and gather into one bundle)
-        gathering = {piece.id: GATHER_SENDS if n >= piece.bundle else 1 for piece, n in waiting_of.items()}
+        gathering: dict = {}  # a batching node alone's piece id → its sends a worker may have out (_gather)
         for job in queue:
             if job.piece.id in full:  # (a stale one among them is dropped once its piece has room: a pump looks
                 waiting.append(job)   # at each waiting job then, not at every pump while a deep window waits)
                 continue
             if stale(job):
                 continue
+            if job.piece.bundle and not job.traced and job.piece.id not in gathering:
+                gathering[job.piece.id] = _gather(job.piece, queue)
             slot = self._place(job, usable, depths, gathering)
             if slot is None:
                 full.add(job.piece.id)
@@ -508,6 +504,14 @@ class Scheduler:
                        {"node": last_step(job.piece.plan), "input": index, "bytes": nbytes})
             trace.interval(f"job {job.piece}", "host", job.sent_ns, start, pid, f"job-{job.id}",
                            {"input": index, "worker": worker.id})
+
+
+def _gather(piece, queue) -> int:
+    """How many of a batching node alone's sends a worker may have out and still take its jobs now: one running
+    and the next behind it when a full bundle waits in the queue, else none (what the other inputs wait for
+    gathers here into one bundle; a lone input finds nothing out and goes at once). Once per piece and pump."""
+    waiting = sum(1 for job in queue if job.piece is piece and not job.traced)
+    return GATHER_SENDS if waiting >= piece.bundle else 1
 
 
 def _internal(err: BaseException, doing: str) -> SomaError:
