@@ -198,7 +198,7 @@ class Encoder:
             except (OverflowError, ValueError):
                 pass
             self.rollback(checkpoint)
-        parts = [_list_header(len(values))]
+        parts = [_handles.packer.pack_array_header(len(values))]  # (msgpack's own; the items follow it)
         for value in values:
             self._numbered = {}  # no REF to another value's tensors ...
             self._scope = len(self._copies)  # ... and no view of the copies made for another value
@@ -348,15 +348,6 @@ def _ext(code: int, data: bytes) -> msgpack.ExtType:
 
 _new_tuple = tuple.__new__
 _TUPLE_MARK = _ext(EXT_TUPLE, b"")  # first item of the list a tuple travels as
-
-
-def _list_header(n: int) -> bytes:
-    """msgpack's header of a list of `n` items (the items' own encodings follow it)."""
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
 
 
 def _default_of_thread(obj):

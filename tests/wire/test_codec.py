@@ -202,11 +202,15 @@ def test_small_tensors_of_every_dtype_and_form_come_back_exactly(t):
         assert torch.equal(values(t), before)  # and the sender's tensor is untouched by writes to what arrived
 
 
-def test_a_list_header_is_msgpacks_for_every_length():
-    import msgpack
-
-    for n in (0, 1, 15, 16, 65535, 65536):
-        assert msgpack.unpackb(codec._list_header(n) + b"\xc0" * n) == [None] * n
+def test_values_packed_each_on_their_own_come_back_as_the_list_for_every_length(stores):
+    sender, receiver = stores
+    for n in (0, 1, 15, 16, 65_536):  # msgpack's three list headers, before the values packed one by one
+        values = [b"x" * codec.INLINE_LIMIT, *((i, "x") for i in range(n - 1))][:n]  # (large bytes: one by one)
+        encoder = codec.Encoder(lambda create: sender)
+        data = encoder.pack_each(values)
+        for name in encoder.shared:
+            sender.note_sent(name)
+        assert codec.Decoder(lambda create: receiver).unpack(data) == values
 
 
 def test_values_packed_each_on_their_own_share_nothing_on_arrival(stores):
