@@ -258,6 +258,15 @@ class CountsBatch(Node):
         return Done([(x * 2, len(xs)) for x in xs])
 
 
+class NamesBatch(Node):
+    """A batching node: each input with the inputs that shared its call (a tuple)."""
+
+    max_batch = 16
+
+    def forward_batch(self, xs, ctx):
+        return Done([(x, tuple(xs)) for x in xs])
+
+
 class LogsBatches(Node):
     """A batching node that appends each input it runs to a file (a count of what really ran), then sleeps."""
 

@@ -14,6 +14,7 @@ from tests.local.nodes import (
     GrowsPerBatch,
     LockFor,
     LogsBatches,
+    NamesBatch,
     SameOutputForAll,
 )
 from tests.nodes import Unpicklable
@@ -90,6 +91,15 @@ def test_a_map_of_a_batching_node_is_sent_in_bundles_of_at_most_max_batch(local)
     sizes = [size for _, size in out]
     assert max(sizes) <= CountsBatch.max_batch
     assert sum(1 for size in sizes if size > 1) >= 150  # most inputs shared a call
+
+
+def test_a_maps_bundles_carry_consecutive_inputs(local):
+    # All 64 are placed in one pump: a bundle fills at one worker before the next worker is chosen, so each
+    # call gets a run of 16 consecutive inputs (spread input by input, one worker got the even ones and the
+    # other the odd ones: an ordered map then waited for both workers before it could hand out any bundle's).
+    out = list(local.map(Graph.somatize(NamesBatch()), range(64), window=64))
+    assert [x for x, _ in out] == list(range(64))
+    assert sorted({batch for _, batch in out}) == [tuple(range(i, i + 16)) for i in range(0, 64, 16)]
 
 
 def test_leaving_a_map_early_drops_the_bundles_still_queued_at_the_workers(local, tmp_path):

@@ -5,12 +5,14 @@
 A worker pinned to the piece's CUDA device, if it has one, and, for a batching
 node alone, one with none of its sends (bundles) out, or one out while a full
 bundle waits (GATHER_SENDS: one running, the next queued behind it): what comes
-meanwhile waits here and goes as one bundle; among those, the one with the
+meanwhile waits here and goes as one bundle (the scheduler fills a bundle at the
+worker chosen for its first job, `fits`, before it chooses again); among those, the one with the
 fewest jobs outstanding, preferring the worker that already holds copies
 of most of the piece's nodes (their state lives there), then the one that holds
 the fewest copies; a worker without a copy qualifies only while the nodes'
 `copies` allow another. A worker runs its jobs of one piece one after another (a
-lane), so at most `depth` of them wait there.
+lane), so at most `depth` of them wait there, and at most `cap(piece)` jobs of all
+pieces are out at it when it takes one more.
 
 `depth` comes from measuring: how long a piece's jobs take in a worker, and how
 long their way there and back takes. Everything here runs under the scheduler's
@@ -26,6 +28,13 @@ EMA = 0.2
 GATHER_SENDS = 2  # a batching node alone: its sends (bundles, or one job) out at a worker before the next waits
 
 
+def cap(piece: Piece) -> int:
+    """How many jobs a worker may have outstanding and still take one of `piece`'s: MAX_DEPTH, or two batches'
+    worth for a piece with a batching node (one running, the next queued behind it: with one, the worker
+    waited while its outcomes went and the next batch came)."""
+    return max(MAX_DEPTH, 2 * piece.batch)
+
+
 class WorkerChoice:
     def __init__(self, worker_devices: list[str]):
         self.worker_devices = worker_devices
@@ -37,11 +46,17 @@ class WorkerChoice:
         self.latency_s: dict = {}  # piece id → EMA of its jobs' way to a worker and back, less their time there
         self.first_seen: set = set()  # pieces whose first job's outcome has come
         self.sends: dict = {}  # (slot, piece id) → a batching node alone's sends out at that worker (see choose)
+        self.widest = MAX_DEPTH  # the largest cap of the pieces admitted (has_room)
 
     # -- choosing ----------------------------------------------------------------------------------------
     def has_room(self, usable) -> bool:
         """Whether any of these workers can take one more job at all."""
-        return any(self.load[slot] < MAX_DEPTH for slot in usable)
+        return any(self.load[slot] < self.widest for slot in usable)
+
+    def admit(self, pieces: list) -> None:
+        """These pieces' jobs are coming: a worker has room while its load is under the largest `cap` of any."""
+        for piece in pieces:
+            self.widest = max(self.widest, cap(piece))
 
     def choose(self, piece: Piece, usable, depth: int, gather: int = 0):
         """A worker for a job of `piece`, or None; the copies it will hold there are counted. `gather`: the
@@ -54,9 +69,10 @@ class WorkerChoice:
         holders = self.holders
         lanes = self.lanes
         sends = self.sends if gather else None
+        most = cap(piece)
         for slot in usable:
             load = self.load[slot]
-            if (load >= max(MAX_DEPTH, piece.batch) or lanes.get((slot, piece.id), 0) >= depth
+            if (load >= most or lanes.get((slot, piece.id), 0) >= depth
                     or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda)
                     or (sends and sends.get((slot, piece.id), 0) >= gather)):
                 continue
@@ -77,10 +93,20 @@ class WorkerChoice:
                     self.copies_at[best] += 1
         return best
 
+    def fits(self, piece: Piece, slot: int, depth: int) -> bool:
+        """Whether the worker of `slot`, chosen for one of `piece`'s jobs in this pump, takes one more of them."""
+        return self.load[slot] < cap(piece) and self.lanes.get((slot, piece.id), 0) < depth
+
     def _may_copy(self, piece: Piece, slot: int) -> bool:
         """Whether another copy of the piece's limited nodes may be made on `slot`."""
         return all(len(self.holders.get(key, ())) < piece.max_copies or slot in self.holders.get(key, ())
                    for key in piece.keys.values())
+
+    def serving_now(self, piece: Piece, usable) -> int:
+        """How many of the `usable` workers could run `piece` (its CUDA device's, or all)."""
+        if piece.cuda is None:
+            return len(usable)
+        return sum(1 for slot in usable if self.worker_devices[slot] == piece.cuda)
 
     def serving(self, piece: Piece) -> list[int]:
         """The slots whose workers could ever run `piece` (its CUDA device's, or all)."""

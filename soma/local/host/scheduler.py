@@ -4,7 +4,7 @@ An input in flight is a `Flow`: it walks the program (`Seq`s and `Wave`s around
 `Piece`s, see program.py and flows.py). Each piece it reaches becomes a `Job`
 (one input for one piece), queued here until a worker can take it:
 
-    start(program, x) ──▶ Flow ── walker.start ──▶ Job(piece, encoded x) ──▶ queue
+    start(program, x) ──▶ Flow ── walker.start ──▶ Job(piece, encoded x) ──▶ waiting (a line per piece)
                                                                               │ _pump: a worker for each
                                                                               ▼ job (choice.py)
                         pool.send(slot, jobs)  (one Task per worker and pump; a batching node alone's
@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 
 from ...errors import (
     Cancelled,
@@ -37,6 +36,8 @@ from ...run.postcondition import check_postcondition
 from .choice import GATHER_SENDS, WorkerChoice
 from .events import Lost, Outcomes, Ready, Undecodable
 from .flows import BundleSend, Flow, Job, Send, Walker
+from .program import pieces
+from .waiting import Waiting
 
 LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 
@@ -47,12 +48,13 @@ class Scheduler:
         self.worker_devices = worker_devices
         self.lock = threading.RLock()
         self.choice = WorkerChoice(worker_devices)
-        self.queue: deque = deque()  # jobs waiting for a worker
+        self.waiting = Waiting()  # jobs waiting for a worker, a line per piece
         self.outstanding: dict[int, Job] = {}  # job id → job sent to a worker (or parked for one)
         self.parked: list = [[] for _ in worker_devices]  # jobs for a worker that has not said hello yet
         self.flows: set = set()
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.walker = Walker(pool.get_store)
+        self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
 
     # -- starting inputs ---------------------------------------------------------------------------------
     def start(self, program, items: list, sink, trace, retries: int = 0) -> dict:
@@ -80,13 +82,16 @@ class Scheduler:
             for flow in flows.values():
                 if not flow.finished:
                     self.flows.add(flow)
+            if program not in self.admitted:
+                self.admitted.add(program)
+                self.choice.admit(pieces(program))
             self._enqueue(jobs)
             self._pump()
         return flows
 
     def _enqueue(self, jobs: list) -> None:
         """Queue new jobs (lock held); the next pump gives them to workers."""
-        self.queue.extend(jobs)
+        self.waiting.add(jobs)
         for job in jobs:
             job.flow.jobs.add(job)
 
@@ -97,39 +102,22 @@ class Scheduler:
         A worker still starting (a replacement) gets its share too: its jobs are parked
         until it says hello, so a wave still spreads over the pool right after a death.
         """
-        if not self.queue:
+        if not self.waiting:
             return
         usable, starting = self._usable_slots()
         if not self.choice.has_room(usable):  # no worker (or every one full): nothing to hand out
             self._fail_unplaceable()
             return
         batches: dict[int, list] = {}
-        queue, waiting = self.queue, deque()
-        self.queue = waiting
-        depths: dict = {}
-        full: set = set()  # pieces no worker can take more of in this pump (loads only grow during it)
-        stale = self.walker.stale
-        gathering: dict = {}  # a batching node alone's piece id → its sends a worker may have out (_gather)
-        for job in queue:
-            if job.piece.id in full:  # (a stale one among them is dropped once its piece has room: a pump looks
-                waiting.append(job)   # at each waiting job then, not at every pump while a deep window waits)
-                continue
-            if stale(job):
-                continue
-            if job.piece.bundle and not job.traced and job.piece.id not in gathering:
-                gathering[job.piece.id] = _gather(job.piece, queue)
-            slot = self._place(job, usable, depths, gathering)
-            if slot is None:
-                full.add(job.piece.id)
-                waiting.append(job)
-                continue
-            batches.setdefault(slot, []).append(job)
+        for piece, line in self.waiting.snapshot():
+            self._place_line(piece, line, usable, batches)
+            self.waiting.settle(piece)
         for slot, jobs in batches.items():
             if slot in starting:
                 self.parked[slot].extend(jobs)
             else:
                 self._send(slot, jobs)
-        if waiting:
+        if self.waiting:
             self._fail_unplaceable()
 
     def _usable_slots(self) -> tuple:
@@ -147,17 +135,40 @@ class Scheduler:
                     starting += (slot,)
         return usable, starting
 
-    def _place(self, job: Job, usable, depths: dict, gathering: dict):
-        """The worker that takes `job` now (counted as taken), or None when none can."""
-        piece = job.piece
-        depth = depths.get(piece.id)
-        if depth is None:
-            depth = depths[piece.id] = self.choice.depth(piece)
-        slot = self.choice.choose(piece, usable, depth, 0 if job.traced else gathering.get(piece.id, 0))
-        if slot is not None:
-            self.choice.take(job, slot)
+    def _place_line(self, piece, line, usable, batches: dict) -> None:
+        """Give `piece`'s waiting jobs to workers from the front of its line, each counted as taken, into
+        `batches` (slot → jobs), until no worker takes the next: then none takes the ones behind it in this
+        pump (loads only grow during it), and they wait unlooked at (a stale one among them is dropped once its
+        piece has room again).
+
+        A batching node alone's jobs fill a bundle at one worker before the next worker is chosen (a bundle of
+        the waiting jobs' share of the workers that can take them, up to max_batch: _gather): consecutive
+        inputs travel and come back together (an ordered map hands out a bundle's outputs as soon as the
+        bundles before it are back; spread input by input over the workers, each bundle's outputs waited for
+        the slowest worker's), and a bundle costs one choice, not one per input."""
+        choice, stale = self.choice, self.walker.stale
+        depth = choice.depth(piece)
+        gather, size = _gather(piece, self.waiting.waiting(piece), choice.serving_now(piece, usable))
+        filling, filled = None, 0  # the slot a bundle fills now, and how many it has
+        while line:
+            job = line[0]
+            if stale(job):
+                line.popleft()
+                continue
+            bundled = piece.bundle and not job.traced
+            if bundled and filling is not None and filled < size and choice.fits(piece, filling, depth):
+                slot = filling
+                filled += 1
+            else:
+                slot = choice.choose(piece, usable, depth, gather if bundled else 0)
+                if slot is None:
+                    return
+                if bundled:
+                    filling, filled = slot, 1
+            line.popleft()
+            choice.take(job, slot)
             self.outstanding[job.id] = job
-        return slot
+            batches.setdefault(slot, []).append(job)
 
     def _send(self, slot: int, jobs: list) -> None:
         now = time.monotonic()
@@ -236,16 +247,17 @@ class Scheduler:
         why = [self.pool.why_down(s) for s in range(len(self.worker_devices))]
         if not any(why):
             return
-        for job in list(self.queue):
-            slots = self.choice.serving(job.piece)
-            if all(why[s] for s in slots):
-                self.queue.remove(job)
+        for piece, _ in self.waiting.snapshot():
+            slots = self.choice.serving(piece)
+            if not all(why[s] for s in slots):
+                continue
+            worker = self.pool.worker(slots[0])
+            for job in self.waiting.take(piece):
                 if self.walker.stale(job):
                     continue
-                worker = self.pool.worker(slots[0])
                 self._end_job(job, False, WorkerDied(
-                    f"no worker can run node `{job.piece.entry}`: worker {worker.id} {why[slots[0]]}",
-                    worker=worker.id, pid=worker.pid, node=job.piece.entry, tries=job.flow.tries))
+                    f"no worker can run node `{piece.entry}`: worker {worker.id} {why[slots[0]]}",
+                    worker=worker.id, pid=worker.pid, node=piece.entry, tries=job.flow.tries))
 
     def parallelism(self, pieces: list) -> int:
         """How many inputs of a program this pool works on at once (see WorkerChoice.parallelism)."""
@@ -255,7 +267,7 @@ class Scheduler:
     # -- what whoever receives hands over ----------------------------------------------------------------
     def busy(self) -> bool:
         """Whether any job is queued or out at a worker (read without the lock: a hint)."""
-        return bool(self.outstanding or self.queue)
+        return bool(self.outstanding or self.waiting)
 
     def handle(self, events: list) -> None:
         """What the pool reported: a worker's hello (`Ready`), outcomes of jobs, or a worker's end (`Lost`)."""
@@ -307,7 +319,7 @@ class Scheduler:
                 continue
             if type(value) is Cancelled:  # not started by a worker leaving (over max_memory): it runs elsewhere
                 job.slot = None
-                self.queue.append(job)
+                self.waiting.add([job])
                 continue
             self.choice.measure(job, arrived.seconds, now)
             try:
@@ -390,7 +402,7 @@ class Scheduler:
                 continue
             node = running.get(job.id, job.piece.entry) if running is not None else job.piece.entry
             self._lost_running(job, lost, node)
-        self.queue.extendleft(reversed(requeued))
+        self.waiting.add_first(requeued)
 
     def _lost_running(self, job: Job, lost: Lost, node: str) -> None:
         """A worker died while running `job`: another try of its input, or its WorkerDied."""
@@ -470,7 +482,7 @@ class Scheduler:
             self.closed_with = error
             for flow in list(self.flows):
                 self._finish(flow, False, error)
-            self.queue.clear()
+            self.waiting.clear()
 
     def _finish(self, flow: Flow, ok, value) -> None:
         """End a flow: its outcome goes to its sink (unless `ok` is None: nobody waits for it any more)."""
@@ -506,12 +518,17 @@ class Scheduler:
                            {"input": index, "worker": worker.id})
 
 
-def _gather(piece, queue) -> int:
-    """How many of a batching node alone's sends a worker may have out and still take its jobs now: one running
-    and the next behind it when a full bundle waits in the queue, else none (what the other inputs wait for
-    gathers here into one bundle; a lone input finds nothing out and goes at once). Once per piece and pump."""
-    waiting = sum(1 for job in queue if job.piece is piece and not job.traced)
-    return GATHER_SENDS if waiting >= piece.bundle else 1
+def _gather(piece, waiting: int, workers: int) -> tuple:
+    """`(how many of a batching node alone's sends a worker may have out and still take its jobs now, how many
+    of them a bundle holds in this pump)`; (0, 0) for any other piece. Sends: one running and the next behind
+    it when a full bundle waits, else none (what the other inputs wait for gathers here into one bundle; a lone
+    input finds nothing out and goes at once). A bundle: the `waiting` jobs' share of the `workers` that may take
+    them, up to max_batch (ten waiting for two idle workers go five and five, not ten to one while the other
+    idles)."""
+    if not piece.bundle:
+        return 0, 0
+    size = min(piece.bundle, max(1, -(-waiting // max(1, workers))))
+    return (GATHER_SENDS if waiting >= piece.bundle else 1), size
 
 
 def _internal(err: BaseException, doing: str) -> SomaError:

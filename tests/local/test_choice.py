@@ -1,0 +1,64 @@
+"""Which worker takes a job (host/choice.py): pure bookkeeping, so it is tested without a single worker."""
+
+import itertools
+
+from soma import Done, Graph, Node
+from soma.local.host.choice import MAX_DEPTH, WorkerChoice
+from soma.local.host.program import compile_program
+from tests.nodes import AddOne
+
+
+class Batches64(Node):
+    max_batch = 64
+
+    def forward_batch(self, xs, ctx):
+        return Done(list(xs))
+
+
+class Job:
+    """What the choice reads of a job: its piece (and what it writes: its slot, the jobs it waits behind)."""
+
+    def __init__(self, piece):
+        self.piece, self.slot, self.behind = piece, None, 0
+
+
+def piece_of(node):
+    counter = itertools.count(1)
+    return compile_program(Graph.somatize(node), lambda _: next(counter), ["cpu", "cpu"])
+
+
+def fill(choice, piece, usable=(0, 1)) -> list:
+    """Give `piece`'s jobs to workers until none takes another: how many each took."""
+    depth = choice.depth(piece)
+    while True:
+        slot = choice.choose(piece, usable, depth)
+        if slot is None:
+            return list(choice.load)
+        choice.take(Job(piece), slot)
+
+
+def test_a_worker_holds_two_batches_of_a_batching_node_one_running_and_the_next_behind_it():
+    piece = piece_of(Batches64())
+    choice = WorkerChoice(["cpu", "cpu"])
+    choice.admit([piece])
+    assert fill(choice, piece) == [128, 128]  # with one batch's worth, a worker idled while the next one came
+    assert not choice.has_room((0, 1))
+
+
+def test_a_plain_piece_keeps_at_most_max_depth_jobs_at_a_worker():
+    piece = piece_of(AddOne())
+    choice = WorkerChoice(["cpu", "cpu"])
+    choice.admit([piece])
+    assert fill(choice, piece) == [MAX_DEPTH, MAX_DEPTH]
+    assert not choice.has_room((0, 1))
+
+
+def test_room_for_a_batching_node_is_room_once_its_piece_is_admitted():
+    plain, batching = piece_of(AddOne()), piece_of(Batches64())
+    choice = WorkerChoice(["cpu", "cpu"])
+    choice.admit([plain])
+    fill(choice, plain)
+    assert not choice.has_room((0, 1))  # full for plain jobs: a pump looks no further
+    choice.admit([batching])
+    assert choice.has_room((0, 1))  # ... but a batching node's jobs still fit
+    assert fill(choice, batching) == [128, 128]
