@@ -306,26 +306,31 @@ class Interpreter:
             return plan.id
         return None
 
-    def run_batch(self, node_id: str, xs: list, states: list, spans: list | None = None) -> list:
+    def run_batch(self, node_id: str, xs: list, states: list | None = None, spans: list | None = None) -> list:
         """Run the one-node plan of batching node `node_id` on several inputs at once, on this thread:
         `(ok, value)` per input, each its own outcome (its output, or its exception), in one
         `forward_batch` (in batches of at most `max_batch`). What a map's or a worker's inputs cost
-        without a thread each to meet at the node."""
+        without a thread each to meet at the node. `states`: each input's RunState (one cancelled leaves
+        the batch), or None for inputs nobody cancels here and nobody traces (a worker's: its host cancels
+        a job before its turn)."""
         size = max(1, max_batch_of(self.nodes[node_id]))
         outcomes: list = []
         for first in range(0, len(xs), size):
-            entries = [Entry(None, state, spans) for state in states[first:first + size]]
+            entries = None if states is None else [Entry(None, state, spans) for state in states[first:first + size]]
             outcomes += self.invoke_batch(node_id, xs[first:first + size], entries)
         return outcomes
 
-    def invoke_batch(self, node_id: str, xs: list, entries: list) -> list:
+    def invoke_batch(self, node_id: str, xs: list, entries: list | None) -> list:
         """Run a batching node once on `xs`: `(ok, value)` per input (see soma.run.batching). Each input's
-        state enters the node (a cancelled one leaves the batch); setup once; the node's lock; one span."""
+        state enters the node (a cancelled one leaves the batch); setup once; the node's lock; one span.
+        `entries` None: plain inputs, none cancelled, none traced (run_batch)."""
         node = self.nodes[node_id]
         device = self.devices.get(node_id)
         guard = self._guards.get(node_id)
         if guard is None:
             guard = self._guards[node_id] = guard_of(node)
+        if entries is None:
+            return self._call_batch(node, node_id, device, guard, xs, None)
         outcomes: list = [None] * len(xs)
         taken = []
         for i, entry in enumerate(entries):

@@ -1,7 +1,7 @@
 """What the worker pool hands up to whoever receives: events, what happened (it never calls back up).
 
     Ready      a worker said hello: it takes jobs now
-    Outcomes   the Arrived jobs one Result brought (values decoded, or Undecodable)
+    Outcomes   the Arrived jobs (and Bundled ones) one Result brought (values decoded, or Undecodable)
     Lost       a worker is gone, with what its status page said it was running
 
 The pool returns these from `handle(frame)` and `retire(slot)`; the receiver gives
@@ -41,12 +41,21 @@ class Arrived(NamedTuple):
     decode: tuple | None  # (start ns, end ns, bytes) of decoding it here, when traced
 
 
+class Bundled(NamedTuple):
+    """What became of the jobs of one bundle, as the host received them: in one call's time, untraced."""
+
+    jobs: list  # their ids
+    oks: list  # whether each ran ok
+    values: list  # each one's output (decoded, or Undecodable), or the NodeError / Cancelled it raised
+    seconds: float  # each job's share of the call's time in the worker
+
+
 class Outcomes(NamedTuple):
     """Outcomes of jobs that the worker of `slot` sent in one Result."""
 
     slot: int
     worker: WorkerProcess
-    arrived: list  # [Arrived]
+    arrived: list  # [Arrived | Bundled]
 
 
 class Lost(NamedTuple):

@@ -31,7 +31,7 @@ from ...errors import WorkerDied
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
-from .events import Arrived, Gone, Lost, Outcomes, Ready, Undecodable
+from .events import Arrived, Bundled, Gone, Lost, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
 from .procs import spawn
 
@@ -381,7 +381,7 @@ class WorkerPool:
         try:
             for job_id, ok, body, spans, seconds in result.outcomes:
                 if type(job_id) is list:  # a Bundle's outcomes
-                    decoded += _bundle_arrived(decoder, job_id, ok, body, seconds)
+                    decoded.append(_bundled(decoder, job_id, ok, body, seconds))
                     continue
                 start = time.monotonic_ns() if spans is not None else 0
                 if ok:
@@ -479,11 +479,11 @@ class WorkerPool:
         self._spawn_errors.pop(slot, None)
 
 
-def _bundle_arrived(decoder, ids: list, oks: list, body, seconds: float) -> list:
-    """A Bundle's outcomes, one Arrived per input: `oks[i]` is True (its output is the next one of the
-    list `body` decodes to), bytes (its output, encoded alone: the worker could not encode the list), or
-    an error body. A list that cannot be decoded leaves every output in it Undecodable."""
-    listed = sum(1 for ok in oks if ok is True)
+def _bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
+    """A Bundle's outcomes: `said[i]` is True (its output is the next one of the list `body` decodes to),
+    bytes (its output, encoded alone: the worker could not encode the list), or an error body. A list that
+    cannot be decoded leaves every output in it Undecodable."""
+    listed = sum(answer is True for answer in said)
     shared: list = []
     if listed:
         try:
@@ -493,16 +493,21 @@ def _bundle_arrived(decoder, ids: list, oks: list, body, seconds: float) -> list
                                  f"{len(shared) if type(shared) is list else '?'} values, not {listed}")
         except Exception as err:
             shared = [Undecodable(err)] * listed
-    arrived, values = [], iter(shared)
-    for job_id, ok in zip(ids, oks):
-        if ok is True:
-            arrived.append(Arrived(job_id, True, next(values), None, seconds, None))
-        elif type(ok) is bytes:
+    if listed == len(ids):  # (the common case: every input ran ok)
+        return Bundled(ids, [True] * listed, shared, seconds)
+    oks, values, listed_values = [], [], iter(shared)
+    for answer in said:
+        if answer is True:
+            oks.append(True)
+            values.append(next(listed_values))
+        elif type(answer) is bytes:
             try:
-                value = decoder.unpack(ok)
+                value = decoder.unpack(answer)
             except Exception as err:
                 value = Undecodable(err)
-            arrived.append(Arrived(job_id, True, value, None, seconds, None))
+            oks.append(True)
+            values.append(value)
         else:
-            arrived.append(Arrived(job_id, False, failures.error_from(ok), None, seconds, None))
-    return arrived
+            oks.append(False)
+            values.append(failures.error_from(answer))
+    return Bundled(ids, oks, values, seconds)

@@ -34,7 +34,7 @@ from ...errors import (
 from ...plan import last_step
 from ...run.postcondition import check_postcondition
 from .choice import GATHER_SENDS, WorkerChoice
-from .events import Lost, Outcomes, Ready, Undecodable
+from .events import Bundled, Lost, Outcomes, Ready, Undecodable
 from .flows import BundleSend, Flow, Job, Send, Walker
 from .program import pieces
 from .waiting import Waiting
@@ -309,30 +309,51 @@ class Scheduler:
         now = time.monotonic()
         slot, worker = outcomes.slot, outcomes.worker
         for arrived in outcomes.arrived:
-            job = self.outstanding.get(arrived.job)
-            if job is None or job.slot != slot:
+            if type(arrived) is Bundled:  # a bundle's jobs: one call, so one measure of its time for them all
+                measured = False
+                for job_id, ok, value in zip(arrived.jobs, arrived.oks, arrived.values):
+                    job = self._returned(job_id, slot, value)
+                    if job is None:
+                        continue
+                    if not measured:
+                        self.choice.measure(job, arrived.seconds, now)
+                        measured = True
+                    self._arrived(job, ok, value, worker, None)
                 continue
-            self._give_back(job)
-            value = arrived.value
-            if self.walker.stale(job):
-                job.flow.jobs.discard(job)
-                continue
-            if type(value) is Cancelled:  # not started by a worker leaving (over max_memory): it runs elsewhere
-                job.slot = None
-                self.waiting.add([job])
-                continue
-            self.choice.measure(job, arrived.seconds, now)
-            try:
-                if arrived.spans is not None and job.flow.trace is not None:
-                    self._record(job, worker, arrived)
-                ok = arrived.ok
-                if ok:
-                    value, ok = self._checked(job, value, worker)
-                self._end_job(job, ok, value)
-            except Exception as err:  # never leave an input waiting forever on soma's own mistake
-                self._finish(job.flow, False, _internal(err, f"handling the outcome of node `{job.piece.entry}`"))
+            job = self._returned(arrived.job, slot, arrived.value)
+            if job is not None:
+                self.choice.measure(job, arrived.seconds, now)
+                self._arrived(job, arrived.ok, arrived.value, worker, arrived if arrived.spans is not None else None)
         if worker.leaving:
             self._replace_once_idle(slot)
+
+    def _returned(self, job_id: int, slot: int, value):
+        """The job whose outcome (`value`) came back from `slot`, no longer out there; None when there is no
+        more to do with it: unknown (or not this worker's), stale, or handed back unstarted (Cancelled, by a
+        worker leaving over max_memory: it waits again, to run elsewhere)."""
+        job = self.outstanding.get(job_id)
+        if job is None or job.slot != slot:
+            return None
+        self._give_back(job)
+        if self.walker.stale(job):
+            job.flow.jobs.discard(job)
+            return None
+        if type(value) is Cancelled:
+            job.slot = None
+            self.waiting.add([job])
+            return None
+        return job
+
+    def _arrived(self, job: Job, ok: bool, value, worker, traced) -> None:
+        """A job's outcome, checked, carried on (`traced`: its Arrived, when it brought spans)."""
+        try:
+            if traced is not None and job.flow.trace is not None:
+                self._record(job, worker, traced)
+            if ok:
+                value, ok = self._checked(job, value, worker)
+            self._end_job(job, ok, value)
+        except Exception as err:  # never leave an input waiting forever on soma's own mistake
+            self._finish(job.flow, False, _internal(err, f"handling the outcome of node `{job.piece.entry}`"))
 
     def _replace_once_idle(self, slot: int) -> None:
         """A worker over max_memory is replaced once every job sent to it has come back (its jobs parked for

@@ -403,33 +403,38 @@ class Worker:
         start = time.perf_counter()
         outcomes: list = [None] * len(jobs)
         answers: list = [None] * len(jobs)  # a Bundle's: {job id: ok, or its error body} (see protocol.Outcome)
-        live, xs = [], []  # (which job, which job id) of each input that runs, and the inputs
+        at, ids, xs = [], [], []  # each input that runs: its job's place in the turn, its job id, its value
         for i, job in enumerate(jobs):
             if type(job) is Bundle:
-                answers[i] = self.open_bundle(job, i, node_id, dropped, live, xs)
+                answers[i] = self.open_bundle(job, i, node_id, dropped, at, ids, xs)
                 continue
             if job.id in dropped or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
                 outcomes[i] = Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
                 continue
             try:
                 xs.append(decode_input(job.payload, node_id, self.id, self.get_store))
-                live.append((i, job.id))
+                at.append(i)
+                ids.append(job.id)
             except NodeError as err:
                 outcomes[i] = Outcome(job.id, False, failures.error_body(err), None, 0.0)
-        if live:
+        if ids:
             status = self.status
-            status.enter_batch([job_id for _, job_id in live], node_id)
+            status.enter_batch(ids, node_id)
             try:
-                try:
-                    results = piece.interpreter.run_batch(node_id, xs, [RunState() for _ in live])
+                try:  # (no RunStates: nothing is cancelled mid-turn here, and a traced job never shares a turn)
+                    results = piece.interpreter.run_batch(node_id, xs)
                 except BaseException as err:  # never lose a job: the host is waiting for it
-                    results = [(False, self.could_not_run(node_id, err))] * len(live)
+                    results = [(False, self.could_not_run(node_id, err))] * len(ids)
                 del xs
-                seconds = (time.perf_counter() - start) / len(live)  # (each job's share: what the host measures)
-                bundled: dict = {}  # a Bundle's place in the turn → [(job id, output)] of its inputs that ran ok
-                for (i, job_id), (ok, value) in zip(live, results):
+                seconds = (time.perf_counter() - start) / len(ids)  # (each job's share: what the host measures)
+                bundled: dict = {}  # a Bundle's place in the turn → ([job id], [output]) of its inputs that ran ok
+                for i, job_id, (ok, value) in zip(at, ids, results):
                     if ok and answers[i] is not None:
-                        bundled.setdefault(i, []).append((job_id, value))
+                        done = bundled.get(i)
+                        if done is None:
+                            done = bundled[i] = ([], [])
+                        done[0].append(job_id)
+                        done[1].append(value)
                         continue
                     body = None
                     if ok:
@@ -445,68 +450,84 @@ class Worker:
                         answers[i][job_id] = body
                     else:
                         outcomes[i] = Outcome(job_id, ok, body, None, seconds)
-                for i, done in bundled.items():
-                    outcomes[i] = self.close_bundle(jobs[i], answers[i], done, node_id, seconds)
+                for i, (done_ids, values) in bundled.items():
+                    outcomes[i] = self.close_bundle(answers[i], done_ids, values, node_id, seconds)
             finally:
                 status.leave()
         for i, job in enumerate(jobs):
             if outcomes[i] is None:  # a Bundle none of whose inputs ran ok
-                outcomes[i] = self.close_bundle(job, answers[i], [], node_id, 0.0)
+                outcomes[i] = self.close_bundle(answers[i], [], [], node_id, 0.0)
         if self.max_memory and not self.over_memory:
             self.over_memory = private_memory() > self.max_memory
         return outcomes
 
-    def open_bundle(self, bundle: Bundle, i: int, node_id: str, dropped: set, live: list, xs: list) -> dict:
-        """A Bundle's inputs that run (decoded in one pass) go to `live` and `xs`; what becomes of the others
-        (dropped, or not decodable) is in the answers it returns: {job id: its error body}, in payload order."""
-        answers: dict = {}
-        wanted = []
-        for position, job_id in enumerate(bundle.ids):
-            if not job_id:
-                continue
-            if job_id in dropped or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
-                answers[job_id] = failures.error_body(Cancelled())
-            else:
-                answers[job_id] = None  # (its place, in payload order: filled in when its output comes)
-                wanted.append((position, job_id))
-        if not wanted:
-            return answers
+    def open_bundle(self, bundle: Bundle, i: int, node_id: str, dropped: set, at: list, ids: list,
+                    xs: list) -> dict:
+        """A Bundle's inputs that run (decoded in one pass) go to `at`, `ids` and `xs`; what becomes of the
+        others (dropped, or not decodable) is in the answers it returns: {job id: its error body}, in payload
+        order (None for one that runs, until its output comes)."""
+        named = bundle.ids
+        if self.over_memory or 0 in named or (dropped and not dropped.isdisjoint(named)):
+            answers: dict = {}
+            wanted = []  # (position, job id) of each input that runs
+            for position, job_id in enumerate(named):
+                if not job_id:
+                    continue
+                if job_id in dropped or self.over_memory:  # (over max_memory: what has not started runs elsewhere)
+                    answers[job_id] = failures.error_body(Cancelled())
+                else:
+                    answers[job_id] = None
+                    wanted.append((position, job_id))
+            if not wanted:
+                return answers
+        else:  # (the common case: every input of the bundle runs)
+            answers, wanted = dict.fromkeys(named), None
         try:
             values = decode_input(bundle.payload, node_id, self.id, self.get_store)
-            if type(values) is not list or len(values) != len(bundle.ids):
+            if type(values) is not list or len(values) != len(named):
                 raise NodeError.failed(node_id, f"its input could not be received in worker {self.id}: a bundle "
-                                                f"of {len(bundle.ids)} inputs decoded to something else (a bug in "
+                                                f"of {len(named)} inputs decoded to something else (a bug in "
                                                 f"soma: please report it)")
         except NodeError as err:
             body = failures.error_body(err)
-            for _, job_id in wanted:
-                answers[job_id] = body
+            for job_id in answers:
+                if answers[job_id] is None:
+                    answers[job_id] = body
+            return answers
+        if wanted is None:
+            at += [i] * len(named)
+            ids += named
+            xs += values
             return answers
         for position, job_id in wanted:
-            live.append((i, job_id))
+            at.append(i)
+            ids.append(job_id)
             xs.append(values[position])
         return answers
 
-    def close_bundle(self, bundle: Bundle, answers: dict, done: list, node_id: str, seconds: float) -> Outcome:
-        """A Bundle's one outcome: the outputs of `done` (its inputs that ran ok) encoded as one list, or each
-        alone when the list cannot be (then one that cannot fails by itself); every other input's answer."""
+    def close_bundle(self, answers: dict, done_ids: list, values: list, node_id: str, seconds: float) -> Outcome:
+        """A Bundle's one outcome: the outputs `values` of its inputs `done_ids` (those that ran ok) encoded as
+        one list, or each alone when the list cannot be (then one that cannot fails by itself); every other
+        input's answer."""
         body = None
-        if done:
+        if done_ids:
             try:
-                body = encode_outputs([value for _, value in done], node_id, self.get_store)
-                for job_id, _ in done:
+                body = encode_outputs(values, node_id, self.get_store)
+                for job_id in done_ids:
                     answers[job_id] = True
             except NodeError:
-                for job_id, value in done:
+                for job_id, value in zip(done_ids, values):
                     try:
                         answers[job_id] = encode_output(value, node_id, self.get_store)
                     except NodeError as err:
                         answers[job_id] = failures.error_body(err)
                 body = None
-        lost = NodeError.failed(node_id, f"worker {self.id} lost its output (a bug in soma: please report it)")
-        ids = list(answers)
-        return Outcome(ids, [failures.error_body(lost) if answers[job_id] is None else answers[job_id]
-                             for job_id in ids], body, None, seconds)
+        said = list(answers.values())
+        if None in said:  # (never: each input has its answer by now)
+            lost = failures.error_body(NodeError.failed(
+                node_id, f"worker {self.id} lost its output (a bug in soma: please report it)"))
+            said = [lost if answer is None else answer for answer in said]
+        return Outcome(list(answers), said, body, None, seconds)
 
     def flush(self, outcomes: list) -> None:
         # Inputs and outputs of these jobs are dropped by now: what died is reported with them.
