@@ -189,19 +189,20 @@ class ExecutorInflight(Inflight):
             size = max(1, max_batch_of(self.g.node(self.batch_node)))
             for first in range(0, len(items), size):
                 chunk = items[first:first + size]
-                states = [RunState(index=index) for index, _ in chunk]
-                future = threads.submit(self._run_chunk, [x for _, x in chunk], states)
-                self.running[future] = ([index for index, _ in chunk], states, True)
+                # No RunState per input: a chunk is one call (nothing to stop between its nodes), untimed (no
+                # running node to name), and one not started yet is cancelled whole by its future (close).
+                future = threads.submit(self._run_chunk, [x for _, x in chunk])
+                self.running[future] = ([index for index, _ in chunk], [], True)
             return
         for index, x in items:
             state = RunState(index=index)
             future = threads.submit(self.executor._run, self.g, self.devices, x, None, index, self.modes, state)
             self.running[future] = ([index], [state], False)
 
-    def _run_chunk(self, xs: list, states: list) -> list:
+    def _run_chunk(self, xs: list) -> list:
         interpreter = self.executor._interpreter(self.g, self.devices)
         with self.modes():
-            return interpreter.run_batch(self.batch_node, xs, states)
+            return interpreter.run_batch(self.batch_node, xs)
 
     def wait(self, timeout):
         done, _ = cf.wait(list(self.running), timeout=timeout, return_when=cf.FIRST_COMPLETED)
