@@ -134,11 +134,11 @@ class Local(RunnerBase):
         RunTimeout are never retried). `timeout`: seconds for the whole input, tries included.
         """
         retries = checked_retries(retries)
-        scheduler, _, program = self._ready(g, "Local.run")
+        scheduler, g, program = self._ready(g, "Local.run")
         sink = queue.SimpleQueue()
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
-        flow = scheduler.start(program, [(None, x)], sink, trace, retries)[None]
+        flow = scheduler.start(program, [(None, x)], sink, trace, retries, g)[None]
         receiving = self._receiving
         try:
             try:
@@ -168,9 +168,9 @@ class Local(RunnerBase):
         `future.cancel()` cancels the input (dropped if not started; its result dropped if it was).
         """
         retries = checked_retries(retries)
-        scheduler, _, program = self._ready(g, "Local.submit")
+        scheduler, g, program = self._ready(g, "Local.submit")
         future = InputFuture()
-        flow = scheduler.start(program, [(None, x)], FutureSink(future), self._trace, retries)[None]
+        flow = scheduler.start(program, [(None, x)], FutureSink(future), self._trace, retries, g)[None]
         future.on_cancel = lambda: scheduler.cancel([flow])
         if timeout is not None:
             self._receiving.at(time.monotonic() + timeout, lambda: _expired(scheduler, flow, future, timeout))
@@ -260,7 +260,7 @@ class LocalInflight(Inflight):
         if self.sink is None:
             self.sink = LoopSink()
         self.flows.update(self.scheduler.start(self.program, items, self.sink, self.tracer.current_trace,
-                                               self.retries))
+                                               self.retries, self.graph))
 
     def wait(self, timeout):
         try:

@@ -359,3 +359,39 @@ def test_nodes_the_host_dropped_are_dropped_by_workers_too(local):
         counts.append(local.run(Graph.somatize(Tracked()), None))
         gc.collect()
     assert max(counts[-10:]) <= 3, counts  # not 30: each worker forgot the nodes the host let go
+
+
+def test_inputs_started_while_another_thread_holds_the_scheduler_go_once_it_lets_go(local):
+    # A caller never sleeps on the scheduler's lock to start an input: the thread holding it takes the input
+    # in before it lets go. Were submit to wait for the lock, this test would hang (its timeout fails it);
+    # were the holder not to take the inputs in, their results would never come.
+    import gc
+    import threading
+
+    scheduler = local._scheduler
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with scheduler.locked():
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(30)
+    # (each of a graph nobody else holds: its inputs keep it, and so its nodes' code, until they are sent)
+    futures = [local.submit(Graph.somatize(AddOne()), i) for i in range(5)]  # returns while the lock is held
+    gc.collect()
+    assert not any(f.done() for f in futures)
+    release.set()
+    holder.join(30)
+    assert [f.result(timeout=60) for f in futures] == [1, 2, 3, 4, 5]
+
+
+def test_many_inputs_submitted_for_graphs_nobody_holds_all_run():
+    # Inputs wait for a worker; the graph each was submitted for is dropped by its caller at once. A waiting
+    # job keeps its graph: before, the node's code was gone by the time the job was sent (KeyError, "never
+    # told about"), for a few in every thousand.
+    with soma.Local(workers=2) as pool:
+        futures = [pool.submit(Graph.somatize(AddOne()), i) for i in range(1500)]
+        assert [f.result(timeout=120) for f in futures] == [i + 1 for i in range(1500)]

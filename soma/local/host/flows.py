@@ -35,10 +35,14 @@ class Flow:
     """
 
     __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "outcome", "program", "x", "retries",
-                 "tries")
+                 "tries", "graph")
 
-    def __init__(self, index, sink, trace, program, x, retries: int = 0):
+    def __init__(self, index, sink, trace, program, x, retries: int = 0, graph=None):
         self.index = index
+        # The graph its jobs' nodes are of, held while it is in flight: a node's code is shipped by its key
+        # when a job of it is sent, and a node nobody holds any more is forgotten (its key with it); a job
+        # waiting to be sent for a graph its caller let go (submit(Graph.somatize(Node()), x)) failed so.
+        self.graph = graph
         self.sink = sink  # receives (index, ok, value) once
         self.trace = trace  # the runner's Trace when this input is traced, else None
         self.finished = False

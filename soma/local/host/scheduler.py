@@ -12,16 +12,20 @@ An input in flight is a `Flow`: it walks the program (`Seq`s and `Wave`s around
     receiving ── handle([Outcomes | Ready | Lost]) ──▶ each job's continuation: the jobs it makes next
                                                       (queued), or its flow's end: (index, ok, value) → sink
 
-Everything here happens under one lock, from the callers' threads (start,
-expire, cancel) and from whoever receives (handle). Calls go down to the pool and
-its answers come back as return values; nothing here is called back by it.
+Everything here happens under one lock (`locked`), from the callers' threads
+(start, expire, cancel) and from whoever receives (handle). A caller starting
+inputs does not wait for it: what it started is taken in by whoever holds the
+lock before letting go (`_take_in`). Calls go down to the pool and its answers
+come back as return values; nothing here is called back by it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections import deque
 
 from ...errors import (
     Cancelled,
@@ -55,10 +59,12 @@ class Scheduler:
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.walker = Walker(pool.get_store)
         self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
+        self.arrivals: deque = deque()  # (program, flows, jobs) started and not yet taken in (_take_in)
 
     # -- starting inputs ---------------------------------------------------------------------------------
-    def start(self, program, items: list, sink, trace, retries: int = 0) -> dict:
-        """Start `(index, x)` inputs on `program`; each one's `(index, ok, value)` goes to `sink` once.
+    def start(self, program, items: list, sink, trace, retries: int = 0, graph=None) -> dict:
+        """Start `(index, x)` inputs on `program` (of `graph`, held while they are in flight); each one's
+        `(index, ok, value)` goes to `sink` once.
 
         Returns index → Flow. An input that cannot even be sent (unpicklable, a tensor
         with an autograd graph, /dev/shm full) goes to the sink at once as its error.
@@ -67,18 +73,39 @@ class Scheduler:
         flows = {}
         jobs: list = []
         for index, x in items:
-            flow = Flow(index, sink, trace, program, x, retries)
+            flow = Flow(index, sink, trace, program, x, retries, graph)
             flows[index] = flow
             try:
                 jobs += self.walker.start(flow, x)
             except NodeError as err:
                 flow.finished = True
                 sink.put((index, False, err))
-        with self.lock:
+        self.arrivals.append((program, flows, jobs))
+        self._take_in()
+        return flows
+
+    def _take_in(self) -> None:
+        """Take in the inputs started meanwhile, unless another thread holds the lock: it takes them in itself
+        before it lets go (`locked`). A caller never sleeps on the lock to start an input (64 threads calling
+        `run` queued on it behind the thread receiving a bundle's outcomes and sending the next)."""
+        while self.arrivals:
+            if not self.lock.acquire(blocking=False):
+                return
+            try:
+                self._take_started()
+            finally:
+                self.lock.release()
+
+    def _take_started(self) -> None:
+        """The started inputs, in the order they came: their flows known, their jobs queued, a pump (lock held)."""
+        if not self.arrivals:
+            return
+        while self.arrivals:
+            program, flows, jobs = self.arrivals.popleft()
             if self.closed_with is not None:
                 for flow in flows.values():
                     self._finish(flow, False, self.closed_with)
-                return flows
+                continue
             for flow in flows.values():
                 if not flow.finished:
                     self.flows.add(flow)
@@ -86,8 +113,19 @@ class Scheduler:
                 self.admitted.add(program)
                 self.choice.admit(pieces(program))
             self._enqueue(jobs)
-            self._pump()
-        return flows
+        self._pump()
+
+    @contextlib.contextmanager
+    def locked(self):
+        """The lock, held by this thread; before it lets go, the inputs started meanwhile are taken in (their
+        callers did not wait for the lock: `_take_in`), and after, any that came between that and the release."""
+        with self.lock:
+            try:
+                yield
+            finally:
+                self._take_started()
+        if self.arrivals:
+            self._take_in()
 
     def _enqueue(self, jobs: list) -> None:
         """Queue new jobs (lock held); the next pump gives them to workers."""
@@ -261,7 +299,7 @@ class Scheduler:
 
     def parallelism(self, pieces: list) -> int:
         """How many inputs of a program this pool works on at once (see WorkerChoice.parallelism)."""
-        with self.lock:
+        with self.locked():
             return self.choice.parallelism(pieces)
 
     # -- what whoever receives hands over ----------------------------------------------------------------
@@ -273,7 +311,7 @@ class Scheduler:
         """What the pool reported: a worker's hello (`Ready`), outcomes of jobs, or a worker's end (`Lost`)."""
         if not events:
             return
-        with self.lock:
+        with self.locked():
             for event in events:
                 if type(event) is Outcomes:
                     self._on_outcomes(event)
@@ -453,7 +491,7 @@ class Scheduler:
     # -- stopping inputs ---------------------------------------------------------------------------------------
     def expire(self, flow: Flow, timeout: float) -> RunTimeout:
         """The input's time is up: stop it, replace the workers running its nodes, and say which those were."""
-        with self.lock:
+        with self.locked():
             running: dict = {}  # node → where it runs
             waiting: dict = {}
             retire: set = set()
@@ -478,7 +516,7 @@ class Scheduler:
 
     def cancel(self, flows) -> None:
         """These inputs are no longer wanted: drop their queued jobs, ask workers to drop what has not started."""
-        with self.lock:
+        with self.locked():
             flows = [f for f in flows if not f.finished]
             for flow in flows:
                 self._finish(flow, None, None)
@@ -499,7 +537,7 @@ class Scheduler:
 
     def close(self, error: SomaError) -> None:
         """The pool is closing: every input in flight gets `error`."""
-        with self.lock:
+        with self.locked():
             self.closed_with = error
             for flow in list(self.flows):
                 self._finish(flow, False, error)
@@ -520,7 +558,7 @@ class Scheduler:
             flow.sink.put((flow.index, ok, value))
 
     def forget(self, keys: list) -> None:
-        with self.lock:
+        with self.locked():
             self.choice.forget(keys)
 
     # -- tracing ----------------------------------------------------------------------------------------
