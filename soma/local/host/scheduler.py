@@ -60,6 +60,7 @@ class Scheduler:
         self.walker = Walker(pool.get_store)
         self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
         self.arrivals: deque = deque()  # (program, flows, jobs) started and not yet taken in (_take_in)
+        self.forgotten: deque = deque()  # node keys let go and not yet taken in (forget)
 
     # -- starting inputs ---------------------------------------------------------------------------------
     def start(self, program, items: list, sink, trace, retries: int = 0, graph=None) -> dict:
@@ -88,7 +89,7 @@ class Scheduler:
         """Take in the inputs started meanwhile, unless another thread holds the lock: it takes them in itself
         before it lets go (`locked`). A caller never sleeps on the lock to start an input (64 threads calling
         `run` queued on it behind the thread receiving a bundle's outcomes and sending the next)."""
-        while self.arrivals:
+        while self.arrivals or self.forgotten:
             if not self.lock.acquire(blocking=False):
                 return
             try:
@@ -97,7 +98,10 @@ class Scheduler:
                 self.lock.release()
 
     def _take_started(self) -> None:
-        """The started inputs, in the order they came: their flows known, their jobs queued, a pump (lock held)."""
+        """The nodes let go meanwhile forgotten; the started inputs, in the order they came: their flows known,
+        their jobs queued, a pump (lock held)."""
+        while self.forgotten:
+            self.choice.forget(self.forgotten.popleft())
         if not self.arrivals:
             return
         while self.arrivals:
@@ -124,7 +128,7 @@ class Scheduler:
                 yield
             finally:
                 self._take_started()
-        if self.arrivals:
+        if self.arrivals or self.forgotten:
             self._take_in()
 
     def _enqueue(self, jobs: list) -> None:
@@ -558,8 +562,9 @@ class Scheduler:
             flow.sink.put((flow.index, ok, value))
 
     def forget(self, keys: list) -> None:
-        with self.locked():
-            self.choice.forget(keys)
+        """Nodes the host let go: nobody holds their copies any more (taken in as a start is: `_take_in`)."""
+        self.forgotten.append(keys)
+        self._take_in()
 
     # -- tracing ----------------------------------------------------------------------------------------
     def _record(self, job: Job, worker, arrived) -> None:
