@@ -121,9 +121,12 @@ class Scheduler:
 
     @contextlib.contextmanager
     def locked(self):
-        """The lock, held by this thread; before it lets go, the inputs started meanwhile are taken in (their
-        callers did not wait for the lock: `_take_in`), and after, any that came between that and the release."""
+        """The lock, held by this thread, with every input started before it taken in (a cancel or a timeout
+        sees their jobs); before it lets go, the inputs started meanwhile are taken in too (their callers did
+        not wait for the lock: `_take_in`), and after, any that came between that and the release."""
         with self.lock:
+            if self.arrivals or self.forgotten:
+                self._take_started()
             try:
                 yield
             finally:
