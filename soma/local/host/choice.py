@@ -102,12 +102,6 @@ class WorkerChoice:
         return all(len(self.holders.get(key, ())) < piece.max_copies or slot in self.holders.get(key, ())
                    for key in piece.keys.values())
 
-    def serving_now(self, piece: Piece, usable) -> int:
-        """How many of the `usable` workers could run `piece` (its CUDA device's, or all)."""
-        if piece.cuda is None:
-            return len(usable)
-        return sum(1 for slot in usable if self.worker_devices[slot] == piece.cuda)
-
     def serving(self, piece: Piece) -> list[int]:
         """The slots whose workers could ever run `piece` (its CUDA device's, or all)."""
         return [s for s in range(len(self.load)) if piece.cuda is None or self.worker_devices[s] == piece.cuda]

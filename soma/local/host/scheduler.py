@@ -97,13 +97,13 @@ class Scheduler:
             finally:
                 self.lock.release()
 
-    def _take_started(self) -> None:
+    def _take_started(self, pump: bool = True) -> bool:
         """The nodes let go meanwhile forgotten; the started inputs, in the order they came: their flows known,
-        their jobs queued, a pump (lock held)."""
+        their jobs queued, and (`pump`) a pump. Whether any input was taken in (lock held)."""
         while self.forgotten:
             self.choice.forget(self.forgotten.popleft())
         if not self.arrivals:
-            return
+            return False
         while self.arrivals:
             program, flows, jobs = self.arrivals.popleft()
             if self.closed_with is not None:
@@ -117,7 +117,9 @@ class Scheduler:
                 self.admitted.add(program)
                 self.choice.admit(pieces(program))
             self._enqueue(jobs)
-        self._pump()
+        if pump:
+            self._pump()
+        return True
 
     @contextlib.contextmanager
     def locked(self):
@@ -125,12 +127,12 @@ class Scheduler:
         sees their jobs); before it lets go, the inputs started meanwhile are taken in too (their callers did
         not wait for the lock: `_take_in`), and after, any that came between that and the release."""
         with self.lock:
-            if self.arrivals or self.forgotten:
-                self._take_started()
+            took = self._take_started(pump=False)  # (queued now, pumped once on the way out)
             try:
                 yield
             finally:
-                self._take_started()
+                if not self._take_started() and took:
+                    self._pump()
         if self.arrivals or self.forgotten:
             self._take_in()
 
@@ -193,7 +195,8 @@ class Scheduler:
         the slowest worker's), and a bundle costs one choice, not one per input."""
         choice, stale = self.choice, self.walker.stale
         depth = choice.depth(piece)
-        gather, size = _gather(piece, self.waiting.waiting(piece), choice.serving_now(piece, usable))
+        workers = len(usable) if piece.cuda is None else len(set(usable).intersection(choice.serving(piece)))
+        gather, size = _gather(piece, self.waiting.waiting(piece), workers)
         filling, filled = None, 0  # the slot a bundle fills now, and how many it has
         while line:
             job = line[0]

@@ -27,25 +27,21 @@ class Waiting:
     def __bool__(self) -> bool:
         return bool(self.lines)
 
-    def __len__(self) -> int:
-        return sum(len(line) for line in self.lines.values())
-
     def add(self, jobs) -> None:
         """New jobs, each at the back of its piece's line."""
-        lines = self.lines
         for job in jobs:
-            line = lines.get(job.piece)
-            if line is None:
-                line = lines[job.piece] = deque()
-            line.append(job)
+            self._line(job.piece).append(job)
 
     def add_first(self, jobs: list) -> None:
         """Jobs that were out at a worker and come back unstarted: at the front of their lines, in order."""
         for job in reversed(jobs):
-            line = self.lines.get(job.piece)
-            if line is None:
-                line = self.lines[job.piece] = deque()
-            line.appendleft(job)
+            self._line(job.piece).appendleft(job)
+
+    def _line(self, piece) -> deque:
+        line = self.lines.get(piece)
+        if line is None:
+            line = self.lines[piece] = deque()
+        return line
 
     def waiting(self, piece) -> int:
         """How many of `piece`'s jobs wait (stale ones not yet dropped included)."""
