@@ -1,48 +1,83 @@
-"""The model the batching and asyncio benchmarks run, as soma nodes and as plain functions.
+"""The models the batching benchmarks run, as soma nodes and as plain functions; the asyncio and long-job
+benchmarks' small nodes.
 
-In an importable module, so worker processes load the nodes by name. A small MLP with
-random weights (seeded: every process builds the same one), on the CPU.
+In an importable module, so worker processes load the nodes by name. Two models with random weights
+(seeded: every process builds the same one), on the CPU:
+
+* "mlp": a small MLP over a 256-value input; an item costs about as much as soma's own work for it (43 µs
+  alone, 9 µs in a batch of 64, measured on this machine on Dec 2);
+* "transformer": two transformer-encoder layers over 16 tokens of width 64, mean-pooled (326 µs an item
+  alone, 50 µs in a batch of 64): a model that costs more than moving its input does, where batching is for.
 """
 
 from __future__ import annotations
 
 from soma import Done, Node
 
-DIM = 256
+MLP, TRANSFORMER = "mlp", "transformer"
+DIM = 256  # the MLP's input width
+TOKENS, WIDTH = 16, 64  # the transformer's input: tokens, and each token's width
+OUT = {MLP: 16, TRANSFORMER: WIDTH}  # each model's output row
 
 
-def model():
+def model(name: str = MLP):
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(DIM, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                               torch.nn.ReLU(), torch.nn.Linear(512, 16)).eval().requires_grad_(False)
+    if name == MLP:
+        net = torch.nn.Sequential(torch.nn.Linear(DIM, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                  torch.nn.ReLU(), torch.nn.Linear(512, OUT[MLP]))
+    elif name == TRANSFORMER:
+        layer = torch.nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True)
+        net = _MeanPooled(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    else:
+        raise ValueError(f"no model named {name!r}: {MLP!r} or {TRANSFORMER!r}")
+    return net.eval().requires_grad_(False)
 
 
-def inputs(n: int) -> list:
+def _MeanPooled(encoder):
+    import torch  # (made here, not at import: this module imports without torch, for benchmarks with no model)
+
+    class MeanPooled(torch.nn.Module):
+        """(batch, tokens, width) → (batch, width): the encoder's tokens averaged."""
+
+        def __init__(self):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, x):
+            return self.encoder(x).mean(1)
+
+    return MeanPooled()
+
+
+def inputs(n: int, name: str = MLP) -> list:
     import torch
 
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(DIM, generator=g) for _ in range(n)]
+    shape = (DIM,) if name == MLP else (TOKENS, WIDTH)
+    return [torch.randn(*shape, generator=g) for _ in range(n)]
 
 
-class PerItem(Node):
-    """The model on one input at a time: `(its output row, 1)`."""
+class _ModelNode(Node):
+    def __init__(self, name: str = MLP):
+        self.name = name
 
     def setup(self, ctx):
-        self.model = model()
+        self.model = model(self.name)
+
+
+class PerItem(_ModelNode):
+    """The model on one input at a time: `(its output row, 1)`."""
 
     def forward(self, x, ctx):
         return Done((self.model(x.unsqueeze(0))[0], 1))
 
 
-class Batched(Node):
+class Batched(_ModelNode):
     """The same model on the inputs at it at once: `(each one's output row, how many shared the call)`."""
 
     max_batch = 64
-
-    def setup(self, ctx):
-        self.model = model()
 
     def forward_batch(self, xs, ctx):
         import torch
@@ -51,12 +86,23 @@ class Batched(Node):
         return Done([(row, len(xs)) for row in out])
 
 
-class HandBatched(Node):
+class NoModel(Node):
+    """A batching node with no model: each input's first values, as many as the model's output row (the same
+    bytes cross), and how many shared the call. What batching from 64 threads reaches when the model costs
+    nothing: the most any batching node could gain over the per-item one on this machine."""
+
+    max_batch = 64
+
+    def __init__(self, name: str = MLP):
+        self.out = OUT[name]
+
+    def forward_batch(self, xs, ctx):
+        return Done([(x.reshape(-1)[:self.out].clone(), len(xs)) for x in xs])
+
+
+class HandBatched(_ModelNode):
     """The same model on an input that is already a list of 64 items (pre-grouped by the caller): each item's
     `(output row, how many shared the call)`, what `Batched` gives each input (the same values cross)."""
-
-    def setup(self, ctx):
-        self.model = model()
 
     def forward(self, xs, ctx):
         import torch

@@ -2,15 +2,18 @@
 
     python benchmarks/batching.py [--quick] [--smoke] [--json out.json]   (or: soma bench batching)
 
-A small MLP with random weights over per-item inputs (4,096 full), on the Executor and
-on Local (2 workers), rounds alternated, every output checked against the model run
-in-process:
+Two models with random weights (benchmarks/_models.py: a tiny transformer, whose items
+cost more than moving them, and a small MLP, whose items cost about as much as soma's own
+work for them) over per-item inputs (4,096 full), on the Executor and on Local (2 workers),
+rounds alternated, every output checked against the model run in-process; for each model:
 
 * `forward_batch` (max_batch 64) against the same model's per-item `forward`, items/s;
 * against a hand-batched map (the inputs grouped 64 per input by the caller, the same
   model on each group), items/s: what keeping per-item inputs costs;
 * 64 threads calling `Local.run` at once, batching node against per-item node, items/s,
-  with the mean batch size the batching node saw;
+  with the mean batch size the batching node saw; beside them, what bounds that section on
+  this machine: a batching node with no model (the most batching could gain here) and the
+  same 64 threads making blocking calls through one plain dispatcher thread, no soma;
 * a lone `Local.run` of the batching node against the per-item node, in ms: what a run
   alone pays for `batch_wait` (nothing: the batch goes at once when nothing else is in flight).
 """
@@ -28,6 +31,7 @@ from soma import Graph
 
 NAME = "batching"
 WORKERS = 2
+MODELS = (m.TRANSFORMER, m.MLP)
 
 
 def check(name: str, rows, expected) -> None:
@@ -38,16 +42,16 @@ def check(name: str, rows, expected) -> None:
         raise h.WrongValue(f"{name} returned outputs that are not the model's")
 
 
-def maps(suite: h.Suite, local) -> None:
+def maps(suite: h.Suite, local, model: str) -> None:
     import torch
 
     n = {"full": 4096, "quick": 1024, "smoke": 128}[suite.mode]
-    xs = m.inputs(n)
-    expected = m.model()(torch.stack(xs))
+    xs = m.inputs(n, model)
+    expected = m.model(model)(torch.stack(xs))
     groups = [xs[i:i + 64] for i in range(0, n, 64)]
     executor = soma.Executor()
-    graphs = {"per_item": Graph.somatize(m.PerItem()), "batched": Graph.somatize(m.Batched()),
-              "hand": Graph.somatize(m.HandBatched())}
+    graphs = {"per_item": Graph.somatize(m.PerItem(model)), "batched": Graph.somatize(m.Batched(model)),
+              "hand": Graph.somatize(m.HandBatched(model))}
     sizes: dict = {}
 
     def rate(name, runner, kind):
@@ -68,7 +72,8 @@ def maps(suite: h.Suite, local) -> None:
     executor.close()
     for name, values in samples.items():
         where, _, kind = name.partition("/")
-        params = {"what": "map", "inputs": n, "kind": kind, "workers": WORKERS if where == "local" else 0}
+        params = {"what": "map", "model": model, "inputs": n, "kind": kind,
+                  "workers": WORKERS if where == "local" else 0}
         suite.add(where, params, values, "items/s")
         if kind == "batched":
             suite.add_ratio(where, {**params}, values, samples[f"{where}/per_item"], vs="per_item")
@@ -76,33 +81,93 @@ def maps(suite: h.Suite, local) -> None:
             suite.add(where, {**params, "what": "mean_batch"}, sizes[name], "inputs")
 
 
-def threads(suite: h.Suite, local) -> None:
+class Dispatcher:
+    """The floor of the 64-thread section, with no soma: each call hands its input to one thread, which answers
+    every call queued by then together (as Local's receiving answers a bundle's outcomes) and the caller wakes
+    with it. What 64 Python threads making blocking calls at once can do on this machine at all."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.calls = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="floor-dispatcher", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import queue
+
+        while True:
+            calls = [self.calls.get()]
+            while True:
+                try:
+                    calls.append(self.calls.get_nowait())
+                except queue.Empty:
+                    break
+            for call in calls:
+                if call is None:
+                    return
+                x, answer = call
+                answer.put(x)
+
+    def call(self, x):
+        import queue
+
+        answer = queue.SimpleQueue()
+        self.calls.put((x, answer))
+        return answer.get()
+
+    def close(self) -> None:
+        self.calls.put(None)
+        self.thread.join()
+
+
+def threads(suite: h.Suite, local, model: str) -> None:
+    """64 threads calling `Local.run` at once: the per-item node, the batching node, a batching node with no
+    model (the most batching could reach here), and the same 64 threads through a plain dispatcher (the floor)."""
     import torch
 
     n = {"full": 2048, "quick": 1024, "smoke": 128}[suite.mode]
-    xs = m.inputs(n)
-    expected = m.model()(torch.stack(xs))
+    xs = m.inputs(n, model)
+    expected = {"per_item": m.model(model)(torch.stack(xs))}
+    expected["batched"] = expected["per_item"]
+    expected["no_model"] = torch.stack(xs).reshape(n, -1)[:, :m.OUT[model]]
+    nodes = {"per_item": m.PerItem(model), "batched": m.Batched(model), "no_model": m.NoModel(model)}
     callers = cf.ThreadPoolExecutor(64)
+    dispatcher = Dispatcher()
     sizes = []
 
     def rate(kind):
-        g = Graph.somatize(m.Batched() if kind == "batched" else m.PerItem())
+        g = Graph.somatize(nodes[kind])
         list(callers.map(lambda x: local.run(g, x), xs[:64]))  # warm
         elapsed, out = h.timed(lambda: list(callers.map(lambda x: local.run(g, x), xs)))
-        check(f"local/{kind} from 64 threads", [row for row, _ in out], expected)
+        check(f"local/{kind} from 64 threads", [row for row, _ in out], expected[kind])
         if kind == "batched":
             sizes.append(statistics.mean(size for _, size in out))
         return n / elapsed
 
+    def floor():
+        elapsed, out = h.timed(lambda: list(callers.map(dispatcher.call, xs)))
+        if any(got is not x for got, x in zip(out, xs)):
+            raise h.WrongValue("the dispatcher floor answered a call with another call's input")
+        return n / elapsed
+
+    contenders = {kind: (lambda k=kind: rate(k)) for kind in nodes}
+    contenders["python_floor"] = floor
     try:
-        samples = h.alternate({kind: (lambda k=kind: rate(k)) for kind in ("per_item", "batched")},
-                              repeat=suite.repeat(full=5, quick=3, smoke=1), self_timed=True)
+        samples = h.alternate(contenders, repeat=suite.repeat(full=5, quick=3, smoke=1), self_timed=True)
     finally:
         callers.shutdown()
-    params = {"what": "64_threads_run", "inputs": n, "workers": WORKERS}
-    for kind, values in samples.items():
-        suite.add("local", {**params, "kind": kind}, values, "items/s")
+        dispatcher.close()
+    params = {"what": "64_threads_run", "model": model, "inputs": n, "workers": WORKERS}
+    for kind in nodes:
+        suite.add("local", {**params, "kind": kind}, samples[kind], "items/s")
+    suite.add("python", {**params, "kind": "dispatcher_floor", "workers": 0}, samples["python_floor"], "calls/s")
     suite.add_ratio("local", {**params, "kind": "batched"}, samples["batched"], samples["per_item"], vs="per_item")
+    suite.add_ratio("local", {**params, "kind": "no_model"}, samples["no_model"], samples["per_item"],
+                    vs="per_item")
+    suite.add_ratio("python", {**params, "kind": "dispatcher_floor", "workers": 0}, samples["python_floor"],
+                    samples["per_item"], vs="per_item")
     suite.add("local", {**params, "what": "64_threads_mean_batch"}, sizes, "inputs")
 
 
@@ -133,10 +198,11 @@ def main(argv=None) -> list[dict]:
     print(f"{NAME}: {h.versions()}; mode {suite.mode}")
     local = soma.Local(workers=WORKERS).start()
     try:
-        maps(suite, local)
-        print("  maps done", flush=True)
-        threads(suite, local)
-        print("  threads done", flush=True)
+        for model in MODELS:
+            maps(suite, local, model)
+            print(f"  maps done ({model})", flush=True)
+            threads(suite, local, model)
+            print(f"  threads done ({model})", flush=True)
         lone_run(suite, local)
     finally:
         local.close()
@@ -145,27 +211,36 @@ def main(argv=None) -> list[dict]:
 
 def print_summary(suite: h.Suite) -> None:
     rows = []
-    for where in ("executor", "local"):
-        per = suite.find(where, "items/s", what="map", kind="per_item")
-        bat = suite.find(where, "items/s", what="map", kind="batched")
-        hand = suite.find(where, "items/s", what="map", kind="hand")
-        rows.append([where, h.cell(per), h.cell(bat, suite.find(where, "x", what="map", vs="per_item")),
-                     h.cell(hand), h.cell(suite.find(where, "x", what="map", vs="hand_batched")),
-                     h.cell(suite.find(where, "inputs", what="mean_batch"))])
+    for model in MODELS:
+        for where in ("executor", "local"):
+            at = {"what": "map", "model": model}
+            rows.append([f"{where}, {model}", h.cell(suite.find(where, "items/s", **at, kind="per_item")),
+                         h.cell(suite.find(where, "items/s", **at, kind="batched"),
+                                suite.find(where, "x", **at, vs="per_item")),
+                         h.cell(suite.find(where, "items/s", **at, kind="hand")),
+                         h.cell(suite.find(where, "x", **at, vs="hand_batched")),
+                         h.cell(suite.find(where, "inputs", what="mean_batch", model=model))])
     h.print_table(f"{NAME}: map, items/s (ratio per round)",
                   ["contender", "per item", "batched (x per item)", "hand-batched", "batched / hand",
                    "mean batch"], rows)
-    h.print_table(f"{NAME}: 64 threads calling Local.run at once, and a lone run",
-                  ["contender", "per item items/s", "batched items/s (x)", "mean batch", "lone run ms per item",
-                   "lone run ms batched (x)"],
-                  [["local", h.cell(suite.find("local", "items/s", what="64_threads_run", kind="per_item")),
-                    h.cell(suite.find("local", "items/s", what="64_threads_run", kind="batched"),
-                           suite.find("local", "x", what="64_threads_run")),
-                    h.cell(suite.find("local", "inputs", what="64_threads_mean_batch")),
-                    h.cell(suite.find("local", "ms", what="lone_run", kind="per_item")),
+    rows = []
+    for model in MODELS:
+        at = {"what": "64_threads_run", "model": model}
+        rows.append([f"local, {model}", h.cell(suite.find("local", "items/s", **at, kind="per_item")),
+                     h.cell(suite.find("local", "items/s", **at, kind="batched"),
+                            suite.find("local", "x", **at, kind="batched")),
+                     h.cell(suite.find("local", "inputs", what="64_threads_mean_batch", model=model)),
+                     h.cell(suite.find("local", "items/s", **at, kind="no_model"),
+                            suite.find("local", "x", **at, kind="no_model")),
+                     h.cell(suite.find("python", "calls/s", **at), suite.find("python", "x", **at))])
+    h.print_table(f"{NAME}: 64 threads calling Local.run at once, items/s (x the per-item node)",
+                  ["contender", "per item", "batched", "mean batch", "batching, no model",
+                   "no soma: a dispatcher thread (calls/s)"], rows)
+    h.print_table(f"{NAME}: a lone Local.run of the MLP, ms",
+                  ["contender", "per item", "batched (x)"],
+                  [["local", h.cell(suite.find("local", "ms", what="lone_run", kind="per_item")),
                     h.cell(suite.find("local", "ms", what="lone_run", kind="batched"),
                            suite.find("local", "x", what="lone_run"))]])
-
 
 if __name__ == "__main__":
     h.cli(main)
