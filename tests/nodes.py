@@ -108,6 +108,20 @@ class Sleep(Node):
         return Done(x)
 
 
+class WaitsForFile(Node):
+    """Waits until `path` exists (30 s at most), then returns its input plus one: an input that is surely still
+    in flight until the test says so."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def forward(self, x, ctx):
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return Done(x + 1)
+
+
 class Pid(Node):
     """Returns the pid of the process it ran in."""
 

@@ -135,6 +135,7 @@ class Local(RunnerBase):
         """
         retries = checked_retries(retries)
         scheduler, g, program = self._ready(g, "Local.run")
+        self._receiving.check_can_wait("Local.run")  # (before its input starts: nothing is left running)
         sink = queue.SimpleQueue()
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
@@ -264,7 +265,7 @@ class LocalInflight(Inflight):
 
     def wait(self, timeout):
         try:
-            got = [self.receiving.await_item(self.sink, timeout)]
+            got = [self.receiving.await_item(self.sink, timeout, "Local.map")]
         except queue.Empty:
             return []
         take = self.receiving.take_nowait

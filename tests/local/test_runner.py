@@ -4,6 +4,7 @@ are the contract of every runner: tests/run/test_interpreter.py.)"""
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -395,3 +396,30 @@ def test_many_inputs_submitted_for_graphs_nobody_holds_all_run():
     with soma.Local(workers=2) as pool:
         futures = [pool.submit(Graph.somatize(AddOne()), i) for i in range(1500)]
         assert [f.result(timeout=120) for f in futures] == [i + 1 for i in range(1500)]
+
+
+def test_a_map_in_a_done_callback_says_why_it_cannot_wait_and_the_pool_goes_on(local, tmp_path):
+    # concurrent.futures runs a done-callback on the thread that sets the result: for Local's futures the
+    # thread receiving the workers' results, which cannot receive while it waits (it waited for ever before).
+    from tests.nodes import WaitsForFile
+
+    gate = tmp_path / "gate"
+    first = local.submit(WaitsForFile(str(gate)), 1)
+    seen, called = {}, threading.Event()
+
+    def then(done):
+        try:
+            seen["map"] = list(local.map(AddOne(), range(done.result(), 40)))
+        except soma.SomaError as err:
+            seen["map"] = err
+        finally:
+            called.set()
+
+    first.add_done_callback(then)
+    gate.touch()
+    assert called.wait(60)
+    err = seen["map"]
+    assert isinstance(err, soma.SomaError) and not isinstance(err, soma.RunTimeout), err
+    assert str(err).startswith("Local.map cannot wait on the thread that receives soma.Local's results")
+    assert list(local.map(AddOne(), range(40))) == list(range(1, 41))  # the map's inputs were let go of
+

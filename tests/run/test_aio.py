@@ -11,6 +11,7 @@ import pytest
 import soma
 from soma import Done, Graph, Node, NodeError, RunTimeout
 from tests.conftest import wait_for
+from tests.nodes import WaitsForFile
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,6 +199,39 @@ def test_submit_gives_futures_for_threaded_code(runner):
     assert f.result(timeout=60) == 2 and called.wait(10)
     with pytest.raises(NodeError):
         runner.submit(Boom(), 1).result(timeout=60)
+
+
+def test_a_done_callback_chains_with_submit_and_never_hangs_in_run(runner, tmp_path):
+    """A future's done-callback runs on whichever thread sets the result (on Local, the one receiving the
+    workers' results): starting the next input there with `submit` works on every runner; `run` there works,
+    or is a SomaError that says what to do instead, never a wait for ever."""
+    gate = tmp_path / "gate"
+    first = runner.submit(WaitsForFile(str(gate)), 1)
+    seen, called = {}, threading.Event()
+
+    def then(done):
+        try:
+            seen["chained"] = runner.submit(AddOne(), done.result())
+            try:
+                seen["ran"] = runner.run(AddOne(), done.result(), timeout=30)
+            except soma.SomaError as err:
+                seen["ran"] = err
+        finally:
+            called.set()
+
+    first.add_done_callback(then)
+    assert not first.done()  # (the callback runs where the result is set, not here)
+    gate.touch()
+    assert called.wait(60)
+    assert seen["chained"].result(timeout=60) == 3
+    ran = seen["ran"]
+    if isinstance(runner, soma.Local):
+        assert isinstance(ran, soma.SomaError) and not isinstance(ran, RunTimeout), ran
+        assert str(ran).startswith("Local.run cannot wait on the thread that receives soma.Local's results")
+        assert "start the next input with Local.submit and chain on its future" in str(ran)
+    else:
+        assert ran == 3
+    assert runner.run(AddOne(), 5) == 6  # nothing was left stuck
 
 
 def test_cancelling_a_future_cancels_an_input_not_yet_started(local, tmp_path):

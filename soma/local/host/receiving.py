@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 
+from ...errors import SomaError
 from .pool import PUMP_S
 
 LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
@@ -53,6 +54,7 @@ class Receiving:
         self.scheduler = scheduler
         self.closing = False
         self._recv_lock = threading.Lock()  # whoever holds it may use the results socket
+        self._receiver = None  # the thread holding it (check_can_wait)
         self._leading = False  # a caller holds it to receive its own outcome
         self._quiet = threading.Condition()  # the listener sleeps on it meanwhile
         self._waiters: deque = deque()  # callers asleep on their sinks, who could receive next
@@ -144,11 +146,13 @@ class Receiving:
             if poller.poll(int(wait_s * 1000)):  # the descriptor says "look again", not "a message is there"
                 self._empty_wake_pipe()
         if self._recv_lock.acquire(blocking=False):
+            self._receiver = threading.get_ident()
             try:
                 if not self.closing:
                     self._drain()
                     self._look_at_workers_now_and_then()
             finally:
+                self._receiver = None
                 self._recv_lock.release()
         self.pool.apply_host_releases()
         self.pool.flush_frees()
@@ -181,14 +185,27 @@ class Receiving:
                 self.scheduler.handle([lost])
 
     # -- callers ---------------------------------------------------------------------------------------
-    def await_item(self, sink, timeout: float | None):
-        """The next item put in `sink` (queue.Empty after `timeout` seconds), received on this thread.
+    def check_can_wait(self, what: str) -> None:
+        """Refuse to wait for an outcome on the thread that is receiving outcomes: there, a future's
+        done-callback (which concurrent.futures runs on the thread that sets the result) would wait for a
+        result only it could receive, forever."""
+        if self._receiver == threading.get_ident():
+            raise SomaError(
+                f"{what} cannot wait on the thread that receives soma.Local's results (a done-callback of a "
+                f"future from Local.submit runs there): that thread cannot receive while it waits, so it would "
+                f"wait forever. In a callback, start the next input with Local.submit and chain on its future, "
+                f"or wait from another thread")
+
+    def await_item(self, sink, timeout: float | None, what: str = "Local.run"):
+        """The next item put in `sink` (queue.Empty after `timeout` seconds), received on this thread
+        (`what` waits: named in the error on the thread that receives, check_can_wait).
 
         A caller waiting for its outcome receives it straight from the socket while nobody
         else is receiving (one thread hand-off fewer per run). Otherwise it sleeps on its
         sink until its outcome comes, or until the receiver hands it the receiving: leader
         and followers, with the listener for when no caller waits.
         """
+        self.check_can_wait(what)
         deadline = None if timeout is None else time.monotonic() + timeout
         waiter = _Waiter(sink)
         while True:
@@ -244,7 +261,7 @@ class Receiving:
         """
         if not self._recv_lock.acquire(blocking=False):
             return
-        self._leading = True
+        self._leading, self._receiver = True, threading.get_ident()
         try:
             if self.closing:
                 return
@@ -258,7 +275,7 @@ class Receiving:
             self._drain()
             self._look_at_workers_now_and_then()
         finally:
-            self._leading = False
+            self._leading, self._receiver = False, None
             self._recv_lock.release()
         if self.scheduler.busy():
             with self._waiters_lock:
