@@ -29,13 +29,13 @@ def model(name: str = MLP):
                                   torch.nn.ReLU(), torch.nn.Linear(512, OUT[MLP]))
     elif name == TRANSFORMER:
         layer = torch.nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True)
-        net = _MeanPooled(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+        net = _mean_pooled(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
     else:
         raise ValueError(f"no model named {name!r}: {MLP!r} or {TRANSFORMER!r}")
     return net.eval().requires_grad_(False)
 
 
-def _MeanPooled(encoder):
+def _mean_pooled(encoder):
     import torch  # (made here, not at import: this module imports without torch, for benchmarks with no model)
 
     class MeanPooled(torch.nn.Module):

@@ -21,7 +21,9 @@ rounds alternated, every output checked against the model run in-process; for ea
 from __future__ import annotations
 
 import concurrent.futures as cf
+import queue
 import statistics
+import threading
 
 import _harness as h
 import _models as m
@@ -87,16 +89,11 @@ class Dispatcher:
     with it. What 64 Python threads making blocking calls at once can do on this machine at all."""
 
     def __init__(self):
-        import queue
-        import threading
-
         self.calls = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name="floor-dispatcher", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        import queue
-
         while True:
             calls = [self.calls.get()]
             while True:
@@ -111,8 +108,6 @@ class Dispatcher:
                 answer.put(x)
 
     def call(self, x):
-        import queue
-
         answer = queue.SimpleQueue()
         self.calls.put((x, answer))
         return answer.get()
@@ -241,6 +236,7 @@ def print_summary(suite: h.Suite) -> None:
                   [["local", h.cell(suite.find("local", "ms", what="lone_run", kind="per_item")),
                     h.cell(suite.find("local", "ms", what="lone_run", kind="batched"),
                            suite.find("local", "x", what="lone_run"))]])
+
 
 if __name__ == "__main__":
     h.cli(main)
