@@ -168,8 +168,9 @@ class ExecutorInflight(Inflight):
 
     def __init__(self, executor: Executor, g, devices: dict, timeout):
         self.executor, self.g, self.devices, self.timeout = executor, g, devices, timeout
-        # future → (indices, their RunStates, chunked): one input, or (chunked) a chunk given to a batching
-        # node in one call, whose result is each input's (ok, value)
+        # future → (indices, their RunStates, a chunk's given-up Event): one input (its RunState, None), or a
+        # chunk given to a batching node in one call (no states, its Event), whose result is each input's
+        # (ok, value)
         self.running: dict = {}
         self.modes = thread_modes()  # the map's caller's torch modes, for every input
         # A graph that is one batching node, untimed: its inputs go to the node in chunks, one call each, on
@@ -190,19 +191,21 @@ class ExecutorInflight(Inflight):
             for first in range(0, len(items), size):
                 chunk = items[first:first + size]
                 # No RunState per input: a chunk is one call (nothing to stop between its nodes), untimed (no
-                # running node to name), and one not started yet is cancelled whole by its future (close).
-                future = threads.submit(self._run_chunk, [x for _, x in chunk])
-                self.running[future] = ([index for index, _ in chunk], [], True)
+                # running node to name); one not started is cancelled whole by its future, and one waiting on
+                # its thread for the node's lock (behind the chunks before it) by its Event (close).
+                given_up = threading.Event()
+                future = threads.submit(self._run_chunk, [x for _, x in chunk], given_up)
+                self.running[future] = ([index for index, _ in chunk], [], given_up)
             return
         for index, x in items:
             state = RunState(index=index)
             future = threads.submit(self.executor._run, self.g, self.devices, x, None, index, self.modes, state)
-            self.running[future] = ([index], [state], False)
+            self.running[future] = ([index], [state], None)
 
-    def _run_chunk(self, xs: list) -> list:
+    def _run_chunk(self, xs: list, given_up: threading.Event) -> list:
         interpreter = self.executor._interpreter(self.g, self.devices)
         with self.modes():
-            return interpreter.run_batch(self.batch_node, xs)
+            return interpreter.run_batch(self.batch_node, xs, given_up=given_up)
 
     def wait(self, timeout):
         done, _ = cf.wait(list(self.running), timeout=timeout, return_when=cf.FIRST_COMPLETED)
@@ -216,9 +219,9 @@ class ExecutorInflight(Inflight):
         return [outcome for f in done for outcome in self._outcomes(wrapped[f])]
 
     def _outcomes(self, future) -> list:
-        indices, _, chunked = self.running.pop(future)
+        indices, _, chunk = self.running.pop(future)
         exc = future.exception()
-        if chunked:
+        if chunk is not None:
             if exc is not None:  # (soma's own mistake, not a node's: every input of the chunk says so)
                 return [(index, False, exc) for index in indices]
             return [(index, ok, value) for index, (ok, value) in zip(indices, future.result())]
@@ -232,8 +235,10 @@ class ExecutorInflight(Inflight):
         return RunTimeout.after(self.timeout, dict.fromkeys(state.running_now()), ())
 
     def close(self) -> None:
-        for future, (_, states, _) in self.running.items():
+        for future, (_, states, chunk) in self.running.items():
             future.cancel()  # not started: never starts
             for state in states:
                 state.cancelled = True  # started: stops before its next node
+            if chunk is not None:
+                chunk.set()  # waiting for the node's lock: never calls it
         self.running.clear()

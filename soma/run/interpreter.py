@@ -306,31 +306,35 @@ class Interpreter:
             return plan.id
         return None
 
-    def run_batch(self, node_id: str, xs: list, states: list | None = None, spans: list | None = None) -> list:
+    def run_batch(self, node_id: str, xs: list, states: list | None = None, spans: list | None = None,
+                  given_up: threading.Event | None = None) -> list:
         """Run the one-node plan of batching node `node_id` on several inputs at once, on this thread:
         `(ok, value)` per input, each its own outcome (its output, or its exception), in one
         `forward_batch` (in batches of at most `max_batch`). What a map's or a worker's inputs cost
         without a thread each to meet at the node. `states`: each input's RunState (one cancelled leaves
-        the batch), or None for inputs nobody cancels here and nobody traces (a worker's: its host cancels
-        a job before its turn)."""
+        the batch), or None for inputs nobody cancels one by one and nobody traces (a worker's: its host
+        cancels a job before its turn; an Executor map's chunk: `given_up` is set when the map is left, and
+        a call not begun by then never begins, each input Cancelled)."""
         size = max(1, max_batch_of(self.nodes[node_id]))
         outcomes: list = []
         for first in range(0, len(xs), size):
             entries = None if states is None else [Entry(None, state, spans) for state in states[first:first + size]]
-            outcomes += self.invoke_batch(node_id, xs[first:first + size], entries)
+            outcomes += self.invoke_batch(node_id, xs[first:first + size], entries, given_up)
         return outcomes
 
-    def invoke_batch(self, node_id: str, xs: list, entries: list | None) -> list:
+    def invoke_batch(self, node_id: str, xs: list, entries: list | None,
+                     given_up: threading.Event | None = None) -> list:
         """Run a batching node once on `xs`: `(ok, value)` per input (see soma.run.batching). Each input's
         state enters the node (a cancelled one leaves the batch); setup once; the node's lock; one span.
-        `entries` None: plain inputs, none cancelled, none traced (run_batch)."""
+        `entries` None: plain inputs, none cancelled one by one, none traced (run_batch); `given_up`, once
+        set, cancels all of them if the call has not begun (checked holding the node's lock)."""
         node = self.nodes[node_id]
         device = self.devices.get(node_id)
         guard = self._guards.get(node_id)
         if guard is None:
             guard = self._guards[node_id] = guard_of(node)
         if entries is None:
-            return self._call_batch(node, node_id, device, guard, xs, None)
+            return self._call_batch(node, node_id, device, guard, xs, None, given_up)
         outcomes: list = [None] * len(xs)
         taken = []
         for i, entry in enumerate(entries):
@@ -353,13 +357,15 @@ class Interpreter:
             traced.append(span(node_id, start, failed, "batch") + [[entries[i].state.index for i in taken]])
         return outcomes
 
-    def _call_batch(self, node, node_id: str, device, guard, xs: list, spans) -> list:
+    def _call_batch(self, node, node_id: str, device, guard, xs: list, spans, given_up=None) -> list:
         if not xs:
             return []
         ctx = Ctx(node_id, device, self.worker, self.allocate)
         failure = None
         try:
             with guard.lock:  # one batch at a time per node object
+                if given_up is not None and given_up.is_set():  # (it waited for the lock behind other calls)
+                    return failing(len(xs), lambda: Cancelled(node_id))
                 if not guard.ready:
                     self.setup(node, node_id, ctx, spans)
                     guard.ready = True

@@ -229,3 +229,37 @@ def test_wave_branches_inherit_grad_mode():
     with torch.inference_mode():
         assert g2.run(None) == (True, True)
     assert g2.run(None) == (False, False)
+
+
+class LogsThenWaitsForGate(Node):
+    """A batching node that notes every input it runs; each call after the first waits for `gate` to be set."""
+
+    max_batch = 8
+
+    def __init__(self, gate: threading.Event):
+        self.gate, self.ran = gate, []
+
+    def forward_batch(self, xs, ctx):
+        first = not self.ran
+        self.ran += xs
+        if not first:
+            assert self.gate.wait(30), "the test never opened the gate"
+        return Done(list(xs))
+
+
+def test_a_map_left_early_never_calls_the_batches_waiting_for_the_node():
+    # A map over a batching node alone goes in chunks of max_batch, each on a thread of its own that waits for
+    # the node's lock; left early, a chunk still waiting for the lock must not run (it ran, all of them, before).
+    gate = threading.Event()
+    node = LogsThenWaitsForGate(gate)
+    executor = Executor()
+    try:
+        outputs = executor.map(node, range(64), window=64)  # eight chunks in flight
+        assert next(outputs) == 0
+        outputs.close()
+        gate.set()  # the chunk that took the lock after the first one (if any) ends now
+        assert executor.run(node, 99) == 99  # the node's lock, after whatever was let in before
+        ran = [x for x in node.ran if x != 99]
+        assert ran[:8] == list(range(8)) and len(ran) <= 16, ran  # the first chunk, and at most the next
+    finally:
+        executor.close()
