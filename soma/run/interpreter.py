@@ -326,8 +326,8 @@ class Interpreter:
                      given_up: threading.Event | None = None) -> list:
         """Run a batching node once on `xs`: `(ok, value)` per input (see soma.run.batching). Each input's
         state enters the node (a cancelled one leaves the batch); setup once; the node's lock; one span.
-        `entries` None: plain inputs, none cancelled one by one, none traced (run_batch); `given_up`, once
-        set, cancels all of them if the call has not begun (checked holding the node's lock)."""
+        `entries` None: plain inputs, none cancelled one by one, none traced (run_batch). `given_up`, once
+        set, cancels every input of the call if it has not begun (checked holding the node's lock)."""
         node = self.nodes[node_id]
         device = self.devices.get(node_id)
         guard = self._guards.get(node_id)
@@ -346,7 +346,7 @@ class Interpreter:
         traced = next((entries[i].spans for i in taken if entries[i].spans is not None), None)
         start = time.monotonic_ns()
         try:
-            results = self._call_batch(node, node_id, device, guard, [xs[i] for i in taken], traced)
+            results = self._call_batch(node, node_id, device, guard, [xs[i] for i in taken], traced, given_up)
         finally:
             for i in taken:
                 entries[i].state.leave(node_id)
