@@ -422,4 +422,3 @@ def test_a_map_in_a_done_callback_says_why_it_cannot_wait_and_the_pool_goes_on(l
     assert isinstance(err, soma.SomaError) and not isinstance(err, soma.RunTimeout), err
     assert str(err).startswith("Local.map cannot wait on the thread that receives soma.Local's results")
     assert list(local.map(AddOne(), range(40))) == list(range(1, 41))  # the map's inputs were let go of
-

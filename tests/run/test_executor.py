@@ -261,5 +261,11 @@ def test_a_map_left_early_never_calls_the_batches_waiting_for_the_node():
         assert executor.run(node, 99) == 99  # the node's lock, after whatever was let in before
         ran = [x for x in node.ran if x != 99]
         assert ran[:8] == list(range(8)) and len(ran) <= 16, ran  # the first chunk, and at most the next
+        # ... and none of the others later (they all ran within milliseconds of the gate before): a bound on
+        # how long to look for what must not happen, never a reason to fail when it does not
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert len([x for x in node.ran if x != 99]) == len(ran), node.ran
+            time.sleep(0.01)
     finally:
         executor.close()
