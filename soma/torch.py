@@ -19,6 +19,7 @@ first time it is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 
@@ -39,6 +40,11 @@ class Module(Node):
     case, and again only when the placement changes), and the input is moved
     every call, including tensors nested in tuples, lists and dicts. Unplaced,
     nothing is moved: unplaced means "wherever it already is".
+
+    On a worker process (`soma.Local`, `soma.Ray`: `ctx.worker` is set) the module runs
+    under `torch.no_grad()`: gradients cannot cross a process boundary, so none are
+    recorded there, and a module with trainable parameters needs no change. In-process
+    (`Executor`, `Trainer`) it records gradients as usual.
 
     The module receives `x` as its one argument, the way `nn.Sequential` calls
     its children: after a wave it receives the wave's tuple. The output is
@@ -68,7 +74,8 @@ class Module(Node):
             if _not_on(self.module, device):
                 self.module.to(device)
             x = move_to(x, device)
-        return Done(Opaque(self.module(x)))
+        with _recording(ctx):
+            return Done(Opaque(self.module(x)))
 
     def parameters(self, recurse: bool = True):
         """The module's parameters (what `g.parameters()` collects)."""
@@ -112,8 +119,16 @@ class Batched(Module):
             if _not_on(self.module, device):
                 self.module.to(device)
             xs = [move_to(x, device) for x in xs]
-        out = self.module(torch.stack(list(xs)))
+        with _recording(ctx):
+            out = self.module(torch.stack(list(xs)))
         return Done([Opaque(row) for row in out.unbind(0)])
+
+
+def _recording(ctx):
+    """Where the module runs: in-process (`ctx.worker is None`: Executor, Trainer) it records gradients as
+    usual; on a worker process (Local, Ray) under `torch.no_grad()`, since an autograd graph cannot cross a
+    process boundary and an ordinary module with trainable parameters must run there unchanged (SPEC 8)."""
+    return contextlib.nullcontext() if ctx.worker is None else torch.no_grad()
 
 
 def move_to(value, device):

@@ -40,7 +40,9 @@ class GradCrossing(Exception):
         fix = "return t.detach()" if whose == "it returned" else "send t.detach()"
         return (f"{whose} a tensor that requires grad and carries an autograd graph, which cannot cross into "
                 f"another process (its graph would be cut silently). Training runs in-process: use soma.Executor "
-                f"or soma.Trainer, or {fix} when only the values are meant to travel")
+                f"or soma.Trainer; when only the values are meant to travel, run the model under "
+                f"`with torch.no_grad():`, freeze it with model.requires_grad_(False), or {fix} "
+                f"(soma.torch.Module and Batched do this for you on workers)")
 
 
 def loaded_torch():

@@ -173,7 +173,7 @@ def test_soma_torch_batched_stacks_the_inputs_and_gives_each_its_row(runner):
     from soma.torch import Batched, Module
 
     torch.manual_seed(0)
-    layer = torch.nn.Linear(8, 3).requires_grad_(False)  # (outputs with autograd graphs cannot cross processes)
+    layer = torch.nn.Linear(8, 3)  # trainable: on workers soma.torch nodes run it under no_grad (SPEC 8)
     xs = [torch.randn(8) for _ in range(40)]
     module = Module(layer)  # one node for the per-item answers (on Ray a new node is an actor of its own to start)
     per_item = [runner.run(module, x) for x in xs]
@@ -182,6 +182,29 @@ def test_soma_torch_batched_stacks_the_inputs_and_gives_each_its_row(runner):
     assert all(b.shape == (3,) for b in batched)
     with pytest.raises(ValueError, match=r"^soma.torch.Batched's max_batch is a positive int, got 0$"):
         Batched(layer, max_batch=0)
+
+
+@pytest.mark.timeout(300)
+def test_soma_torch_nodes_run_an_ordinary_trainable_module_on_every_runner(runner):
+    """SPEC 8: a plain nn.Module with trainable parameters runs through soma.torch.Module and Batched on every
+    runner, unchanged (no requires_grad_(False), no no_grad around the map); in-process it records gradients."""
+    torch = pytest.importorskip("torch")
+    from soma.torch import Batched, Module
+
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(8, 4)
+    assert all(p.requires_grad for p in layer.parameters())
+    xs = [torch.randn(8) for _ in range(24)]
+    with torch.no_grad():
+        want = [layer(x) for x in xs]
+    got = list(runner.map(Graph.somatize(Batched(layer, max_batch=8)), xs))
+    one = runner.run(Module(layer), xs[0])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(want, got))
+    assert torch.allclose(one, want[0], atol=1e-6)
+    in_process = runner is not None and type(runner).__name__ == "Executor"
+    # In-process the output carries its autograd graph (training works); on a worker none is recorded.
+    assert (one.grad_fn is not None) == in_process and (got[0].grad_fn is not None) == in_process
+    assert all(p.requires_grad for p in layer.parameters())  # the caller's module is left as it was
 
 
 class Fills(Node):

@@ -79,8 +79,10 @@ def test_a_tensor_with_an_autograd_graph_cannot_be_encoded():
         codec.Encoder(lambda create: None).pack((1, [x]))
     assert info.value.reason("it returned") == (
         "it returned a tensor that requires grad and carries an autograd graph, which cannot cross into another "
-        "process (its graph would be cut silently). Training runs in-process: use soma.Executor or soma.Trainer, "
-        "or return t.detach() when only the values are meant to travel")
+        "process (its graph would be cut silently). Training runs in-process: use soma.Executor or soma.Trainer; "
+        "when only the values are meant to travel, run the model under `with torch.no_grad():`, freeze it with "
+        "model.requires_grad_(False), or return t.detach() (soma.torch.Module and Batched do this for you on "
+        "workers)")
 
 
 def test_a_handle_reaching_outside_its_segment_is_refused():
