@@ -131,7 +131,7 @@ def test_a_bundle_handed_back_goes_again_naming_only_the_inputs_still_wanted(mon
     # Input 0 runs alone and puts its worker over the cap; inputs 1-4 gather into one bundle queued behind it;
     # input 2 is cancelled there. The worker hands the bundle back unstarted: it goes again to the replacement
     # with input 2's place empty, and the other three run.
-    from soma.local.host import flows
+    from soma.local.host import sending as flows
 
     sent = []
     made = flows.BundleSend.__init__

@@ -39,8 +39,9 @@ from ...plan import last_step
 from ...run.postcondition import check_postcondition
 from .choice import GATHER_SENDS, WorkerChoice
 from .events import Bundled, Lost, Outcomes, Ready, Undecodable
-from .flows import BundleSend, Flow, Job, Send, Walker
+from .flows import Flow, Job, SendCount, Walker, entries
 from .program import pieces
+from .sending import BundleSend, encode
 from .waiting import Waiting
 
 LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
@@ -57,7 +58,8 @@ class Scheduler:
         self.parked: list = [[] for _ in worker_devices]  # jobs for a worker that has not said hello yet
         self.flows: set = set()
         self.closed_with = None  # the error every flow gets once the pool is closed
-        self.walker = Walker(pool.get_store)
+        self.walker = Walker()
+        self.get_store = pool.get_store
         self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
         self.arrivals: deque = deque()  # (program, flows, jobs) started and not yet taken in (_take_in)
         self.forgotten: deque = deque()  # node keys let go and not yet taken in (forget)
@@ -76,11 +78,7 @@ class Scheduler:
         for index, x in items:
             flow = Flow(index, sink, trace, program, x, retries, graph)
             flows[index] = flow
-            try:
-                jobs += self.walker.start(flow, x)
-            except NodeError as err:
-                flow.finished = True
-                sink.put((index, False, err))
+            jobs += self.walker.start(flow, x)
         self.arrivals.append((program, flows, jobs))
         self._take_in()
         return flows
@@ -236,46 +234,18 @@ class Scheduler:
                 self._finish(job.flow, False, _internal(err, f"sending node `{job.piece.entry}` to a worker"))
 
     def _wire_items(self, slot: int, jobs: list) -> list:
-        """What the jobs going to one worker travel as: each job on its own, and those of a bundled piece in
-        Bundles (`BundleSend`s) of at most its `bundle` inputs: the ones not encoded yet are encoded together
-        here, one encoder pass per bundle; one sent before (its worker left before starting it) goes again
-        in its own bundle's payload. An input that cannot be encoded fails alone, here (lock held)."""
-        items, fresh, again = [], {}, {}
-        for job in jobs:
-            if job.bundle is not None:
-                again.setdefault(job.bundle, []).append(job)
-            elif job.piece.bundle and job.payload is None:
-                fresh.setdefault(job.piece, []).append(job)
-            else:
-                items.append(job)
-        for piece, waiting in fresh.items():
-            if len(waiting) == 1:  # one input alone (a lone run's): a job of its own, as any other piece's
-                job = waiting[0]
-                try:
-                    job.payload, job.shared, job.keep = self.walker.encode(job.value, piece, job.flow, {})
-                    job.value = None
-                    items.append(job)
-                except NodeError as err:
-                    self._give_back(job)
-                    self._end_job(job, False, err)
-                continue
-            for first in range(0, len(waiting), piece.bundle):
-                bundled, failed = self.walker.bundle(piece, waiting[first:first + piece.bundle])
-                if not failed:  # (the common case: one bundle of them all)
-                    items.append(BundleSend(bundled[0].bundle, bundled))
-                    continue
-                for job in bundled:
-                    again.setdefault(job.bundle, []).append(job)
-                for job, err in failed:
-                    self._give_back(job)
-                    self._end_job(job, False, err)
-        items += [BundleSend(bundle, members) for bundle, members in again.items()]
+        """What the jobs going to one worker travel as (flows.entries, encoded by sending.encode); an input
+        that cannot be encoded fails alone, here (lock held)."""
+        items, failed = encode(self.get_store, entries(jobs))
+        for job, err in failed:
+            self._give_back(job)
+            self._end_job(job, False, err)
         for item in items:  # a batching node alone's sends are counted at their worker (WorkerChoice.choose)
             members = item.jobs if type(item) is BundleSend else [item]
             if item.piece.bundle and not members[0].traced:
-                send = Send(slot, item.piece.id, len(members))
+                count = SendCount(slot, item.piece.id, len(members))
                 for job in members:
-                    job.send = send
+                    job.send = count
                 self.choice.sent(slot, item.piece.id)
         return items
 
@@ -493,10 +463,7 @@ class Scheduler:
         flow.jobs.clear()
         flow.tries += 1
         self._cancel_jobs([job for job in stale if job.id in self.outstanding])
-        try:
-            self._enqueue(self.walker.start(flow, flow.x))
-        except NodeError as err:
-            self._finish(flow, False, err)
+        self._enqueue(self.walker.start(flow, flow.x))
 
     # -- stopping inputs ---------------------------------------------------------------------------------------
     def expire(self, flow: Flow, timeout: float) -> RunTimeout:
