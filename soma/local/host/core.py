@@ -16,8 +16,9 @@ lines of jobs waiting for a worker (waiting.py), which worker takes a job
 (choice.py), what is out at each worker, bundles of a batching node's inputs,
 retries, cancels and timeouts. Each is decided here and nowhere else.
 
-Nothing here locks, sends, receives, sleeps, encodes or reads a clock: the loop
-that owns the sockets calls one event at a time (under its one lock) and then
+Nothing here locks, sends, receives, sleeps or encodes, and the clock is read only
+for a traced input's spans (the loop passes `now` in): the loop that owns the
+sockets calls one event at a time (under its one lock) and then
 carries out the actions. An outcome is an action too (`Deliver`): the loop puts
 it in its sink after letting go of the lock, so a future's done-callback that
 starts the next input never runs inside the core. Because it is pure, the core is
@@ -27,6 +28,9 @@ every event with Hypothesis and checks its invariants after each step).
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from typing import NamedTuple
 
 from ...errors import (
@@ -76,7 +80,14 @@ class Deliver(NamedTuple):
     item: tuple
 
 
-STARTING, READY, LEAVING, DOWN = "starting", "ready", "leaving", "down"
+# A slot's state. STARTING: spawned, no hello yet (jobs are parked for it). READY: takes jobs. LEAVING: over
+# max_memory, takes nothing, retired once idle. RETIRING: told to go (Retire), its `lost` not yet heard.
+# DOWN: no worker there; its end is handled (`why_down` says why when it cannot come back now).
+STARTING, READY, LEAVING, RETIRING, DOWN = "starting", "ready", "leaving", "retiring", "down"
+
+
+class OutOfOrder(SomaError):
+    """An event the core cannot take in its state (a bug in the loop that calls it): never a silent hang."""
 
 
 class HostCore:
@@ -85,14 +96,14 @@ class HostCore:
     def __init__(self, worker_devices: list[str]):
         n = len(worker_devices)
         self.worker_devices = worker_devices
-        self.state = [DOWN] * n  # per slot: STARTING, READY, LEAVING (over max_memory: takes nothing) or DOWN
+        self.state = [DOWN] * n  # per slot: STARTING, READY, LEAVING, RETIRING or DOWN (see above)
         self.workers: list = [None] * n  # per slot: its worker process now (`.id`, `.pid`), once spawned
         self.why_down: list = [None] * n  # per slot: why no worker can run there now, in words after "worker w1"
         self.choice = WorkerChoice(worker_devices)
         self.waiting = Waiting()  # jobs waiting for a worker, a line per piece
         self.outstanding: dict[int, Job] = {}  # job id → job given to a worker (sent, or parked for it)
         self.parked: list = [[] for _ in worker_devices]  # jobs for a worker that has not said hello yet
-        self.flows: set = set()
+        self.flows: dict = {}  # the flows in flight (as keys, in the order they started)
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.walker = Walker()
         self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
@@ -121,7 +132,7 @@ class HostCore:
             if self.closed_with is not None:
                 self._finish(flow, False, self.closed_with)
                 continue
-            self.flows.add(flow)
+            self.flows[flow] = None
             self._enqueue(self.walker.start(flow, x))
         if program not in self.admitted:
             self.admitted.add(program)
@@ -131,10 +142,10 @@ class HostCore:
 
     def cancel(self, flows) -> None:
         """These inputs are no longer wanted: their queued jobs are dropped, workers drop what has not started."""
-        flows = [f for f in flows if not f.finished]
+        flows = {f for f in flows if not f.finished}
         for flow in flows:
             self._finish(flow, None, None)
-        self._cancel_jobs([job for job in self.outstanding.values() if job.flow.finished and job.flow in flows])
+        self._cancel_jobs([job for job in self.outstanding.values() if job.flow in flows])
 
     def where(self, flow: Flow) -> list:
         """The slots holding jobs of `flow` now (whose status pages `expire` wants)."""
@@ -175,11 +186,16 @@ class HostCore:
     # -- workers ------------------------------------------------------------------------------------------
     def spawned(self, slot: int, worker) -> None:
         """A new worker process for `slot` is on its way (no hello yet): jobs for it are parked until then."""
+        if self.state[slot] != DOWN:
+            raise OutOfOrder(f"worker w{slot} was spawned while the slot was {self.state[slot]} (its last worker's "
+                             f"end must be handled first: lost)")
         self.workers[slot], self.state[slot], self.why_down[slot] = worker, STARTING, None
         self._pump()
 
     def ready(self, slot: int) -> None:
         """The worker of `slot` said hello: what was parked for it goes now."""
+        if self.state[slot] != STARTING:
+            return  # (a hello from a worker already retired: it takes nothing)
         self.state[slot] = READY
         parked, self.parked[slot] = self.parked[slot], []
         wanted = []
@@ -203,7 +219,9 @@ class HostCore:
 
     def down(self, slot: int, why: str) -> None:
         """No worker can run on `slot` now (it could not be started: `why`); jobs that only it could run fail."""
-        self.state[slot], self.why_down[slot] = DOWN, why
+        if self.state[slot] != DOWN:
+            raise OutOfOrder(f"worker w{slot} was said down while the slot was {self.state[slot]}")
+        self.why_down[slot] = why
         self._pump()
 
     def lost(self, slot: int, worker, ended: str, running) -> None:
@@ -214,8 +232,8 @@ class HostCore:
         its line, no try counted. A job it was running is lost: its input runs again from the start if it
         has tries left, else fails (WorkerDied). A replacement is `spawned` (or `down`) next.
         """
-        if worker is not self.workers[slot]:
-            return  # an earlier incarnation's end, told twice
+        if worker is not self.workers[slot] or self.state[slot] == DOWN:
+            return  # an earlier incarnation's end, or this one's told twice
         self.state[slot] = DOWN
         self.choice.slot_lost(slot)
         running = dict(running) if running is not None else None
@@ -332,11 +350,11 @@ class HostCore:
         if flow.finished:
             return
         flow.finished = True  # its queued jobs are dropped by the next pump
-        self.flows.discard(flow)
+        self.flows.pop(flow, None)
         if flow.trace is not None and flow.index is not None:  # (a run's span is its caller's, see Local.run)
             outcome = "ok" if ok else ("cancelled" if ok is None else type(value).__name__)
-            flow.trace.interval(f"input {flow.index}", "host", flow.started_ns, flow.trace.now_ns(),
-                                flow.trace.host_pid, f"input-{id(flow)}", {"input": flow.index, "outcome": outcome})
+            flow.trace.interval(f"input {flow.index}", "host", flow.started_ns, time.monotonic_ns(), os.getpid(),
+                                f"input-{id(flow)}", {"input": flow.index, "outcome": outcome})
         if ok is not None:
             self.out.append(Deliver(flow.sink, (flow.index, ok, value)))
 
@@ -451,8 +469,8 @@ class HostCore:
         self._retire(slot, LEFT_OVER_MEMORY)
 
     def _retire(self, slot: int, why: str) -> None:
-        if self.state[slot] != DOWN:
-            self.state[slot] = DOWN  # it takes nothing from now on; its `lost` says what it held
+        if self.state[slot] in (STARTING, READY, LEAVING):
+            self.state[slot] = RETIRING  # it takes nothing from now on; its `lost` says what it held
             self.out.append(Retire(slot, why))
 
     def _cancel_jobs(self, jobs: list) -> None:
@@ -483,11 +501,16 @@ def _checked(job: Job, value, worker):
         return NodeError.failed(last_step(piece.plan), f"its output could not be received from worker "
                                                        f"{worker.id}: {type(err).__name__}: {err}"), False
     if piece.devices:
+        start = time.monotonic_ns() if job.traced else 0
         try:
             for node_id, declared, item in piece.checked_outputs(value):
                 check_postcondition(node_id, declared, item)
         except PostconditionError as err:
             return err, False
+        finally:
+            if job.traced and job.flow.trace is not None:
+                job.flow.trace.span("postcondition", "host", start, time.monotonic_ns(), os.getpid(),
+                                    threading.get_native_id(), {"node": last_step(piece.plan), "input": job.flow.index})
     return value, True
 
 
@@ -497,10 +520,12 @@ def _record(job: Job, worker, arrived) -> None:
     trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
     trace.node_spans(arrived.spans, worker.pid, worker.id, job.piece.devices, index)
     if arrived.decode is not None:
+        pid, tid = os.getpid(), threading.get_native_id()
         start, end, nbytes = arrived.decode
-        trace.span("decode output", "host", start, end, trace.host_pid, 0,
+        trace.thread(pid, tid, threading.current_thread().name)
+        trace.span("decode output", "host", start, end, pid, tid,
                    {"node": last_step(job.piece.plan), "input": index, "bytes": nbytes})
-        trace.interval(f"job {job.piece}", "host", job.sent_ns, start, trace.host_pid, f"job-{job.id}",
+        trace.interval(f"job {job.piece}", "host", job.sent_ns, start, pid, f"job-{job.id}",
                        {"input": index, "worker": worker.id})
 
 

@@ -1,0 +1,337 @@
+"""The host's core (soma/local/host/core.py) driven without processes: every event, in random interleavings.
+
+Hypothesis's stateful testing plays the loop: it starts inputs on real programs (compiled from real graphs),
+spawns workers and has them say hello, answers jobs (ok, failed, or handed back unstarted), kills workers at
+any point (with or without a readable status page), cancels and expires inputs, and carries out every action
+the core asks for as the loop would. After each step it checks the invariants:
+
+  * every input ends at most once, with its own outcome (the plan computed on its input) or a named error;
+  * nothing is sent to a worker that is not ready (a starting worker's jobs are parked until its hello);
+  * what the core counts as out at each worker is what was sent there and not answered;
+  * a cancelled or expired input is never delivered;
+and at the end, with every worker made to answer, that every input not cancelled ends.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from soma import Done, Graph, Node  # noqa: E402
+from soma.errors import Cancelled, NodeError, RunTimeout, SomaError, WorkerDied  # noqa: E402
+from soma.local.host.core import (  # noqa: E402
+    DOWN,
+    READY,
+    STARTING,
+    CancelAt,
+    Deliver,
+    HostCore,
+    Retire,
+    Send,
+)
+from soma.local.host.events import Arrived  # noqa: E402
+from soma.local.host.program import compile_program  # noqa: E402
+from soma.plan import Seq, Step, Wave  # noqa: E402
+
+
+class A(Node):
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class B(A):
+    pass
+
+
+class C(A):
+    pass
+
+
+class D(A):
+    pass
+
+
+class One(A):
+    copies = 1  # a piece of its own
+
+
+class Batch(Node):
+    max_batch = 4
+
+    def forward_batch(self, xs, ctx):
+        return Done(xs)
+
+
+def _programs():
+    graphs = [
+        (Graph.somatize(A()), True),  # one piece
+        (Graph.somatize(A() >> One() >> B()), False),  # [a] >> [one] >> [b]
+        (Graph.somatize(A() >> (B() | C()) >> D()), False),  # [a] >> ([b] | [c]) >> [d]
+        (Graph.somatize(Batch()), False),  # a batching node alone: bundles
+    ]
+    return [compile_program(g, id, ["cpu", "cpu"], whole) for g, whole in graphs]
+
+
+PROGRAMS = _programs()
+
+
+def evaluate(plan, x):
+    """What a worker computes for `plan` on `x`: each node wraps its input in its id."""
+    if isinstance(plan, Step):
+        return f"{plan.id}({x!r})"
+    if isinstance(plan, Seq):
+        for item in plan.items:
+            x = evaluate(item, x)
+        return x
+    if isinstance(plan, Wave):
+        return tuple(evaluate(b, x) for b in plan.branches)
+    return evaluate(plan.plan, x)  # a Piece
+
+
+class Proc:
+    """A fake worker process: what the core needs of one (`.id`, `.pid`)."""
+
+    def __init__(self, slot: int, n: int):
+        self.slot, self.id, self.pid = slot, f"w{slot}", 1000 * (slot + 1) + n
+
+
+class Sink:
+    def __init__(self, machine):
+        self.machine = machine
+
+    def put(self, item):
+        self.machine.delivered(item)
+
+
+class CoreMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.core = HostCore(["cpu", "cpu"])
+        self.procs = [None, None]
+        self.spawns = 0
+        self.inbox = [[], []]  # per slot: jobs sent to its worker and not yet answered (in order)
+        self.started = [set(), set()]  # per slot: ids of jobs its worker began
+        self.cancelled_ids = [set(), set()]  # per slot: ids the core asked it to drop
+        self.retiring = []  # slots the core asked to retire, whose end the loop has not reported yet
+        self.inputs = {}  # index → (program, x, retries)
+        self.flows = {}  # index → Flow
+        self.given_up = set()  # indices cancelled or expired by their caller
+        self.outcomes = {}  # index → (ok, value)
+        self.next_index = 0
+        self.sink = Sink(self)
+
+    # -- the loop's side: carrying out actions ---------------------------------------------------------
+    def delivered(self, item):
+        index, ok, value = item
+        assert index not in self.outcomes, f"input {index} delivered twice"
+        assert index not in self.given_up, f"input {index} was given up by its caller but delivered"
+        self.outcomes[index] = (ok, value)
+
+    def act(self):
+        for action in self.core.take():
+            if type(action) is Send:
+                assert self.core.state[action.slot] == READY, f"sent to w{action.slot}, {self.core.state[action.slot]}"
+                self.inbox[action.slot] += action.jobs
+            elif type(action) is CancelAt:
+                self.cancelled_ids[action.slot].update(action.job_ids)
+            elif type(action) is Retire:
+                self.retiring.append(action.slot)
+            elif type(action) is Deliver:
+                action.sink.put(action.item)
+            else:
+                raise AssertionError(f"unknown action {action!r}")
+
+    def answer(self, slot: int, job, ok: bool):
+        if job.id in self.cancelled_ids[slot] and job.id not in self.started[slot]:
+            arrived = Arrived(job.id, True, Cancelled(), None, 0.0, None)
+        elif ok:
+            arrived = Arrived(job.id, True, evaluate(job.piece, job.value), None, 1e-4, None)
+        else:
+            arrived = Arrived(job.id, False, NodeError.failed(job.piece.entry, "boom"), None, 1e-4, None)
+        self.inbox[slot].remove(job)
+        self.core.outcomes(slot, self.procs[slot], [arrived], 0.0)
+        self.act()
+
+    def end_worker(self, slot: int, readable: bool):
+        running = [(i, "?") for i in self.started[slot]] if readable else None
+        proc = self.procs[slot]
+        self.inbox[slot], self.started[slot], self.cancelled_ids[slot] = [], set(), set()
+        self.core.lost(slot, proc, "was killed by signal 9 (SIGKILL)", running)
+        self.act()
+
+    # -- rules: the events ---------------------------------------------------------------------------
+    @initialize()
+    def spawn_all(self):
+        for slot in (0, 1):
+            self.spawn(slot)
+
+    def spawn(self, slot: int):
+        self.spawns += 1
+        self.procs[slot] = Proc(slot, self.spawns)
+        self.core.spawned(slot, self.procs[slot])
+        self.act()
+
+    @rule(program=st.integers(0, len(PROGRAMS) - 1), n=st.integers(1, 6), retries=st.integers(0, 2))
+    def start(self, program, n, retries):
+        items = []
+        for _ in range(n):
+            index = self.next_index
+            self.next_index += 1
+            items.append((index, f"x{index}"))
+            self.inputs[index] = (PROGRAMS[program], f"x{index}", retries)
+        self.flows.update(self.core.start(PROGRAMS[program], items, self.sink, None, retries))
+        self.act()
+
+    @rule(slot=st.integers(0, 1))
+    def hello(self, slot):
+        if self.core.state[slot] == STARTING:
+            self.core.ready(slot)
+            self.act()
+
+    @rule(slot=st.integers(0, 1), pick=st.integers(0, 63))
+    def begin(self, slot, pick):
+        waiting = [j for j in self.inbox[slot] if j.id not in self.started[slot]]
+        if waiting:
+            self.started[slot].add(waiting[pick % len(waiting)].id)
+
+    @rule(slot=st.integers(0, 1), pick=st.integers(0, 63), ok=st.booleans())
+    def finish(self, slot, pick, ok):
+        if self.inbox[slot]:
+            self.answer(slot, self.inbox[slot][pick % len(self.inbox[slot])], ok)
+
+    @rule(slot=st.integers(0, 1), pick=st.integers(0, 63))
+    def hand_back(self, slot, pick):
+        """The worker drops a job it has not started (over max_memory, say): Cancelled, it goes elsewhere."""
+        waiting = [j for j in self.inbox[slot] if j.id not in self.started[slot]]
+        if waiting:
+            job = waiting[pick % len(waiting)]
+            self.inbox[slot].remove(job)
+            self.core.outcomes(slot, self.procs[slot], [Arrived(job.id, True, Cancelled(), None, 0.0, None)], 0.0)
+            self.act()
+
+    @rule(slot=st.integers(0, 1), readable=st.booleans())
+    def die(self, slot, readable):
+        if self.core.state[slot] != DOWN:
+            self.end_worker(slot, readable)
+            self.spawn(slot)
+
+    @precondition(lambda self: self.retiring)
+    @rule(readable=st.booleans())
+    def retired(self, readable):
+        slot = self.retiring.pop(0)
+        if self.core.state[slot] != DOWN:
+            self.end_worker(slot, readable)
+            self.spawn(slot)
+
+    @rule(slot=st.integers(0, 1))
+    def over_memory(self, slot):
+        if self.core.state[slot] == READY:
+            self.core.leaving(slot)
+            self.act()
+
+    @rule(pick=st.integers(0, 1 << 16))
+    def cancel(self, pick):
+        live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up]
+        if live:
+            index = live[pick % len(live)]
+            self.given_up.add(index)
+            self.core.cancel([self.flows[index]])
+            self.act()
+
+    @rule(pick=st.integers(0, 1 << 16))
+    def expire(self, pick):
+        live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up]
+        if live:
+            index = live[pick % len(live)]
+            flow = self.flows[index]
+            running = {slot: [(j.id, j.piece.entry) for j in self.inbox[slot] if j.id in self.started[slot]]
+                       for slot in self.core.where(flow)}
+            self.given_up.add(index)
+            err = self.core.expire(flow, 1.0, running)
+            assert isinstance(err, RunTimeout) and str(err).startswith("run timed out after 1.0 s")
+            self.act()
+
+    # -- invariants -------------------------------------------------------------------------------------
+    @invariant()
+    def outcomes_are_right(self):
+        for index, (ok, value) in self.outcomes.items():
+            program, x, retries = self.inputs[index]
+            if ok:
+                assert value == evaluate(program, x), (index, value)
+            else:
+                assert isinstance(value, (NodeError, WorkerDied)), value
+                if isinstance(value, WorkerDied):
+                    assert value.tries == retries + 1 and value.worker in ("w0", "w1"), value
+
+    @invariant()
+    def counted_out_is_what_was_sent(self):
+        core = self.core
+        for slot in (0, 1):
+            out = [j for j in core.outstanding.values() if j.slot == slot and j not in core.parked[slot]]
+            assert sorted(j.id for j in out) == sorted(j.id for j in self.inbox[slot]), slot
+            assert core.choice.load[slot] == len(out) + len(core.parked[slot]), slot
+
+    def teardown(self):
+        """Liveness: every worker says hello and answers everything (no more deaths): every input ends."""
+        for _ in range(10_000):
+            moved = False
+            for slot in (0, 1):
+                if self.retiring and self.retiring[0] == slot:
+                    self.retiring.pop(0)
+                    self.end_worker(slot, True)
+                    self.spawn(slot)
+                    moved = True
+                if self.core.state[slot] == STARTING:
+                    self.core.ready(slot)
+                    self.act()
+                    moved = True
+                if self.inbox[slot]:
+                    self.answer(slot, self.inbox[slot][0], True)
+                    moved = True
+            if not moved:
+                break
+        left = [i for i in self.inputs if i not in self.outcomes and i not in self.given_up]
+        assert not left, f"inputs that never ended: {left}"
+        assert not self.core.outstanding and not self.core.busy()
+
+
+CoreMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_the_core_keeps_its_invariants_in_every_interleaving = CoreMachine.TestCase
+
+
+def test_a_closed_core_ends_every_input_with_its_error():
+    core = HostCore(["cpu"])
+    core.spawned(0, Proc(0, 1))
+    core.ready(0)
+    core.take()
+    got = []
+
+    class Into:
+        put = staticmethod(got.append)
+
+    core.start(PROGRAMS[0], [(0, "a"), (1, "b")], Into)
+    sent = [a for a in core.take() if type(a) is Send]
+    assert len(sent) == 1 and len(sent[0].jobs) == 2
+    error = SomaError("closed")
+    core.close(error)
+    core.start(PROGRAMS[0], [(2, "c")], Into)
+    for action in core.take():
+        action.sink.put(action.item)
+    assert got == [(0, False, error), (1, False, error), (2, False, error)]
+
+
+def test_an_event_out_of_order_is_a_named_error():
+    core = HostCore(["cpu"])
+    core.spawned(0, Proc(0, 1))
+    with pytest.raises(SomaError, match=r"^worker w0 was spawned while the slot was starting"):
+        core.spawned(0, Proc(0, 2))
