@@ -1,8 +1,9 @@
 """`soma.Local`: runs graphs on worker processes. See `soma.local` for the drawing.
 
 This module is the public face: it compiles programs (host/program.py), starts
-inputs on the scheduler (host/scheduler.py), waits for them by receiving
-(host/receiving.py), and owns the life of all three and of the pool (host/pool.py).
+inputs and waits for their outcomes through the host's loop (host/loop.py, the
+one owner of the host's state), and owns the life of the loop and the pool
+(host/pool.py).
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from ..run.base import RunnerBase, as_graph, checked_retries
 from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
 from ..run.trace import Trace
+from .host.loop import HostLoop
 from .host.pool import WorkerPool
 from .host.program import compile_program, pieces
-from .host.receiving import Receiving
-from .host.scheduler import Scheduler
 
 
 class Local(RunnerBase):
@@ -71,8 +71,7 @@ class Local(RunnerBase):
         self._owner_pid = os.getpid()
         self._start_lock = threading.Lock()
         self._pool: WorkerPool | None = None
-        self._scheduler: Scheduler | None = None
-        self._receiving: Receiving | None = None
+        self._loop: HostLoop | None = None
         self._closed = False
         # graph → (placement version, its program for run, its program for map)
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -90,16 +89,15 @@ class Local(RunnerBase):
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
                                   preload_torch=self.preload_torch, registry=self._registry,
                                   max_memory=self.max_memory)
-                scheduler = Scheduler(pool, self.worker_devices, tracer=self)
-                receiving = Receiving(pool, scheduler)
+                loop = HostLoop(pool, self.worker_devices)
+                loop.trace = self._trace
                 try:
-                    pool.start_workers()
-                    receiving.start()  # (hellos are received like everything else)
-                    pool.wait_ready(time.monotonic() + self.start_timeout)
+                    loop.start()  # (hellos are received like everything else)
+                    loop.wait_ready(time.monotonic() + self.start_timeout)
                 except BaseException:
-                    _shut_down(pool, receiving)  # no half-started pool: processes, sockets and files go, the error stays
+                    _shut_down(loop, SomaError("this soma.Local could not start"))  # nothing half-started is left
                     raise
-                self._scheduler, self._receiving, self._pool = scheduler, receiving, pool
+                self._loop, self._pool = loop, pool
                 _live_pools.add(self)
         return self
 
@@ -117,9 +115,8 @@ class Local(RunnerBase):
                 return
             self._closed = True
         _live_pools.discard(self)
-        if self._pool is not None:
-            self._scheduler.close(SomaError("this soma.Local was closed while this run was in flight"))
-            _shut_down(self._pool, self._receiving)
+        if self._loop is not None:
+            _shut_down(self._loop, SomaError("this soma.Local was closed while this run was in flight"))
 
     def pids(self) -> list[int]:
         """The pids of the workers running now, in slot order (none before `start()`)."""
@@ -134,24 +131,22 @@ class Local(RunnerBase):
         RunTimeout are never retried). `timeout`: seconds for the whole input, tries included.
         """
         retries = checked_retries(retries)
-        scheduler, g, program = self._ready(g, "Local.run")
-        self._receiving.check_can_wait("Local.run")  # (before its input starts: nothing is left running)
+        loop, g, program = self._ready(g, "Local.run")
         sink = queue.SimpleQueue()
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
-        flow = scheduler.start(program, [(None, x)], sink, trace, retries, g)[None]
-        receiving = self._receiving
+        flow = loop.start_inputs(program, [(None, x)], sink, trace, retries, g)[None]
         try:
             try:
-                _, ok, value = receiving.await_item(sink, timeout)
+                _, ok, value = loop.await_item(sink, timeout)
             except queue.Empty:
-                err = scheduler.expire(flow, timeout)
-                item = receiving.take_nowait(sink)  # it may have ended while it was being stopped
+                err = loop.expire(flow, timeout)
+                item = loop.take_nowait(sink)  # it may have ended while it was being stopped
                 if item is None:
                     raise err from None
                 _, ok, value = item
             except KeyboardInterrupt:  # the caller gave up (Ctrl-C): its input is not wanted any more
-                scheduler.cancel([flow])
+                loop.cancel([flow])
                 raise KeyboardInterrupt from None  # (the traceback stops here, not deep in soma's receiving)
             if not ok:
                 raise value
@@ -165,22 +160,23 @@ class Local(RunnerBase):
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> InputFuture:
         """`run(g, x)` without waiting: a `concurrent.futures.Future` at once, set when the outcome comes.
 
-        No thread waits for it: the thread that receives the workers' results sets it.
+        No thread waits for it: the thread that receives the workers' results sets it (with no lock held:
+        a done-callback may start the next input, or wait for one).
         `future.cancel()` cancels the input (dropped if not started; its result dropped if it was).
         """
         retries = checked_retries(retries)
-        scheduler, g, program = self._ready(g, "Local.submit")
+        loop, g, program = self._ready(g, "Local.submit")
         future = InputFuture()
-        flow = scheduler.start(program, [(None, x)], FutureSink(future), self._trace, retries, g)[None]
-        future.on_cancel = lambda: scheduler.cancel([flow])
+        flow = loop.start_inputs(program, [(None, x)], FutureSink(future), self._trace, retries, g)[None]
+        future.on_cancel = lambda: loop.cancel([flow])
         if timeout is not None:
-            self._receiving.at(time.monotonic() + timeout, lambda: _expired(scheduler, flow, future, timeout))
+            loop.at(time.monotonic() + timeout, lambda: _expired(loop, flow, future, timeout))
         return future
 
     def _async_inflight(self, g, timeout, retries):
         retries = checked_retries(retries)
-        scheduler, g, program = self._ready(g, "Local.amap")
-        return LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries, asynchronous=True)
+        loop, g, program = self._ready(g, "Local.amap")
+        return LocalInflight(loop, g, program, self, timeout, retries, asynchronous=True)
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool.
@@ -190,8 +186,8 @@ class Local(RunnerBase):
         host/program.compile_program); with fewer, a wave's branches spread over workers as in `run`.
         """
         retries = checked_retries(retries)
-        scheduler, g, program = self._ready(g, "Local.map", whole=window is None or window >= self.n_workers)
-        inflight = LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries)
+        loop, g, program = self._ready(g, "Local.map", whole=window is None or window >= self.n_workers)
+        inflight = LocalInflight(loop, g, program, self, timeout, retries)
         return map_outputs(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout,
                            errors=errors)
 
@@ -204,10 +200,8 @@ class Local(RunnerBase):
             raise SomaError("this soma.Local is closed; make a new one")
         program = self._program(g, whole)
         if self._registry.has_dead:
-            dead = self._registry.take_dead()
-            self._scheduler.forget(dead)
-            self._pool.forget(dead)
-        return self._scheduler, g, program
+            self._loop.forget(self._registry.take_dead())
+        return self._loop, g, program
 
     def _program(self, g, whole: bool = False):
         """Compiled once per graph, placement and kind (placing after a run compiles again)."""
@@ -230,7 +224,13 @@ class Local(RunnerBase):
             raise SomaError(f"this soma.Local belongs to process {self._owner_pid}; this is process {os.getpid()} "
                             f"(a fork of it, say): make a new soma.Local in this process")
 
+    def _trace_ending(self, trace: Trace) -> None:
+        if self._loop is not None:
+            self._loop.trace = None
+
     def _trace_started(self, trace: Trace) -> None:
+        if self._loop is not None:
+            self._loop.trace = trace  # (a worker started inside the block shows its start)
         trace.process(os.getpid(), f"host (soma.Local, pid {os.getpid()})")
         if self._pool is not None:
             for slot in range(self.n_workers):
@@ -240,11 +240,10 @@ class Local(RunnerBase):
 
 
 class LocalInflight(Inflight):
-    """Local's in-flight set for map: flows on the scheduler, their outcomes in one queue."""
+    """Local's in-flight set for map: flows on the host's loop, their outcomes in one queue."""
 
-    def __init__(self, scheduler: Scheduler, receiving: Receiving, g, program, tracer, timeout, retries: int,
-                 asynchronous: bool = False):
-        self.scheduler, self.receiving, self.program, self.timeout = scheduler, receiving, program, timeout
+    def __init__(self, loop: HostLoop, g, program, tracer, timeout, retries: int, asynchronous: bool = False):
+        self.loop, self.program, self.timeout = loop, program, timeout
         self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
         self.retries = retries
         self.tracer = tracer  # whose trace block, if any, each input is recorded in when it starts
@@ -255,20 +254,20 @@ class LocalInflight(Inflight):
         self.flows: dict = {}
 
     def parallelism(self) -> int:
-        return self.scheduler.parallelism(self.pieces)
+        return self.loop.parallelism(self.pieces)
 
     def start(self, items: list) -> None:
         if self.sink is None:
             self.sink = LoopSink()
-        self.flows.update(self.scheduler.start(self.program, items, self.sink, self.tracer.current_trace,
-                                               self.retries, self.graph))
+        self.flows.update(self.loop.start_inputs(self.program, items, self.sink, self.tracer.current_trace,
+                                                 self.retries, self.graph))
 
     def wait(self, timeout):
         try:
-            got = [self.receiving.await_item(self.sink, timeout, "Local.map")]
+            got = [self.loop.await_item(self.sink, timeout)]
         except queue.Empty:
             return []
-        take = self.receiving.take_nowait
+        take = self.loop.take_nowait
         item = take(self.sink)
         while item is not None:
             got.append(item)
@@ -285,26 +284,26 @@ class LocalInflight(Inflight):
 
     def expire(self, index: int) -> BaseException:
         flow = self.flows.pop(index)
-        return self.scheduler.expire(flow, self.timeout)
+        return self.loop.expire(flow, self.timeout)
 
     def close(self) -> None:
         if self.flows:
-            self.scheduler.cancel(list(self.flows.values()))
+            self.loop.cancel(list(self.flows.values()))
             self.flows.clear()
 
 
-def _expired(scheduler: Scheduler, flow, future, timeout: float) -> None:
-    """A submitted input's time is up (on the receiving thread): its RunTimeout, unless its outcome came first."""
-    err = scheduler.expire(flow, timeout)
+def _expired(loop: HostLoop, flow, future, timeout: float) -> None:
+    """A submitted input's time is up (on the listener thread): its RunTimeout, unless its outcome came first."""
+    err = loop.expire(flow, timeout)
     if not future.done():
         FutureSink(future).put((None, False, err))
 
 
-def _shut_down(pool: WorkerPool, receiving: Receiving) -> None:
-    """Closing, in order: nothing more is sent but STOP, the receiver lets go of its socket, then the rest."""
-    pool.stop_workers()
-    receiving.close()
-    pool.close()
+def _shut_down(loop: HostLoop, error: SomaError) -> None:
+    """Closing, in order: every input in flight gets `error`, nothing more is sent but STOP, the listener lets
+    go of its socket, then the rest (processes, segments, the socket directory)."""
+    loop.close(error)
+    loop.pool.close()
 
 
 def _pinning(devices, n: int) -> list[str]:

@@ -30,6 +30,7 @@ from hypothesis.stateful import (  # noqa: E402
 from soma import Done, Graph, Node  # noqa: E402
 from soma.errors import Cancelled, NodeError, RunTimeout, SomaError, WorkerDied  # noqa: E402
 from soma.local.host.core import (  # noqa: E402
+    ASKED,
     DOWN,
     READY,
     STARTING,
@@ -38,8 +39,10 @@ from soma.local.host.core import (  # noqa: E402
     HostCore,
     Retire,
     Send,
+    Spawn,
 )
 from soma.local.host.events import Arrived  # noqa: E402
+from soma.local.host.flows import Flow  # noqa: E402
 from soma.local.host.program import compile_program  # noqa: E402
 from soma.plan import Seq, Step, Wave  # noqa: E402
 
@@ -123,6 +126,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.started = [set(), set()]  # per slot: ids of jobs its worker began
         self.cancelled_ids = [set(), set()]  # per slot: ids the core asked it to drop
         self.retiring = []  # slots the core asked to retire, whose end the loop has not reported yet
+        self.asked = []  # slots the core asked to start again, not yet answered
         self.inputs = {}  # index → (program, x, retries)
         self.flows = {}  # index → Flow
         self.given_up = set()  # indices cancelled or expired by their caller
@@ -148,6 +152,9 @@ class CoreMachine(RuleBasedStateMachine):
                 self.retiring.append(action.slot)
             elif type(action) is Deliver:
                 action.sink.put(action.item)
+            elif type(action) is Spawn:
+                assert self.core.state[action.slot] == ASKED
+                self.asked.append(action.slot)
             else:
                 raise AssertionError(f"unknown action {action!r}")
 
@@ -162,11 +169,11 @@ class CoreMachine(RuleBasedStateMachine):
         self.core.outcomes(slot, self.procs[slot], [arrived], 0.0)
         self.act()
 
-    def end_worker(self, slot: int, readable: bool):
+    def end_worker(self, slot: int, readable: bool, down: str | None = None):
         running = [(i, "?") for i in self.started[slot]] if readable else None
         proc = self.procs[slot]
         self.inbox[slot], self.started[slot], self.cancelled_ids[slot] = [], set(), set()
-        self.core.lost(slot, proc, "was killed by signal 9 (SIGKILL)", running)
+        self.core.lost(slot, proc, "was killed by signal 9 (SIGKILL)", running, down)
         self.act()
 
     # -- rules: the events ---------------------------------------------------------------------------
@@ -189,7 +196,9 @@ class CoreMachine(RuleBasedStateMachine):
             self.next_index += 1
             items.append((index, f"x{index}"))
             self.inputs[index] = (PROGRAMS[program], f"x{index}", retries)
-        self.flows.update(self.core.start(PROGRAMS[program], items, self.sink, None, retries))
+        flows = {index: Flow(index, self.sink, None, PROGRAMS[program], x, retries) for index, x in items}
+        self.core.start(PROGRAMS[program], list(flows.values()))
+        self.flows.update(flows)
         self.act()
 
     @rule(slot=st.integers(0, 1))
@@ -221,15 +230,31 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(slot=st.integers(0, 1), readable=st.booleans())
     def die(self, slot, readable):
-        if self.core.state[slot] != DOWN:
+        if self.core.state[slot] not in (DOWN, ASKED):
             self.end_worker(slot, readable)
             self.spawn(slot)
+
+    @rule(slot=st.integers(0, 1), readable=st.booleans())
+    def die_and_stay_down(self, slot, readable):
+        """The worker dies and no replacement can be started (out of file descriptors, say)."""
+        if self.core.state[slot] not in (DOWN, ASKED):
+            self.end_worker(slot, readable, down="could not be started again: OSError: [Errno 24]")
+
+    @precondition(lambda self: self.asked)
+    @rule(works=st.booleans())
+    def answer_spawn(self, works):
+        slot = self.asked.pop(0)
+        if works:
+            self.spawn(slot)
+        else:
+            self.core.down(slot, "could not be started again: OSError: [Errno 24]")
+            self.act()
 
     @precondition(lambda self: self.retiring)
     @rule(readable=st.booleans())
     def retired(self, readable):
         slot = self.retiring.pop(0)
-        if self.core.state[slot] != DOWN:
+        if self.core.state[slot] not in (DOWN, ASKED):
             self.end_worker(slot, readable)
             self.spawn(slot)
 
@@ -270,7 +295,9 @@ class CoreMachine(RuleBasedStateMachine):
                 assert value == evaluate(program, x), (index, value)
             else:
                 assert isinstance(value, (NodeError, WorkerDied)), value
-                if isinstance(value, WorkerDied):
+                if isinstance(value, WorkerDied) and str(value).startswith("no worker can run"):
+                    assert "could not be started again" in str(value), value  # (it says why)
+                elif isinstance(value, WorkerDied):
                     assert value.tries == retries + 1 and value.worker in ("w0", "w1"), value
 
     @invariant()
@@ -285,10 +312,16 @@ class CoreMachine(RuleBasedStateMachine):
         """Liveness: every worker says hello and answers everything (no more deaths): every input ends."""
         for _ in range(10_000):
             moved = False
+            while self.asked:
+                self.spawn(self.asked.pop(0))
+                moved = True
             for slot in (0, 1):
                 if self.retiring and self.retiring[0] == slot:
                     self.retiring.pop(0)
                     self.end_worker(slot, True)
+                    self.spawn(slot)
+                    moved = True
+                if self.core.state[slot] == DOWN:  # (it could not be started: now it can)
                     self.spawn(slot)
                     moved = True
                 if self.core.state[slot] == STARTING:
@@ -319,12 +352,12 @@ def test_a_closed_core_ends_every_input_with_its_error():
     class Into:
         put = staticmethod(got.append)
 
-    core.start(PROGRAMS[0], [(0, "a"), (1, "b")], Into)
+    core.start(PROGRAMS[0], [Flow(0, Into, None, PROGRAMS[0], "a"), Flow(1, Into, None, PROGRAMS[0], "b")])
     sent = [a for a in core.take() if type(a) is Send]
     assert len(sent) == 1 and len(sent[0].jobs) == 2
     error = SomaError("closed")
     core.close(error)
-    core.start(PROGRAMS[0], [(2, "c")], Into)
+    core.start(PROGRAMS[0], [Flow(2, Into, None, PROGRAMS[0], "c")])
     for action in core.take():
         action.sink.put(action.item)
     assert got == [(0, False, error), (1, False, error), (2, False, error)]

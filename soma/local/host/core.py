@@ -1,7 +1,7 @@
 """The host's state and its rules, with one owner: events go in, actions come out (h11's shape).
 
     events (the loop calls them, one at a time)        actions (`take()`: the loop carries them out, in order)
-      start(program, items, sink, trace, retries)        Send(slot, jobs)           jobs to a worker (encoded there)
+      start(program, flows)                              Send(slot, jobs)           jobs to a worker (encoded there)
       cancel(flows)                                      CancelAt(slot, job ids)    drop these unless started
       expire(flow, running) → RunTimeout                 Retire(slot, why)          kill and replace a worker
       spawned(slot, worker) · ready(slot)                Deliver(sink, item)        an input's (index, ok, value)
@@ -73,6 +73,13 @@ class Retire(NamedTuple):
     why: str | None
 
 
+class Spawn(NamedTuple):
+    """Try to start a worker for `slot` again (it could not be started before, and inputs wait for it): the
+    answer is the `spawned` event, or `down` with why not."""
+
+    slot: int
+
+
 class Deliver(NamedTuple):
     """An input's outcome, `(index, ok, value)`, for its sink (put there once the loop has let go of its lock)."""
 
@@ -82,8 +89,9 @@ class Deliver(NamedTuple):
 
 # A slot's state. STARTING: spawned, no hello yet (jobs are parked for it). READY: takes jobs. LEAVING: over
 # max_memory, takes nothing, retired once idle. RETIRING: told to go (Retire), its `lost` not yet heard.
-# DOWN: no worker there; its end is handled (`why_down` says why when it cannot come back now).
-STARTING, READY, LEAVING, RETIRING, DOWN = "starting", "ready", "leaving", "retiring", "down"
+# DOWN: no worker there; its end is handled (`why_down` says why when it cannot come back now). ASKED: a
+# start was asked for (Spawn), its answer not yet heard.
+STARTING, READY, LEAVING, RETIRING, DOWN, ASKED = "starting", "ready", "leaving", "retiring", "down", "asked"
 
 
 class OutOfOrder(SomaError):
@@ -123,22 +131,26 @@ class HostCore:
         return self.choice.parallelism(program_pieces)
 
     # -- inputs ------------------------------------------------------------------------------------------
-    def start(self, program, items: list, sink, trace=None, retries: int = 0, graph=None) -> dict:
-        """Start `(index, x)` inputs on `program`; each one's `(index, ok, value)` is delivered to `sink` once.
-        Returns index → Flow (what `cancel` and `expire` take)."""
-        flows = {}
-        for index, x in items:
-            flow = flows[index] = Flow(index, sink, trace, program, x, retries, graph)
+    def start(self, program, flows: list) -> None:
+        """Start these flows (flows.Flow: an input each) on `program`; each one's `(index, ok, value)` is
+        delivered to its sink once."""
+        for flow in flows:
             if self.closed_with is not None:
                 self._finish(flow, False, self.closed_with)
                 continue
             self.flows[flow] = None
+            x = flow.x
+            if not flow.retries:
+                flow.x = None  # (the job holds it until it is encoded)
             self._enqueue(self.walker.start(flow, x))
         if program not in self.admitted:
             self.admitted.add(program)
             self.choice.admit(pieces(program))
+        for slot, state in enumerate(self.state):  # a slot that could not be started is tried again for them
+            if state == DOWN and self.why_down[slot] is not None:
+                self.state[slot] = ASKED
+                self.out.append(Spawn(slot))
         self._pump()
-        return flows
 
     def cancel(self, flows) -> None:
         """These inputs are no longer wanted: their queued jobs are dropped, workers drop what has not started."""
@@ -186,7 +198,7 @@ class HostCore:
     # -- workers ------------------------------------------------------------------------------------------
     def spawned(self, slot: int, worker) -> None:
         """A new worker process for `slot` is on its way (no hello yet): jobs for it are parked until then."""
-        if self.state[slot] != DOWN:
+        if self.state[slot] not in (DOWN, ASKED):
             raise OutOfOrder(f"worker w{slot} was spawned while the slot was {self.state[slot]} (its last worker's "
                              f"end must be handled first: lost)")
         self.workers[slot], self.state[slot], self.why_down[slot] = worker, STARTING, None
@@ -219,13 +231,14 @@ class HostCore:
 
     def down(self, slot: int, why: str) -> None:
         """No worker can run on `slot` now (it could not be started: `why`); jobs that only it could run fail."""
-        if self.state[slot] != DOWN:
+        if self.state[slot] not in (DOWN, ASKED):
             raise OutOfOrder(f"worker w{slot} was said down while the slot was {self.state[slot]}")
-        self.why_down[slot] = why
+        self.state[slot], self.why_down[slot] = DOWN, why
         self._pump()
 
-    def lost(self, slot: int, worker, ended: str, running) -> None:
-        """The worker process `worker` of `slot` ended (`ended`: how); its copies are gone with it.
+    def lost(self, slot: int, worker, ended: str, running, down: str | None = None) -> None:
+        """The worker process `worker` of `slot` ended (`ended`: how); its copies are gone with it. `down`: why
+        no replacement could be started (None: one is, and comes as `spawned` next).
 
         A job it had not started (parked for it, or sent and not yet begun, as its status page says:
         `running` [(job id, node id)], None when the page could not be read) goes back to the front of
@@ -234,7 +247,7 @@ class HostCore:
         """
         if worker is not self.workers[slot] or self.state[slot] == DOWN:
             return  # an earlier incarnation's end, or this one's told twice
-        self.state[slot] = DOWN
+        self.state[slot], self.why_down[slot] = DOWN, down
         self.choice.slot_lost(slot)
         running = dict(running) if running is not None else None
         parked = set(map(id, self.parked[slot]))
@@ -250,20 +263,21 @@ class HostCore:
                 requeued.append(job)
                 continue
             node = running.get(job.id, job.piece.entry) if running is not None else job.piece.entry
-            self._lost_running(job, worker, ended, node)
+            self._lost_running(job, worker, ended, node, down)
         self.waiting.add_first(requeued)
         self._pump()
 
-    def _lost_running(self, job: Job, worker, ended: str, node: str) -> None:
+    def _lost_running(self, job: Job, worker, ended: str, node: str, down: str | None) -> None:
         flow = job.flow
         if flow.tries <= flow.retries:
             self._try_again(flow)
             return
         then = "run again, or pass retries=N" if not flow.retries else (
             f"{flow.tries} tries, each lost to a dead worker (retries={flow.retries})")
+        replaced = "the pool replaced it" if down is None else f"a new worker {down}"
         self._end_job(job, False, WorkerDied(
-            f"worker {worker.id} (pid {worker.pid}) {ended} while running node `{node}`; the pool replaces it: "
-            f"{then}", worker=worker.id, pid=worker.pid, node=node, tries=flow.tries))
+            f"worker {worker.id} (pid {worker.pid}) {ended} while running node `{node}`; {replaced}: {then}",
+            worker=worker.id, pid=worker.pid, node=node, tries=flow.tries))
 
     def _try_again(self, flow: Flow) -> None:
         """Run the input again from the program's start; what is left of its last try is dropped."""
@@ -444,7 +458,7 @@ class HostCore:
 
     def _fail_unplaceable(self) -> None:
         """Jobs whose only workers cannot start (now, or any more) would wait forever: they fail, saying why."""
-        why = self.why_down
+        why = [why if self.state[slot] == DOWN else None for slot, why in enumerate(self.why_down)]
         if not any(why):
             return
         for piece, _ in self.waiting.snapshot():

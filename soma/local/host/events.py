@@ -2,10 +2,9 @@
 
     Ready      a worker said hello: it takes jobs now
     Outcomes   the Arrived jobs (and Bundled ones) one Result brought (values decoded, or Undecodable)
-    Lost       a worker is gone, with what its status page said it was running
 
-The pool returns these from `handle(frame)` and `retire(slot)`; the receiver gives
-them to the scheduler (`Scheduler.handle`). Nothing here knows either of them.
+The pool returns these from `handle(frame)`; the loop hands what they mean to the
+core (`HostCore.ready`, `.outcomes`, `.leaving`). Nothing here knows either of them.
 """
 
 from __future__ import annotations
@@ -56,15 +55,7 @@ class Outcomes(NamedTuple):
     slot: int
     worker: WorkerProcess
     arrived: list  # [Arrived | Bundled]
-
-
-class Lost(NamedTuple):
-    """The worker of `slot` is gone (it died, or the pool replaced it): the jobs it held are lost."""
-
-    slot: int
-    worker: WorkerProcess
-    ended: str  # how: "was killed by signal 9 (SIGKILL; ...)", "was stopped because ..."
-    running: list  # [(job id, node id)] its status page said it was running
+    leaving: bool  # the worker went over max_memory: it takes nothing more (the core retires it once idle)
 
 
 class Gone:

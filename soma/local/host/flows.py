@@ -46,9 +46,9 @@ class Flow:
         self.finished = False
         self.jobs: set = set()  # its jobs of the current try, queued or outstanding
         self.started_ns = time.monotonic_ns() if trace is not None else 0
-        self.outcome = None  # (ok, value) once its walk has ended, until the scheduler delivers it
+        self.outcome = None  # (ok, value) once its walk has ended, until the core delivers it
         self.program = program
-        self.x = x if retries else None  # (kept only for a try to come)
+        self.x = x  # its input: until its first try starts, and kept after only for a try to come (retries)
         self.retries = retries
         self.tries = 1
 

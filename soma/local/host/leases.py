@@ -85,6 +85,11 @@ class LeaseBook:
         """Anything to tell any owner (read without the lock: a stale answer only delays a free)."""
         return bool(self._frees)
 
+    def peek_frees(self, owner: int) -> list:
+        """What `take_frees` would return, left in place (taken once the message carrying them went)."""
+        with self._lock:
+            return list(self._frees.get(owner, ()))
+
     def take_frees(self, owner: int) -> list:
         if owner not in self._frees:
             return []

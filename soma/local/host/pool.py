@@ -1,19 +1,15 @@
-"""The worker pool: processes, sockets, shared-memory leases, and faults. What runs where is the scheduler's.
+"""The worker pool: processes, sockets and shared-memory leases. What runs where is the core's (core.py).
 
-    scheduler ── send(slot, jobs) ─▶ Task ── ROUTER ──▶ worker    any thread, under one lock; ships
-                                                                  the code and pieces that worker lacks
-    receiving ── frame() ◀── PULL ◀── Result/Hello ── worker      whoever receives (receiving.py) asks
-              ── handle(frame) → [Ready | Outcomes]                for frames and gets back what they
-              ── find_dead() / retire(worker) → Lost               mean: outputs decoded (segments mapped,
-                                                                  leases counted), hellos, deaths
+    loop ── spawn(slot) / end(worker) / find_dead()     processes: started, ended (their segments settled,
+                                                        what their status page said they ran), found dead
+         ── send(slot, items) / cancel(slot, ids) ─▶ Task ── ROUTER ──▶ worker   (with the code and piece
+                                                                                  specs it lacks)
+         ── frame() ◀── PULL ◀── Result/Hello ── worker
+         ── handle(frame) → [Ready | Outcomes]          authenticated, outputs decoded (segments mapped,
+                                                        leases counted)
 
-The pool calls nothing above it: what happens comes back as events (`Ready`,
-`Outcomes` of `Arrived` jobs, `Lost`), which the caller hands to the scheduler.
-Sockets belong to the threads that use them: the PULL socket to whoever receives
-(receiving.py keeps one such thread at a time), the ROUTER to whoever holds
-`_send_lock`. Closing is a flag set under the send lock and a STOP to each worker
-(`stop_workers`); the receiver closes its own socket (`close_results`), never a
-context terminated under its feet.
+Only the holder of the loop's lock calls it (loop.py): nothing here locks, and the
+pool calls nothing above it (what happens comes back as return values and events).
 """
 
 from __future__ import annotations
@@ -22,21 +18,18 @@ import errno
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections import Counter
 
 from ..._log import warn
-from ...errors import WorkerDied
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
-from .events import Arrived, Bundled, Gone, Lost, Outcomes, Ready, Undecodable
+from .events import Arrived, Bundled, Gone, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
 from .procs import spawn
 
-START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
-PUMP_S = 0.05  # how often the pool's state is looked at (a death nobody reported is found within this)
+START_FAILURES = 3  # this many deaths in a row before hello, and a slot's next start waits (BACKOFF_S, doubling)
+BACKOFF_S = (0.1, 5.0)  # the first wait before such a slot is started again, and the longest
 
 
 class WorkerPool:
@@ -58,49 +51,96 @@ class WorkerPool:
         self.endpoints = (f"ipc://{self.run_dir}/tasks", f"ipc://{self.run_dir}/results")
         self.workers: list = [None] * len(devices)
         self.closing = False
-        self._state_lock = threading.RLock()
-        self._changed = threading.Condition(self._state_lock)  # a worker said hello or died
-        self._start_failures = Counter()
-        self._spawn_errors: dict = {}  # slot → why its worker could not be started again (tried again later)
+        self._failed_starts = [0] * len(devices)  # per slot: its workers' deaths in a row before hello
+        self._how_they_ended = [None] * len(devices)  # per slot: how the last of those ended
+        self._start_after = [0.0] * len(devices)  # per slot: no new worker before this (time.monotonic)
         self._book = LeaseBook(self.host_pid)
         self.segments = HostSegments(self.prefix, self.arena, self._book)
-        self._send_lock = threading.Lock()
         self._results_closed = False
-        self._snapshot = None  # see slots(): None when it must be taken again
-        self._changes = 0
         self._by_pid: dict = {}  # pid → the worker process, while it is in the pool
         self._zctx = None
 
-    # -- life ------------------------------------------------------------------------------------
-    def start_workers(self) -> None:
-        """Spawn every worker, then open the sockets.
+    # -- processes -----------------------------------------------------------------------------------
+    def spawn(self, slot: int):
+        """A new worker process for `slot` (OSError when the machine cannot start one now; StartDeferred while
+        a slot whose workers keep dying before their hello waits)."""
+        if time.monotonic() < self._start_after[slot]:
+            raise StartDeferred(self._deferred_why(slot))
+        worker = spawn(slot, self.devices[slot], endpoints=self.endpoints, run_dir=self.run_dir,
+                       secret=self.secret, prefix=self.prefix, threads=self.threads,
+                       arena=self.arena, preload_torch=self.preload_torch, max_memory=self.max_memory)
+        self.workers[slot] = worker
+        self._by_pid[worker.pid] = worker
+        return worker
 
-        Workers first: their start-up (Python, imports) is the long pole, and the host's own
-        (ZeroMQ, binding) overlaps with it. They retry connecting every few ms until we bind.
-        """
-        for slot in range(len(self.devices)):
-            self._spawn(slot)
-        self._open_sockets()
+    def why_not_started(self, slot: int, err: OSError) -> str:
+        """Why no worker of `slot` could be started, in words that follow "worker w1"."""
+        if isinstance(err, StartDeferred):
+            return str(err)
+        hint = ""
+        if getattr(err, "errno", None) == errno.EMFILE:
+            hint = (" (this process has run out of file descriptors: close some, or raise the limit with "
+                    "`ulimit -n`; the pool starts it again as soon as it can)")
+        return f"could not be started again: {type(err).__name__}: {err}{hint}"
 
-    def wait_ready(self, deadline: float) -> None:
-        """Until every worker has said hello (someone must be receiving meanwhile); WorkerDied if one cannot."""
-        with self._changed:
-            for slot in range(len(self.devices)):
-                while not self.workers[slot].ready.is_set():
-                    if self.broken(slot):
-                        worker = self.workers[slot]
-                        raise WorkerDied(
-                            f"worker {worker.id} (pid {worker.pid}) {worker.how_it_ended()} before it was ready, "
-                            f"{START_FAILURES} times in a row; its stderr says why",
-                            worker=worker.id, pid=worker.pid, node=None)
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        worker = self.workers[slot]
-                        raise WorkerDied(f"worker {worker.id} (pid {worker.pid}) did not say hello in time",
-                                         worker=worker.id, pid=worker.pid, node=None)
-                    self._changed.wait(min(remaining, PUMP_S))
+    def slots_to_start_again(self) -> list[int]:
+        """Slots with no live worker whose next start may be tried now."""
+        now = time.monotonic()
+        return [slot for slot, worker in enumerate(self.workers)
+                if not self.closing and (worker is None or worker.retired) and now >= self._start_after[slot]]
 
-    def _open_sockets(self) -> None:
+    def end(self, worker, reason: str | None = None) -> tuple:
+        """A worker's end (it died, or the core retired it): killed, its segments settled. `(how it ended,
+        [(job id, node id)] its status page said it ran, or None when the page could not be read)`."""
+        running = worker.running()
+        worker.kill()
+        worker.retired = True
+        self._by_pid.pop(worker.pid, None)
+        ended = reason or worker.how_it_ended()
+        slot = worker.slot
+        if worker.ready:
+            self._failed_starts[slot] = 0
+        else:
+            self._failed_starts[slot] += 1
+            self._how_they_ended[slot] = ended
+            if self._failed_starts[slot] >= START_FAILURES:
+                first, longest = BACKOFF_S
+                wait = min(longest, first * 2 ** (self._failed_starts[slot] - START_FAILURES))
+                self._start_after[slot] = time.monotonic() + wait
+        self._book.holder_gone(worker.pid)
+        try:
+            unlink_all(self.prefix, owner=worker.pid, keep=self._book.held_names())
+        except OSError as err:  # (out of file descriptors, say: its segments are unlinked at close)
+            warn("soma.local", "soma: could not unlink the segments of worker %s: %s: %s", worker.id,
+                 type(err).__name__, err)
+        worker.close()
+        return ended, running
+
+    def _deferred_why(self, slot: int) -> str:
+        wait = max(0.0, self._start_after[slot] - time.monotonic())
+        return (f"{self._how_they_ended[slot]} before it was ready, {self._failed_starts[slot]} times in a row; "
+                f"soma starts it again in {wait:.1f} s")
+
+    def find_dead(self) -> list:
+        """Workers whose process has ended and whose end has not been handled (`end` them)."""
+        return [w for w in self.workers if w is not None and not w.retired and not w.alive()]
+
+    def worker(self, slot: int):
+        """The worker process of `slot` now (its `.id`, `.pid`), or None before the first start."""
+        return self.workers[slot]
+
+    def running(self, slot: int) -> list[tuple[int, str]]:
+        """`(job id, node id)` the worker of `slot` runs now, from its status page."""
+        worker = self.workers[slot]
+        return (worker.running() or []) if worker is not None and not worker.retired else []
+
+    def pids(self) -> list[int]:
+        """The pids of the workers running now, in slot order."""
+        return [w.pid for w in self.workers if w is not None and not w.retired]
+
+    # -- sockets ---------------------------------------------------------------------------------------
+    def open_sockets(self) -> None:
+        """Bind the sockets (after spawning: the workers' start-up overlaps with ours; they retry connecting)."""
         import zmq
 
         self._zmq = zmq
@@ -116,59 +156,70 @@ class WorkerPool:
         self._results.bind(self.endpoints[1])
         self._receiver = transport.Receiver(self._results)
 
-    def _spawn(self, slot: int):
-        worker = spawn(slot, self.devices[slot], endpoints=self.endpoints, run_dir=self.run_dir,
-                       secret=self.secret, prefix=self.prefix, threads=self.threads,
-                       arena=self.arena, preload_torch=self.preload_torch, max_memory=self.max_memory)
-        self.workers[slot] = worker
-        self._by_pid[worker.pid] = worker
-        self._changed_slots()
-        return worker
+    def send(self, slot: int, items: list):
+        """Send jobs to the worker of `slot` in one Task, with the code and piece specs it lacks: True; False
+        when the worker is gone (its end is found and handled); None when its connection is still completing
+        (right after its hello: send again soon).
 
-    def stop_workers(self) -> None:
-        """The first step of closing: nothing is sent after this but a STOP to each worker."""
-        with self._send_lock:
-            self.closing = True
-            if self._zctx is None:
-                return
-            for worker in self.workers:
-                if worker is None:
-                    continue
-                try:
-                    self._tasks.send_multipart([worker.identity, protocol.pack(self.secret, Stop())],
-                                               flags=self._zmq.NOBLOCK)
-                except Exception:
-                    pass
-
-    def close(self) -> None:
-        """Stop the workers; leave no processes, segments or socket files. Mappings stay valid.
-
-        Called after `stop_workers`, once whoever receives has let go of the results socket
-        (`close_results`): the ZeroMQ context is ended only when every socket is closed.
+        Each item (a flows.Job, or a sending.BundleSend: several inputs in one entry) has `.piece`, `.shared`
+        (segment names it lends) and `.wire()` (its JobSpec's or Bundle's fields).
         """
-        self.stop_workers()
-        deadline = time.monotonic() + 3.0
-        workers = [w for w in self.workers if w is not None]
-        for worker in workers:
-            try:
-                worker.proc.wait(max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
-            worker.kill()
-            worker.close()
-        if self._zctx is not None:
-            with self._send_lock:
-                self._tasks.close(0)
-            if self._results_closed:
-                self._zctx.term()
-        self.segments.close()
-        unlink_all(self.prefix)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.apply_host_releases()  # so the frees this Task carries are current
+        worker = self.workers[slot]
+        if self.closing or worker is None or worker.retired:
+            return False
+        code, pieces = {}, {}
+        sent = worker.pieces
+        for item in items:
+            piece = item.piece
+            if piece.id in sent or piece.id in pieces:
+                continue  # its spec went there, and its nodes' code with it
+            pieces[piece.id] = piece.spec
+            for node_id, key in piece.keys.items():
+                if key not in worker.loaded and key not in code:
+                    code[key] = self.registry.code(node_id, key)
+        task = Task(code, pieces, [item.wire() for item in items], self._book.peek_frees(worker.pid), worker.forget)
+        sent_ok = self._send(worker, protocol.pack(self.secret, task))
+        if sent_ok:
+            self._book.take_frees(worker.pid)
+            worker.forget = []
+            for item in items:
+                for name in item.shared:
+                    self._book.lent(name, worker.pid)
+                    self.segments.note_sent(name)
+            sent.update(pieces)
+            worker.loaded.update(code)
+        return sent_ok
 
-    # -- receiving (for receiving.py: one thread at a time) ------------------------------------------
+    def cancel(self, slot: int, job_ids: list) -> None:
+        """Ask the worker of `slot` to drop these jobs if they have not started."""
+        worker = self.workers[slot]
+        if not self.closing and worker is not None and not worker.retired:
+            self._send(worker, protocol.pack(self.secret, protocol.Cancel(job_ids)))
+
+    def _send(self, worker, frame: bytes):
+        try:
+            self._tasks.send(worker.identity, self._zmq.SNDMORE)
+            self._tasks.send(frame)
+            return True
+        except self._zmq.ZMQError as err:
+            # Right after HELLO the connection may still be completing; a dead worker never completes it.
+            return None if err.errno == self._zmq.EHOSTUNREACH and worker.alive() else False
+
+    def forget(self, keys: list) -> None:
+        """Nodes the host let go: each worker that holds one is told with its next task."""
+        for worker in self.workers:
+            if worker is None:
+                continue
+            for key in keys:
+                if key in worker.loaded:
+                    worker.loaded.discard(key)
+                    worker.forget.append(key)
+            worker.pieces.clear()  # pieces naming those keys are gone there; the others are cheap to resend
+
     def frame(self, timeout_ms: int) -> bytes | None:
         """The next frame from a worker, or None when none came within `timeout_ms`."""
-        return self._receiver.wait(timeout_ms)
+        return None if self._results_closed else self._receiver.wait(timeout_ms)
 
     def frame_now(self) -> bytes | None:
         """The next frame if one is queued now (None when none is, or none may be read any more)."""
@@ -181,167 +232,10 @@ class WorkerPool:
         return self._results.get(self._zmq.FD)
 
     def close_results(self) -> None:
-        """The receiving thread lets go of the results socket for good (closing)."""
-        self._results_closed = True
-        self._results.close(0)
-
-    # -- what the scheduler asks ------------------------------------------------------------------
-    def slots(self) -> tuple:
-        """`(ready, starting, dead)`: the slots in each state, for the scheduler's every pump.
-
-        A snapshot, taken again after any hello, death or start, and at least every
-        PUMP_S / 10 (a death nobody has noticed yet is found within that).
-        """
-        snapshot = self._snapshot
-        if snapshot is None or time.monotonic() - snapshot[3] > PUMP_S / 10:
-            changes = self._changes
-            by_state: dict = {"ready": [], "starting": [], "dead": []}
-            for slot in range(len(self.workers)):
-                state = self.state(slot)
-                if state != "broken":  # (a broken slot takes nothing, and is not coming back)
-                    by_state[state].append(slot)
-            # Tuples: the snapshot is shared by every pump until the next change.
-            snapshot = (tuple(by_state["ready"]), tuple(by_state["starting"]), tuple(by_state["dead"]),
-                        time.monotonic())
-            # Kept only when every worker is ready (one starting or dead is asked about every time) and
-            # nothing changed while it was taken (a hello or a death on the listener meanwhile).
-            if not snapshot[1] and not snapshot[2]:
-                with self._state_lock:  # (the lock every change is made under)
-                    if changes == self._changes:
-                        self._snapshot = snapshot
-        return snapshot[0], snapshot[1], snapshot[2]
-
-    def _changed_slots(self) -> None:
-        """A worker started, said hello or died: the next `slots()` looks again."""
-        self._changes += 1
-        self._snapshot = None
-
-    def state(self, slot: int) -> str:
-        """"ready", "starting" (spawned, no hello yet), "dead" (not yet retired), or "broken"."""
-        if self.broken(slot):
-            return "broken"
-        worker = self.workers[slot]
-        if worker is None or worker.retired or not worker.alive(recheck_s=PUMP_S / 10):
-            return "dead"
-        # A leaving worker counts as starting: jobs for its slot are parked for the replacement, not sent to
-        # a process that would only answer them Cancelled again until it is idle enough to exit.
-        return "ready" if worker.ready.is_set() and not worker.leaving else "starting"
-
-    def leaving(self, slot: int) -> None:
-        """The worker of `slot` said it went over max_memory: it takes nothing more (`retire` it once idle)."""
-        worker = self.workers[slot]
-        if worker is not None and not worker.leaving:
-            with self._state_lock:
-                worker.leaving = True
-                self._changed_slots()
-
-    def broken(self, slot: int) -> bool:
-        """The slot's worker died before saying hello too many times: nothing will run there."""
-        return self._start_failures[slot] >= START_FAILURES
-
-    def why_down(self, slot: int) -> str | None:
-        """Why no worker of `slot` can take jobs now, in words that follow "worker w1"; None when one can."""
-        if self.broken(slot):
-            return f"died before it was ready {START_FAILURES} times in a row; its stderr says why"
-        err = self._spawn_errors.get(slot)
-        if err is None:
-            return None
-        hint = ""
-        if getattr(err, "errno", None) == errno.EMFILE:
-            hint = (" (this process has run out of file descriptors: close some, or raise the limit with "
-                    "`ulimit -n`; the pool starts it again at the next run)")
-        return f"could not be started again: {type(err).__name__}: {err}{hint}"
-
-    def worker_starting(self, slot: int) -> bool:
-        """Whether the slot has a worker on its way (spawned, no hello yet)."""
-        worker = self.workers[slot]
-        return worker is not None and not worker.retired and not worker.ready.is_set()
-
-    def send(self, slot: int, jobs: list) -> bool:
-        """Send jobs to the worker of `slot` in one Task, with the code and piece specs it lacks.
-
-        Each job (a flows.Job, or a flows.BundleSend: several inputs in one entry) has `.piece`
-        (a Piece), `.shared` (segment names it lends) and `.wire()` (its JobSpec's or Bundle's
-        fields). False when the worker cannot be reached (the listener reports its death).
-        """
-        self.apply_host_releases()  # so the frees this Task carries are current
-        with self._send_lock:
-            worker = self.workers[slot]
-            # Not ready: the worker the scheduler chose died since, and this is its replacement, still
-            # starting (the scheduler parks jobs for those): the death's report fails these jobs.
-            if self.closing or worker is None or worker.retired or not worker.ready.is_set():
-                return False
-            code, pieces = {}, {}
-            sent = worker.pieces
-            for job in jobs:
-                piece = job.piece
-                if piece.id in sent or piece.id in pieces:
-                    continue  # its spec went there, and its nodes' code with it
-                pieces[piece.id] = piece.spec
-                for node_id, key in piece.keys.items():
-                    if key not in worker.loaded and key not in code:
-                        code[key] = self.registry.code(node_id, key)
-            forget = worker.forget
-            if forget:
-                worker.forget = []
-            for job in jobs:
-                for name in job.shared:
-                    self._book.lent(name, worker.pid)
-                    self.segments.note_sent(name)
-            task = Task(code, pieces, [u.wire() for u in jobs],  # JobSpecs and Bundles, packed
-                        self._book.take_frees(worker.pid), forget)
-            if not self._send(worker, protocol.pack(self.secret, task)):
-                return False
-            if pieces:
-                sent.update(pieces)
-                worker.loaded.update(code)
-            return True
-
-    def cancel(self, slot: int, job_ids: list) -> None:
-        """Ask the worker of `slot` to drop these jobs if they have not started."""
-        with self._send_lock:
-            worker = self.workers[slot]
-            if not self.closing and worker is not None and not worker.retired:
-                self._send(worker, protocol.pack(self.secret, protocol.Cancel(job_ids)))
-
-    def _send(self, worker, frame: bytes, retry_s: float = 5.0) -> bool:
-        # send lock held
-        deadline = time.monotonic() + retry_s
-        while True:
-            try:
-                self._tasks.send(worker.identity, self._zmq.SNDMORE)
-                self._tasks.send(frame)
-                return True
-            except self._zmq.ZMQError as err:
-                # Right after HELLO the connection may still be completing; a dead worker never completes it.
-                if err.errno != self._zmq.EHOSTUNREACH or time.monotonic() > deadline or not worker.alive():
-                    return False
-                time.sleep(0.001)
-
-    def forget(self, keys: list) -> None:
-        """Nodes the host let go: each worker that holds one is told with its next task."""
-        with self._send_lock:
-            for worker in self.workers:
-                if worker is None:
-                    continue
-                for key in keys:
-                    if key in worker.loaded:
-                        worker.loaded.discard(key)
-                        worker.forget.append(key)
-                worker.pieces.clear()  # pieces naming those keys are gone there; the others are cheap to resend
-
-    def running(self, slot: int) -> list[tuple[int, str]]:
-        """`(job id, node id)` the worker of `slot` runs now, from its status page."""
-        worker = self.workers[slot]
-        return (worker.running() or []) if worker is not None else []
-
-    def worker(self, slot: int):
-        """The worker process of `slot` now (its `.id`, `.pid`), or None before the first start."""
-        return self.workers[slot]
-
-    def pids(self) -> list[int]:
-        """The pids of the workers running now, in slot order."""
-        return [w.pid for w in self.workers if w is not None and not w.retired]
+        """The listener lets go of the results socket for good (closing)."""
+        if self._zctx is not None and not self._results_closed:
+            self._results_closed = True
+            self._results.close(0)
 
     def handle(self, frame: bytes) -> list:
         """What a frame from a worker means: `[Ready]`, `[Outcomes]`, or nothing (dropped, and logged)."""
@@ -360,15 +254,12 @@ class WorkerPool:
         return []
 
     def _on_hello(self, hello: Hello) -> list:
-        for worker in self.workers:
-            if worker is not None and worker.id == hello.worker and worker.pid == hello.pid:
-                with self._changed:
-                    worker.ready.set()
-                    self._start_failures[worker.slot] = 0
-                    self._changed_slots()
-                    self._changed.notify_all()
-                return [Ready(worker.slot)]
-        return []
+        worker = self._by_pid.get(hello.pid)
+        if worker is None or worker.id != hello.worker:
+            return []
+        worker.ready = True
+        self._failed_starts[worker.slot] = 0
+        return [Ready(worker.slot)]
 
     def _on_result(self, result: Result) -> list:
         worker = self._by_pid.get(result.pid)
@@ -401,9 +292,46 @@ class WorkerPool:
             self._book.released(worker.pid, name, n)
         if isinstance(worker, Gone):
             return []
-        if result.leaving:
-            self.leaving(worker.slot)
-        return [Outcomes(worker.slot, worker, decoded)]
+        return [Outcomes(worker.slot, worker, decoded, bool(result.leaving))]
+
+    # -- closing ---------------------------------------------------------------------------------------
+    def stop_workers(self) -> None:
+        """The first step of closing: nothing is sent after this but a STOP to each worker."""
+        self.closing = True
+        if self._zctx is None:
+            return
+        for worker in self.workers:
+            if worker is None or worker.retired:
+                continue
+            try:
+                self._tasks.send_multipart([worker.identity, protocol.pack(self.secret, Stop())],
+                                           flags=self._zmq.NOBLOCK)
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        """Stop the workers; leave no processes, segments or socket files. Mappings stay valid.
+
+        Called after `stop_workers`, once the listener has let go of the results socket (`close_results`):
+        the ZeroMQ context is ended only when every socket is closed.
+        """
+        self.closing = True
+        deadline = time.monotonic() + 3.0
+        workers = [w for w in self.workers if w is not None]
+        for worker in workers:
+            try:
+                worker.proc.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+            worker.kill()
+            worker.close()
+        if self._zctx is not None:
+            self._tasks.close(0)
+            self.close_results()
+            self._zctx.term()
+        self.segments.close()
+        unlink_all(self.prefix)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # -- shared memory (the host's own segments: leases.HostSegments) -------------------------------------
     def get_store(self, create: bool = True):
@@ -417,66 +345,19 @@ class WorkerPool:
 
     def flush_frees(self) -> None:
         """Tell owners about segments nobody holds any more (otherwise they ride on the next Task)."""
+        self.apply_host_releases()
         if not self._book.has_frees:
             return
-        with self._send_lock:
-            for worker in self.workers:
-                if worker is None or self.closing or worker.retired or not worker.ready.is_set():
-                    continue
-                frees = self._book.take_frees(worker.pid)
-                if frees:
-                    self._send(worker, protocol.pack(self.secret, protocol.Free(frees)), retry_s=0.0)
+        for worker in self.workers:
+            if worker is None or self.closing or worker.retired or not worker.ready:
+                continue
+            frees = self._book.peek_frees(worker.pid)
+            if frees and self._send(worker, protocol.pack(self.secret, protocol.Free(frees))):
+                self._book.take_frees(worker.pid)
 
-    # -- faults ----------------------------------------------------------------------------------------
-    def find_dead(self) -> list:
-        """Workers whose process has ended and whose end has not been handled (`retire` them)."""
-        return [w for w in list(self.workers) if w is not None and not w.retired and not w.alive()]
 
-    def retire(self, slot: int, reason: str | None = None):
-        """Kill and replace the worker of `slot` (it died, or a run timed out on it): the `Lost` it leaves,
-        or None when its end was handled already (then a replacement that could not be started before is
-        tried again)."""
-        worker = self.workers[slot]
-        if worker is None:
-            return None
-        if worker.retired:
-            with self._changed:
-                if self._spawn_errors.get(slot) is not None and not self.closing:
-                    self._respawn(slot)
-            return None
-        return self.retire_worker(worker, reason)
-
-    def retire_worker(self, worker, reason: str | None = None):
-        """A worker's end: settle its segments, start its replacement, and say what it held (`Lost`)."""
-        with self._changed:
-            if worker.retired:
-                return None
-            running = worker.running()
-            worker.kill()
-            worker.retired = True
-            self._changed_slots()
-            self._by_pid.pop(worker.pid, None)
-            ended = reason or worker.how_it_ended()
-            if not worker.ready.is_set():
-                self._start_failures[worker.slot] += 1
-            self._book.holder_gone(worker.pid)
-            unlink_all(self.prefix, owner=worker.pid, keep=self._book.held_names())
-            worker.close()
-            if not self.closing and not self.broken(worker.slot):
-                self._respawn(worker.slot)
-            self._changed.notify_all()
-        return Lost(worker.slot, worker, ended, running)
-
-    def _respawn(self, slot: int) -> None:
-        """A new worker for `slot`; when the machine cannot start one now (no file descriptors, no memory)
-        the reason is kept (`why_down`) and the next look at the slot tries again (lock held)."""
-        try:
-            self._spawn(slot)
-        except OSError as err:
-            self._spawn_errors[slot] = err
-            warn("soma.local", "soma: could not start a new worker w%s: %s: %s", slot, type(err).__name__, err)
-            return
-        self._spawn_errors.pop(slot, None)
+class StartDeferred(OSError):
+    """A slot whose workers keep ending before their hello is not started again yet (the message says when)."""
 
 
 def _bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
