@@ -34,14 +34,9 @@ from soma.local.host.core import (  # noqa: E402
     DOWN,
     READY,
     STARTING,
-    CancelAt,
-    Deliver,
     HostCore,
-    Retire,
-    Send,
-    Spawn,
 )
-from soma.local.host.events import Arrived  # noqa: E402
+from soma.local.host.events import Arrived, CancelAt, Deliver, Retire, Send, Spawn  # noqa: E402
 from soma.local.host.flows import Flow  # noqa: E402
 from soma.local.host.program import compile_program  # noqa: E402
 from soma.plan import Seq, Step, Wave  # noqa: E402

@@ -125,11 +125,6 @@ class Walker:
             starter = self._starters[program] = fold(program, self._piece, _seq, _wave)
         return starter(x, flow, flow, {})
 
-    @staticmethod
-    def stale(job: Job) -> bool:
-        """Whether `job` is of no use any more: its flow is over, or it belongs to an earlier try."""
-        return job.flow.finished or job.try_ != job.flow.tries
-
     def _piece(self, piece: Piece):
         def start_piece(x, flow: Flow, then, twins: dict) -> list:
             return [Job(next(self.job_ids), flow, piece, then, x, twins)]
@@ -200,6 +195,11 @@ class _Branch:
 
     def __call__(self, ok, value) -> list:
         return self.join.branch_over(self.i, ok, value)
+
+
+def stale(job: Job) -> bool:
+    """Whether `job` is of no use any more: its flow is over, or it belongs to an earlier try."""
+    return job.flow.finished or job.try_ != job.flow.tries
 
 
 def entries(jobs: list) -> list:

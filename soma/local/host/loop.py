@@ -25,22 +25,18 @@ go (so nothing posted meanwhile is stranded).
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import os
 import queue
 import threading
 import time
 from collections import deque
 
-from ..._log import warn
 from ...errors import SomaError, WorkerDied
-from .core import CancelAt, Deliver, HostCore, Retire, Send, Spawn
-from .events import Outcomes, Ready
+from .core import HostCore
+from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
 from .flows import Flow, entries
+from .listener import PUMP_S, Listener
 from .sending import encode
 
-PUMP_S = 0.05  # how often the workers are looked at (a death nobody reported is found within this)
 LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
 _LEAD = object()  # put in a waiting caller's sink: "nobody is receiving: you do"
 
@@ -58,18 +54,10 @@ class HostLoop:
         self.all_ready = threading.Event()  # every slot has a worker that said hello
         self._deliveries: list = []  # outcomes to put in their sinks once the lock is let go
         self._unreachable: dict = {}  # slot → items its worker's connection did not take yet (tried again)
-        self._leading = False  # a caller holds the lock to receive its own outcome (the listener sleeps)
+        self.leading = False  # a caller holds the lock to receive its own outcome (the listener sleeps)
         self._waiters: deque = deque()  # callers asleep on their sinks, who could receive next
-        self._quiet = threading.Condition()  # the listener sleeps on it while a caller receives
-        self._wake_r, self._wake_w = os.pipe()  # wakes the listener's poll: close(), timers, a caller's lock wait
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._timers: list = []  # heap of (when, n, call): the listener calls each once its time has come
-        self._timers_lock = threading.Lock()  # (callers push while the listener pops)
-        self._timer_count = itertools.count()
         self._looked_at = 0.0
-        self._listener = None
-        self._faults = _FaultLog()
+        self.listener = Listener(self)
 
     # -- life ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -78,8 +66,7 @@ class HostLoop:
             self._spawn(slot)
         self.pool.open_sockets()
         self._act()
-        self._listener = threading.Thread(target=self._listen, name="listener", daemon=True)
-        self._listener.start()
+        self.listener.start()
 
     def wait_ready(self, deadline: float) -> None:
         """Until every worker has said hello; WorkerDied naming the first that cannot, or did not in time."""
@@ -101,13 +88,7 @@ class HostLoop:
             self.core.close(error)
             self.closing = True
             self.pool.stop_workers()
-        self._wake()
-        with self._quiet:
-            self._quiet.notify_all()
-        if self._listener is not None and self._listener is not threading.current_thread():
-            self._listener.join(5 * PUMP_S + 1)  # it closes the results socket on the way out
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self.listener.stop()  # (it lets go of the results socket on the way out)
 
     # -- what callers post ------------------------------------------------------------------------------
     def start_inputs(self, program, items: list, sink, trace, retries: int, graph) -> dict:
@@ -138,9 +119,7 @@ class HostLoop:
 
     def at(self, when: float, call) -> None:
         """Call `call()` on the listener thread once time.monotonic() reaches `when` (within ~PUMP_S)."""
-        with self._timers_lock:
-            heapq.heappush(self._timers, (when, next(self._timer_count), call))
-        self._wake()
+        self.listener.at(when, call)
 
     def _post(self, method, *args) -> None:
         self.inbox.append((method, args))
@@ -282,6 +261,22 @@ class HostLoop:
             self._on_frame(frame)
             frame = pool.frame_now()
 
+    def service(self) -> None:
+        """The listener's turn, when no caller receives: take the lock if it is free, handle what came, look at
+        the workers now and then, let go."""
+        if self.closing or not self.lock.acquire(blocking=False):
+            return
+        try:
+            self._drain()
+            self._now_and_then()
+        finally:
+            self._release()
+
+    def let_go_of_results(self) -> None:
+        """The listener's last act: the results socket is closed, by the lock's holder, for good."""
+        with self.lock:
+            self.pool.close_results()
+
     def _now_and_then(self) -> None:
         now = time.monotonic()
         if now - self._looked_at >= PUMP_S:
@@ -340,7 +335,7 @@ class HostLoop:
     def _lead(self, seconds: float) -> None:
         """Receive on this thread (lock held on entry) until an outcome is ready to deliver or `seconds` pass;
         then let go, deliver, and hand the receiving on when work is still out there."""
-        self._leading = True
+        self.leading = True
         try:
             if not self.closing:
                 self._act()
@@ -354,7 +349,7 @@ class HostLoop:
                 self._drain()
                 self._now_and_then()
         finally:
-            self._leading = False
+            self.leading = False
             self._release()
         self._pass_on()
 
@@ -366,74 +361,10 @@ class HostLoop:
         try:
             waiter = self._waiters.popleft()
         except IndexError:
-            with self._quiet:
-                self._quiet.notify()
+            self.listener.notify()
             return
         waiter.handed = True
         waiter.sink.put(_LEAD)
-
-    # -- the listener ------------------------------------------------------------------------------------
-    def _listen(self) -> None:
-        """The receiver whenever no caller is: wake on the socket's descriptor (or the wake pipe), then take the
-        lock without waiting, drain, watch the workers, and let go. It sleeps while a caller receives."""
-        import select
-
-        poller = select.poll()
-        poller.register(self.pool.results_fd(), select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        try:
-            while not self.closing:
-                try:
-                    self._listen_once(poller)
-                except Exception as err:  # never silent, never dead: the pool cannot work without its listener
-                    self._faults.note(err)
-                    time.sleep(PUMP_S)  # (a resource that ran out is given time to come back)
-        finally:
-            with self.lock:
-                self.pool.close_results()
-
-    def _listen_once(self, poller) -> None:
-        wait_s = self._due()
-        if self._leading:
-            with self._quiet:
-                if self._leading:
-                    self._quiet.wait(wait_s)
-        elif poller.poll(int(wait_s * 1000)):  # the descriptor says "look again", not "a message is there"
-            self._empty_wake_pipe()
-        if self.closing or not self.lock.acquire(blocking=False):
-            return
-        try:
-            self._drain()
-            self._now_and_then()
-        finally:
-            self._release()
-
-    def _due(self) -> float:
-        """Run the timers whose time has come (outside the lock: they take it); seconds until the next one."""
-        now = time.monotonic()
-        due = []
-        with self._timers_lock:
-            timers = self._timers
-            while timers and timers[0][0] <= now:
-                due.append(heapq.heappop(timers)[2])
-            left = timers[0][0] - now if timers else PUMP_S
-        for call in due:
-            call()
-        return min(PUMP_S, max(0.0, left))
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:
-            pass
-
-    def _empty_wake_pipe(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except OSError:
-            pass
-
 
 class _Held:
     """`with loop._held():` the lock, waited for (the listener is woken so it lets go soon)."""
@@ -446,7 +377,7 @@ class _Held:
     def __enter__(self):
         loop = self.loop
         if not loop.lock.acquire(blocking=False):
-            loop._wake()
+            loop.listener.wake()  # (it lets go soon: it never waits while holding the lock)
             loop.lock.acquire()
         loop._take_inbox()
 
@@ -460,25 +391,3 @@ class _Waiter:
     def __init__(self, sink):
         self.sink = sink
         self.handed = False  # a leader has put _LEAD in its sink
-
-
-class _FaultLog:
-    """The listener's own failures: the first one at once, with its traceback; then one line per interval with
-    how many came since, so a lasting fault is not a flood."""
-
-    INTERVAL_S = 10.0
-
-    def __init__(self):
-        self.since = 0
-        self.last = float("-inf")
-
-    def note(self, err: BaseException) -> None:
-        now = time.monotonic()
-        if now - self.last < self.INTERVAL_S:
-            self.since += 1
-            return
-        more = f" ({self.since} more since the last report)" if self.since else ""
-        first = self.last == float("-inf")
-        self.since, self.last = 0, now
-        warn("soma.local", "soma: the pool's listener met %s: %s%s; it goes on (runs it touches fail with a "
-             "SomaError that says why)", type(err).__name__, err, more, exc_info=err if first else None)
