@@ -135,7 +135,7 @@ class Local(RunnerBase):
         sink = queue.SimpleQueue()
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
-        flow = loop.start_inputs(program, [(None, x)], sink, trace, retries, g)[None]
+        flow = loop.start_inputs(program, [(None, x)], sink, trace, retries, g, lead=timeout or 1.0)[None]
         try:
             try:
                 _, ok, value = loop.await_item(sink, timeout)

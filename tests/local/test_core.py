@@ -299,9 +299,9 @@ class CoreMachine(RuleBasedStateMachine):
     def counted_out_is_what_was_sent(self):
         core = self.core
         for slot in (0, 1):
-            out = [j for j in core.outstanding.values() if j.slot == slot and j not in core.parked[slot]]
+            out = [j for j in core.dispatch.outstanding.values() if j.slot == slot and j not in core.dispatch.parked[slot]]
             assert sorted(j.id for j in out) == sorted(j.id for j in self.inbox[slot]), slot
-            assert core.choice.load[slot] == len(out) + len(core.parked[slot]), slot
+            assert core.dispatch.choice.load[slot] == len(out) + len(core.dispatch.parked[slot]), slot
 
     def teardown(self):
         """Liveness: every worker says hello and answers everything (no more deaths): every input ends."""
@@ -330,7 +330,7 @@ class CoreMachine(RuleBasedStateMachine):
                 break
         left = [i for i in self.inputs if i not in self.outcomes and i not in self.given_up]
         assert not left, f"inputs that never ended: {left}"
-        assert not self.core.outstanding and not self.core.busy()
+        assert not self.core.dispatch.outstanding and not self.core.busy()
 
 
 CoreMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)

@@ -337,7 +337,7 @@ class HostCore:
     def _pump(self) -> None:
         """Give queued jobs to workers that can take them (dispatch.py), one Send per worker; what no worker can
         ever take fails, saying why."""
-        if not self.dispatch.waiting:
+        if not self.dispatch.waiting.lines:
             return
         usable = tuple(s for s, state in enumerate(self.state) if state in (READY, STARTING))
         sends = self.dispatch.pump(usable, tuple(s for s in usable if self.state[s] == STARTING))
@@ -347,8 +347,7 @@ class HostCore:
             self._fail_unplaceable()
 
     def _send(self, slot: int, jobs: list) -> None:
-        self.dispatch.sent(slot, jobs)
-        self.out.append(Send(slot, jobs))
+        self.out.append(Send(slot, jobs, self.dispatch.sent(slot, jobs)))
 
     def _fail_unplaceable(self) -> None:
         """Jobs whose only workers cannot start (now, or any more) would wait forever: they fail, saying why."""

@@ -83,16 +83,18 @@ class Dispatch:
             self.outstanding[job.id] = job
             places.setdefault(slot, []).append(job)
 
-    def sent(self, slot: int, jobs: list) -> None:
-        """The jobs go to the worker of `slot`: a batching node alone's sends are counted there (a bundle, or one
-        job, is one send: `WorkerChoice.sent`), grouped as they will travel (flows.entries)."""
-        for group in entries(jobs):
+    def sent(self, slot: int, jobs: list) -> list:
+        """The jobs go to the worker of `slot`, grouped as they will travel (flows.entries: returned); a batching
+        node alone's sends are counted there (a bundle, or one job, is one send: `WorkerChoice.sent`)."""
+        groups = entries(jobs)
+        for group in groups:
             first = group[0]
             if first.piece.bundle and not first.traced:
                 count = SendCount(slot, first.piece.id, len(group))
                 for job in group:
                     job.send = count
                 self.choice.sent(slot, first.piece.id)
+        return groups
 
     def unpark(self, slot: int) -> list:
         """The jobs parked for the worker of `slot` (it said hello, or it is gone)."""

@@ -74,6 +74,7 @@ class Send(NamedTuple):
 
     slot: int
     jobs: list
+    groups: list  # the jobs as they travel (flows.entries): each alone, a batching node alone's in bundles
 
 
 class CancelAt(NamedTuple):

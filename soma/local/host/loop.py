@@ -33,7 +33,7 @@ from collections import deque
 from ...errors import SomaError, WorkerDied
 from .core import HostCore
 from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
-from .flows import Flow, entries
+from .flows import Flow
 from .listener import PUMP_S, Listener
 from .sending import encode
 
@@ -91,10 +91,18 @@ class HostLoop:
         self.listener.stop()  # (it lets go of the results socket on the way out)
 
     # -- what callers post ------------------------------------------------------------------------------
-    def start_inputs(self, program, items: list, sink, trace, retries: int, graph) -> dict:
-        """Start `(index, x)` inputs; each one's `(index, ok, value)` goes to `sink` once. Returns index → Flow."""
+    def start_inputs(self, program, items: list, sink, trace, retries: int, graph, lead: float = 0.0) -> dict:
+        """Start `(index, x)` inputs; each one's `(index, ok, value)` goes to `sink` once. Returns index → Flow.
+
+        `lead`: the caller waits for them next (Local.run): when the lock is free it keeps it and receives for
+        up to that many seconds right away (one taking of the lock for the whole run, not two)."""
         flows = {index: Flow(index, sink, trace, program, x, retries, graph) for index, x in items}
-        self._post(self.core.start, program, list(flows.values()))
+        if lead and self.lock.acquire(blocking=False):
+            self._take_inbox()
+            self.core.start(program, list(flows.values()))
+            self._lead(min(lead, LEAD_S))
+        else:
+            self._post(self.core.start, program, list(flows.values()))
         return flows
 
     def cancel(self, flows) -> None:
@@ -148,7 +156,7 @@ class HostLoop:
                 if kind is Deliver:
                     self._deliveries.append(action)
                 elif kind is Send:
-                    self._send(action.slot, action.jobs)
+                    self._send(action.slot, action.jobs, action.groups)
                 elif kind is CancelAt:
                     self.pool.cancel(action.slot, action.job_ids)
                 elif kind is Retire:
@@ -172,13 +180,13 @@ class HostLoop:
             if not self.inbox or not self.lock.acquire(blocking=False):
                 return
 
-    def _send(self, slot: int, jobs: list) -> None:
+    def _send(self, slot: int, jobs: list, groups: list) -> None:
         now = time.monotonic()
         for job in jobs:
             job.sent_at = now
             if job.traced:
                 job.sent_ns = time.monotonic_ns()
-        items, failed = encode(self.pool.get_store, entries(jobs))
+        items, failed = encode(self.pool.get_store, groups)
         for job, err in failed:
             self.core.unsent([job], err)
         if items and self.pool.send(slot, items) is None:  # its connection is still completing: soon again

@@ -178,10 +178,12 @@ class WorkerPool:
             for node_id, key in piece.keys.items():
                 if key not in worker.loaded and key not in code:
                     code[key] = self.registry.code(node_id, key)
-        task = Task(code, pieces, [item.wire() for item in items], self._book.peek_frees(worker.pid), worker.forget)
+        frees = self._book.take_frees(worker.pid) if self._book.has_frees else []
+        task = Task(code, pieces, [item.wire() for item in items], frees, worker.forget)
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
-        if sent_ok:
-            self._book.take_frees(worker.pid)
+        if not sent_ok:
+            self._book.give_back_frees(worker.pid, frees)
+        else:
             worker.forget = []
             for item in items:
                 for name in item.shared:
@@ -351,9 +353,9 @@ class WorkerPool:
         for worker in self.workers:
             if worker is None or self.closing or worker.retired or not worker.ready:
                 continue
-            frees = self._book.peek_frees(worker.pid)
-            if frees and self._send(worker, protocol.pack(self.secret, protocol.Free(frees))):
-                self._book.take_frees(worker.pid)
+            frees = self._book.take_frees(worker.pid)
+            if frees and not self._send(worker, protocol.pack(self.secret, protocol.Free(frees))):
+                self._book.give_back_frees(worker.pid, frees)
 
 
 class StartDeferred(OSError):
