@@ -133,12 +133,13 @@ class Worker:
         """Unlink our segments and exit now.
 
         Other threads may be polling the socket or running a node: closing sockets
-        under them would raise in each. The host has asked us to stop (or is gone),
-        so nothing still in flight is wanted; the kernel closes the sockets.
+        under them would raise in each, and so would closing the status page (a lane
+        thread that names its next node there printed a TypeError traceback while the
+        worker stopped). The host has asked us to stop (or is gone), so nothing still
+        in flight is wanted; the kernel closes the sockets and unmaps the page.
         """
         if self.store is not None:
             self.store.close()
-        self.status.close()
         os._exit(0)
 
     # -- serving: one thread receives, the others run lanes ----------------------------------------
