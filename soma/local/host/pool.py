@@ -35,7 +35,9 @@ from .events import Arrived, Bundled, Gone, Lost, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
 from .procs import spawn
 
-START_FAILURES = 3  # a slot whose worker dies this many times before saying hello is broken
+START_FAILURES = 3  # a slot whose workers die this many times in a row before saying hello is down (why_down)
+RESTART_FIRST_S = 0.1  # such a slot starts its next worker after this long, doubled after each death in a row
+RESTART_MAX_S = 3.2  # ... up to this: the slot keeps trying, so the pool runs again once the cause is gone
 PUMP_S = 0.05  # how often the pool's state is looked at (a death nobody reported is found within this)
 
 
@@ -60,8 +62,11 @@ class WorkerPool:
         self.closing = False
         self._state_lock = threading.RLock()
         self._changed = threading.Condition(self._state_lock)  # a worker said hello or died
-        self._start_failures = Counter()
+        self._start_failures = Counter()  # slot → how many of its workers in a row died before saying hello
+        self._ended_before_hello: dict = {}  # slot → how the last of those ended ("was killed by signal 9 ...")
+        self._restart_at: dict = {}  # slot → when its next worker is started (a slot without one: restart_due)
         self._spawn_errors: dict = {}  # slot → why its worker could not be started again (tried again later)
+        self._unswept: set = set()  # pids of dead workers whose segments are still to unlink (no descriptor was free)
         self._book = LeaseBook(self.host_pid)
         self.segments = HostSegments(self.prefix, self.arena, self._book)
         self._send_lock = threading.Lock()
@@ -87,12 +92,10 @@ class WorkerPool:
         with self._changed:
             for slot in range(len(self.devices)):
                 while not self.workers[slot].ready.is_set():
-                    if self.broken(slot):
+                    if self._start_failures[slot] >= START_FAILURES:
                         worker = self.workers[slot]
-                        raise WorkerDied(
-                            f"worker {worker.id} (pid {worker.pid}) {worker.how_it_ended()} before it was ready, "
-                            f"{START_FAILURES} times in a row; its stderr says why",
-                            worker=worker.id, pid=worker.pid, node=None)
+                        raise WorkerDied(f"worker {worker.id} (pid {worker.pid}) {self._gave_up(slot)}",
+                                         worker=worker.id, pid=worker.pid, node=None)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         worker = self.workers[slot]
@@ -197,9 +200,7 @@ class WorkerPool:
             changes = self._changes
             by_state: dict = {"ready": [], "starting": [], "dead": []}
             for slot in range(len(self.workers)):
-                state = self.state(slot)
-                if state != "broken":  # (a broken slot takes nothing, and is not coming back)
-                    by_state[state].append(slot)
+                by_state[self.state(slot)].append(slot)
             # Tuples: the snapshot is shared by every pump until the next change.
             snapshot = (tuple(by_state["ready"]), tuple(by_state["starting"]), tuple(by_state["dead"]),
                         time.monotonic())
@@ -217,9 +218,7 @@ class WorkerPool:
         self._snapshot = None
 
     def state(self, slot: int) -> str:
-        """"ready", "starting" (spawned, no hello yet), "dead" (not yet retired), or "broken"."""
-        if self.broken(slot):
-            return "broken"
+        """"ready", "starting" (spawned, no hello yet), or "dead" (not yet retired, or waiting to start again)."""
         worker = self.workers[slot]
         if worker is None or worker.retired or not worker.alive(recheck_s=PUMP_S / 10):
             return "dead"
@@ -235,22 +234,33 @@ class WorkerPool:
                 worker.leaving = True
                 self._changed_slots()
 
-    def broken(self, slot: int) -> bool:
-        """The slot's worker died before saying hello too many times: nothing will run there."""
-        return self._start_failures[slot] >= START_FAILURES
-
     def why_down(self, slot: int) -> str | None:
-        """Why no worker of `slot` can take jobs now, in words that follow "worker w1"; None when one can."""
-        if self.broken(slot):
-            return f"died before it was ready {START_FAILURES} times in a row; its stderr says why"
+        """Why no worker of `slot` can take jobs now, in words that follow "worker w1"; None when one can (or
+        one is on its way, and the slot's workers have not died before saying hello START_FAILURES times)."""
         err = self._spawn_errors.get(slot)
-        if err is None:
-            return None
-        hint = ""
-        if getattr(err, "errno", None) == errno.EMFILE:
-            hint = (" (this process has run out of file descriptors: close some, or raise the limit with "
-                    "`ulimit -n`; the pool starts it again at the next run)")
-        return f"could not be started again: {type(err).__name__}: {err}{hint}"
+        if err is not None:
+            hint = ""
+            if getattr(err, "errno", None) == errno.EMFILE:
+                hint = (" (this process has run out of file descriptors: close some, or raise the limit with "
+                        "`ulimit -n`; the pool starts it again as soon as it can)")
+            return f"could not be started again: {type(err).__name__}: {err}{hint}"
+        worker = self.workers[slot]
+        if self._start_failures[slot] >= START_FAILURES and (worker is None or worker.retired):
+            return self._gave_up(slot)
+        return None
+
+    def _gave_up(self, slot: int) -> str:
+        """What was seen of a slot whose workers keep dying before they say hello, and what happens next."""
+        failures = self._start_failures[slot]
+        ended = self._ended_before_hello.get(slot, "died")
+        # Its stderr is this process's (inherited), and soma does not read it: say where to look, not what it said.
+        seen = ("something outside soma kills it as it starts (`kill -9`, or the kernel's out-of-memory killer)"
+                if "signal" in ended else "anything it printed is on this process's stderr")
+        when = self._restart_at.get(slot)
+        again = "" if when is None or self.closing else (
+            f"; the pool starts it again in {max(0.0, when - time.monotonic()):.1f} s, and runs there once one "
+            f"says hello")
+        return f"{ended} before it was ready, {failures} times in a row: {seen}{again}"
 
     def worker_starting(self, slot: int) -> bool:
         """Whether the slot has a worker on its way (spawned, no hello yet)."""
@@ -434,49 +444,93 @@ class WorkerPool:
 
     def retire(self, slot: int, reason: str | None = None):
         """Kill and replace the worker of `slot` (it died, or a run timed out on it): the `Lost` it leaves,
-        or None when its end was handled already (then a replacement that could not be started before is
-        tried again)."""
+        or None when its end was handled already (then a replacement that is due is started: restart_due; one
+        that could not be started is tried at once, for a run wants it)."""
         worker = self.workers[slot]
         if worker is None:
             return None
         if worker.retired:
-            with self._changed:
-                if self._spawn_errors.get(slot) is not None and not self.closing:
-                    self._respawn(slot)
+            self.restart_due(slot, wanted=True)
             return None
         return self.retire_worker(worker, reason)
 
     def retire_worker(self, worker, reason: str | None = None):
-        """A worker's end: settle its segments, start its replacement, and say what it held (`Lost`)."""
+        """A worker's end: settle its segments, start its replacement, and say what it held (`Lost`).
+
+        Always returns the `Lost` once the worker is marked retired: a step that needs a file
+        descriptor (unlinking its segments, starting the next worker) and finds none is done
+        later, for a run waiting on this worker waits for this Lost (before Dec 3 it waited
+        forever when the host was out of descriptors).
+        """
+        slot = worker.slot
         with self._changed:
             if worker.retired:
                 return None
-            running = worker.running()
+            running = worker.running()  # (None when its page cannot be read: then nobody knows)
             worker.kill()
             worker.retired = True
             self._changed_slots()
             self._by_pid.pop(worker.pid, None)
             ended = reason or worker.how_it_ended()
-            if not worker.ready.is_set():
-                self._start_failures[worker.slot] += 1
+            if worker.ready.is_set():
+                self._start_failures[slot] = 0
+            else:  # (died before its hello: started again after a wait that doubles, restart_due)
+                self._start_failures[slot] += 1
+                self._ended_before_hello[slot] = worker.how_it_ended(hint=False)
             self._book.holder_gone(worker.pid)
-            unlink_all(self.prefix, owner=worker.pid, keep=self._book.held_names())
-            worker.close()
-            if not self.closing and not self.broken(worker.slot):
-                self._respawn(worker.slot)
+            self._unswept.add(worker.pid)
+            self._sweep()
+            try:
+                worker.close()
+            except OSError:
+                pass  # (its status page's file stays in the run directory, removed at close)
+            if not self.closing:
+                failures = self._start_failures[slot]
+                wait = min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** (failures - 1)) if failures else 0.0
+                self._restart_at[slot] = time.monotonic() + wait
+                self.restart_due(slot)
             self._changed.notify_all()
-        return Lost(worker.slot, worker, ended, running)
+        return Lost(slot, worker, ended, running)
+
+    def restart_due(self, slot: int | None = None, wanted: bool = False) -> None:
+        """Start the next worker of each slot (or of `slot`) that has none and whose time has come (`wanted`: a
+        run wants it now, so one the machine could not start is tried at once); segments of dead workers that
+        could not be unlinked before are unlinked now. Whoever looks at the workers calls it (receiving.py,
+        every PUMP_S; the scheduler, for a slot it would use)."""
+        if not self._restart_at and not self._unswept:
+            return
+        with self._changed:
+            self._sweep()
+            now = time.monotonic()
+            for s in [slot] if slot is not None else list(self._restart_at):
+                when = self._restart_at.get(s)
+                if when is not None and (when <= now or (wanted and s in self._spawn_errors)) and not self.closing:
+                    self._respawn(s)
 
     def _respawn(self, slot: int) -> None:
         """A new worker for `slot`; when the machine cannot start one now (no file descriptors, no memory)
-        the reason is kept (`why_down`) and the next look at the slot tries again (lock held)."""
+        the reason is kept (`why_down`) and it is tried again after RESTART_FIRST_S (lock held)."""
         try:
             self._spawn(slot)
         except OSError as err:
+            if slot not in self._spawn_errors:  # (once per streak, not every PUMP_S)
+                warn("soma.local", "soma: could not start a new worker w%s: %s: %s", slot, type(err).__name__, err)
             self._spawn_errors[slot] = err
-            warn("soma.local", "soma: could not start a new worker w%s: %s: %s", slot, type(err).__name__, err)
+            self._restart_at[slot] = time.monotonic() + RESTART_FIRST_S
             return
         self._spawn_errors.pop(slot, None)
+        self._restart_at.pop(slot, None)
+
+    def _sweep(self) -> None:
+        """Unlink the segments of dead workers, but those the host still holds (lock held). Without a free
+        file descriptor (to list /dev/shm) they wait for the next sweep; close() unlinks every one."""
+        keep = self._book.held_names() if self._unswept else None
+        for pid in list(self._unswept):
+            try:
+                unlink_all(self.prefix, owner=pid, keep=keep)
+            except OSError:
+                return
+            self._unswept.discard(pid)
 
 
 def _bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:

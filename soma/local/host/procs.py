@@ -43,7 +43,8 @@ class WorkerProcess:
             return True
         return False
 
-    def how_it_ended(self) -> str:
+    def how_it_ended(self, hint: bool = True) -> str:
+        """"was killed by signal 9 (SIGKILL...)", "exited with code 3"; `hint`: what a SIGKILL usually means."""
         code = self.proc.poll()
         if code is None:
             return "is still running"
@@ -52,9 +53,9 @@ class WorkerProcess:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            hint = (": what the kernel's out-of-memory killer sends; soma.Local(max_memory=...) replaces a worker "
-                    "before it grows that far") if -code == signal.SIGKILL else ""
-            return f"was killed by signal {-code} ({name}{hint})"
+            why = (": what the kernel's out-of-memory killer sends; soma.Local(max_memory=...) replaces a worker "
+                   "before it grows that far") if hint and -code == signal.SIGKILL else ""
+            return f"was killed by signal {-code} ({name}{why})"
         return f"exited with code {code}"
 
     def running(self) -> list[tuple[int, str]] | None:

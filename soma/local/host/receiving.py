@@ -174,15 +174,16 @@ class Receiving:
             self._look_at_workers()
 
     def _look_at_workers(self) -> None:
-        """Dead workers: what they sent before dying is received first (still a result), then their end."""
+        """Dead workers: what they sent before dying is received first (still a result), then their end; and
+        slots whose next worker is due (after a wait, or when none could be started) start it."""
         dead = self.pool.find_dead()
-        if not dead:
-            return
-        self._drain()
-        for worker in dead:
-            lost = self.pool.retire_worker(worker)
-            if lost is not None:
-                self.scheduler.handle([lost])
+        if dead:
+            self._drain()
+            for worker in dead:
+                lost = self.pool.retire_worker(worker)
+                if lost is not None:
+                    self.scheduler.handle([lost])
+        self.pool.restart_due()
 
     # -- callers ---------------------------------------------------------------------------------------
     def check_can_wait(self, what: str) -> None:
@@ -273,7 +274,10 @@ class Receiving:
                 if frame is not None:
                     handle(pool.handle(frame))
             self._drain()
-            self._look_at_workers_now_and_then()
+            try:
+                self._look_at_workers_now_and_then()
+            except Exception as err:  # another worker's end is not this caller's failure: the listener's way
+                self._faults.note(err)
         finally:
             self._leading, self._receiver = False, None
             self._recv_lock.release()
