@@ -18,13 +18,11 @@ context terminated under its feet.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections import Counter
 
 from ..._log import warn
 from ...errors import WorkerDied
@@ -33,11 +31,8 @@ from ...wire.protocol import Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
 from .events import Arrived, Bundled, Gone, Lost, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
-from .procs import spawn
+from .procs import Restarts, spawn
 
-START_FAILURES = 3  # a slot whose workers die this many times in a row before saying hello is down (why_down)
-RESTART_FIRST_S = 0.1  # such a slot starts its next worker after this long, doubled after each death in a row
-RESTART_MAX_S = 3.2  # ... up to this: the slot keeps trying, so the pool runs again once the cause is gone
 PUMP_S = 0.05  # how often the pool's state is looked at (a death nobody reported is found within this)
 
 
@@ -62,10 +57,7 @@ class WorkerPool:
         self.closing = False
         self._state_lock = threading.RLock()
         self._changed = threading.Condition(self._state_lock)  # a worker said hello or died
-        self._start_failures = Counter()  # slot → how many of its workers in a row died before saying hello
-        self._ended_before_hello: dict = {}  # slot → how the last of those ended ("was killed by signal 9 ...")
-        self._restart_at: dict = {}  # slot → when its next worker is started (a slot without one: restart_due)
-        self._spawn_errors: dict = {}  # slot → why its worker could not be started again (tried again later)
+        self._restarts = Restarts()  # when each slot starts its next worker (procs.py)
         self._unswept: set = set()  # pids of dead workers whose segments are still to unlink (no descriptor was free)
         self._book = LeaseBook(self.host_pid)
         self.segments = HostSegments(self.prefix, self.arena, self._book)
@@ -92,9 +84,9 @@ class WorkerPool:
         with self._changed:
             for slot in range(len(self.devices)):
                 while not self.workers[slot].ready.is_set():
-                    if self._start_failures[slot] >= START_FAILURES:
+                    if self._restarts.gave_up(slot):
                         worker = self.workers[slot]
-                        raise WorkerDied(f"worker {worker.id} (pid {worker.pid}) {self._gave_up(slot)}",
+                        raise WorkerDied(f"worker {worker.id} (pid {worker.pid}) {self._restarts.what_was_seen(slot)}",
                                          worker=worker.id, pid=worker.pid, node=None)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -236,31 +228,9 @@ class WorkerPool:
 
     def why_down(self, slot: int) -> str | None:
         """Why no worker of `slot` can take jobs now, in words that follow "worker w1"; None when one can (or
-        one is on its way, and the slot's workers have not died before saying hello START_FAILURES times)."""
-        err = self._spawn_errors.get(slot)
-        if err is not None:
-            hint = ""
-            if getattr(err, "errno", None) == errno.EMFILE:
-                hint = (" (this process has run out of file descriptors: close some, or raise the limit with "
-                        "`ulimit -n`; the pool starts it again as soon as it can)")
-            return f"could not be started again: {type(err).__name__}: {err}{hint}"
+        one is on its way, and the slot has not been given up on: procs.Restarts)."""
         worker = self.workers[slot]
-        if self._start_failures[slot] >= START_FAILURES and (worker is None or worker.retired):
-            return self._gave_up(slot)
-        return None
-
-    def _gave_up(self, slot: int) -> str:
-        """What was seen of a slot whose workers keep dying before they say hello, and what happens next."""
-        failures = self._start_failures[slot]
-        ended = self._ended_before_hello.get(slot, "died")
-        # Its stderr is this process's (inherited), and soma does not read it: say where to look, not what it said.
-        seen = ("something outside soma kills it as it starts (`kill -9`, or the kernel's out-of-memory killer)"
-                if "signal" in ended else "anything it printed is on this process's stderr")
-        when = self._restart_at.get(slot)
-        again = "" if when is None or self.closing else (
-            f"; the pool starts it again in {max(0.0, when - time.monotonic()):.1f} s, and runs there once one "
-            f"says hello")
-        return f"{ended} before it was ready, {failures} times in a row: {seen}{again}"
+        return self._restarts.why_down(slot, has_worker=worker is not None and not worker.retired)
 
     def worker_starting(self, slot: int) -> bool:
         """Whether the slot has a worker on its way (spawned, no hello yet)."""
@@ -374,7 +344,7 @@ class WorkerPool:
             if worker is not None and worker.id == hello.worker and worker.pid == hello.pid:
                 with self._changed:
                     worker.ready.set()
-                    self._start_failures[worker.slot] = 0
+                    self._restarts.hello(worker.slot)
                     self._changed_slots()
                     self._changed.notify_all()
                 return [Ready(worker.slot)]
@@ -472,11 +442,6 @@ class WorkerPool:
             self._changed_slots()
             self._by_pid.pop(worker.pid, None)
             ended = reason or worker.how_it_ended()
-            if worker.ready.is_set():
-                self._start_failures[slot] = 0
-            else:  # (died before its hello: started again after a wait that doubles, restart_due)
-                self._start_failures[slot] += 1
-                self._ended_before_hello[slot] = worker.how_it_ended(hint=False)
             self._book.holder_gone(worker.pid)
             self._unswept.add(worker.pid)
             self._sweep()
@@ -484,10 +449,8 @@ class WorkerPool:
                 worker.close()
             except OSError:
                 pass  # (its status page's file stays in the run directory, removed at close)
-            if not self.closing:
-                failures = self._start_failures[slot]
-                wait = min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** (failures - 1)) if failures else 0.0
-                self._restart_at[slot] = time.monotonic() + wait
+            if not self.closing:  # (one that died before its hello starts again after a wait: procs.Restarts)
+                self._restarts.died(slot, worker.ready.is_set(), worker.how_it_ended(hint=False))
                 self.restart_due(slot)
             self._changed.notify_all()
         return Lost(slot, worker, ended, running)
@@ -497,29 +460,24 @@ class WorkerPool:
         run wants it now, so one the machine could not start is tried at once); segments of dead workers that
         could not be unlinked before are unlinked now. Whoever looks at the workers calls it (receiving.py,
         every PUMP_S; the scheduler, for a slot it would use)."""
-        if not self._restart_at and not self._unswept:
+        if not self._restarts.at and not self._unswept:
             return
         with self._changed:
             self._sweep()
-            now = time.monotonic()
-            for s in [slot] if slot is not None else list(self._restart_at):
-                when = self._restart_at.get(s)
-                if when is not None and (when <= now or (wanted and s in self._spawn_errors)) and not self.closing:
-                    self._respawn(s)
+            for due in self._restarts.due(slot, wanted):
+                if not self.closing:
+                    self._respawn(due)
 
     def _respawn(self, slot: int) -> None:
         """A new worker for `slot`; when the machine cannot start one now (no file descriptors, no memory)
-        the reason is kept (`why_down`) and it is tried again after RESTART_FIRST_S (lock held)."""
+        the reason is kept (`why_down`) and it is tried again soon (lock held)."""
         try:
             self._spawn(slot)
         except OSError as err:
-            if slot not in self._spawn_errors:  # (once per streak, not every PUMP_S)
+            if self._restarts.could_not_start(slot, err):  # (said once per streak, not at every try)
                 warn("soma.local", "soma: could not start a new worker w%s: %s: %s", slot, type(err).__name__, err)
-            self._spawn_errors[slot] = err
-            self._restart_at[slot] = time.monotonic() + RESTART_FIRST_S
             return
-        self._spawn_errors.pop(slot, None)
-        self._restart_at.pop(slot, None)
+        self._restarts.started(slot)
 
     def _sweep(self) -> None:
         """Unlink the segments of dead workers, but those the host still holds (lock held). Without a free
