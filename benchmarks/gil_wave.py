@@ -92,8 +92,15 @@ def pool_wave(pool, kind: str, n, branches: int):
 
 @contextlib.contextmanager
 def burners(count: int):
-    """`count` processes burning a core each while the block runs; killed after, whatever happens."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    """`count` processes burning a core each while the block runs; killed after, whatever happens.
+
+    Each in a session of its own, as another program a user runs is: where the kernel groups
+    CPU time by session (autogroup, on by default on desktop Linux), burners in this one's
+    session would take their share from this process and its process pool only, while
+    Local's workers (sessions of their own) would hardly meet them.
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+             for _ in range(count)]
     try:
         yield
     finally:
