@@ -5,7 +5,8 @@
     receiving ── frame() ◀── PULL ◀── Result/Hello ── worker      whoever receives (receiving.py) asks
               ── handle(frame) → [Ready | Outcomes]                for frames and gets back what they
               ── find_dead() / retire(worker) → Lost               mean: outputs decoded (segments mapped,
-                                                                  leases counted), hellos, deaths
+              ── restart_due()                                    leases counted), hellos, deaths; and it
+                                                                  starts the workers due (procs.Restarts)
 
 The pool calls nothing above it: what happens comes back as events (`Ready`,
 `Outcomes` of `Arrived` jobs, `Lost`), which the caller hands to the scheduler.

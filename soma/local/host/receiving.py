@@ -10,7 +10,8 @@
                                     ◀── _LEAD: "you receive now"
     listener thread: sleeps while a caller receives; otherwise polls the socket's descriptor
                      (and a wake pipe for close()), drains, and every PUMP_S asks the pool for
-                     dead workers: each one's `Lost` goes to the scheduler
+                     dead workers: each one's `Lost` goes to the scheduler; then the pool starts
+                     the workers that are due (a slot waiting after deaths before hello)
 
 One thread at a time holds `_recv_lock` and only it touches the results socket
 (through the pool). Every hand-off between threads is a wake-up, which on two
