@@ -27,6 +27,8 @@ from .host.loop import HostLoop
 from .host.pool import WorkerPool
 from .host.program import compile_program, pieces
 
+CLOSE_WAIT_S = 60.0  # a second close() waits this long for the first (which takes a few seconds at most)
+
 
 class Local(RunnerBase):
     """Runs graphs on worker processes on this machine.
@@ -73,6 +75,8 @@ class Local(RunnerBase):
         self._pool: WorkerPool | None = None
         self._loop: HostLoop | None = None
         self._closed = False
+        self._closer = None  # the thread whose close() closes it; the others wait for it (_close_done)
+        self._close_done = threading.Event()
         # graph → (placement version, its program for run, its program for map)
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._programs_lock = threading.Lock()
@@ -105,18 +109,28 @@ class Local(RunnerBase):
         """Stop the workers; leave no processes, segments or socket files. Results already returned stay valid.
 
         Any thread may call it at any time: runs and maps in flight in other threads
-        raise `SomaError` ("... was closed while this run was in flight"). In a process
+        raise `SomaError` ("... was closed while this run was in flight"). Every call returns
+        only once the pool is closed: threads calling it at once wait for the one that closes
+        it (a call made while closing, on the closing thread, returns at once). In a process
         other than the one that made it (a fork), it does nothing.
         """
         if os.getpid() != self._owner_pid:
             return  # the parent's workers, sockets and segments are the parent's
         with self._start_lock:
-            if self._closed:
-                return
-            self._closed = True
-        _live_pools.discard(self)
-        if self._loop is not None:
-            _shut_down(self._loop, SomaError("this soma.Local was closed while this run was in flight"))
+            closer = self._closer
+            if closer is None:
+                self._closer, self._closed = threading.get_ident(), True
+        if closer is not None:  # another call closes it: this one returns once it has (one Event: never polled)
+            if closer != threading.get_ident() and not self._close_done.wait(CLOSE_WAIT_S):
+                raise SomaError(f"this soma.Local's close() in another thread has not finished after "
+                                f"{CLOSE_WAIT_S:.0f} s: its workers, segments or socket files may be left")
+            return
+        try:
+            _live_pools.discard(self)
+            if self._loop is not None:
+                _shut_down(self._loop, SomaError("this soma.Local was closed while this run was in flight"))
+        finally:
+            self._close_done.set()
 
     def pids(self) -> list[int]:
         """The pids of the workers running now, in slot order (none before `start()`)."""

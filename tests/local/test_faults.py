@@ -305,3 +305,128 @@ def test_a_full_dev_shm_in_a_worker_is_one_error_naming_the_node():
         with pytest.raises(SharedMemoryFull, match=r"^node `full_shm` failed: shared memory is full: could not "
                                                    r"reserve 16.0 MiB in /dev/shm for its output\. Free space"):
             one.run(Graph.somatize(FullShm(through_ctx=False)), 0)
+
+
+OUT_OF_DESCRIPTORS = textwrap.dedent("""
+    import errno, os, resource, signal, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    import soma
+    from soma import Graph
+    from tests.nodes import AddOne, MarkThenSleep
+
+    marker = os.path.join(sys.argv[2], "running")
+    local = soma.Local(workers=int(sys.argv[3])).start()
+    assert local.run(Graph.somatize(AddOne()), 1) == 2
+    ended = {}
+
+    def in_flight():
+        try:
+            ended["value"] = local.run(Graph.somatize(MarkThenSleep(marker, 30)), 0)
+        except BaseException as exc:
+            ended["error"] = exc
+
+    runner = threading.Thread(target=in_flight, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    victim = int(open(marker).read())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+
+    def fill():  # every descriptor that frees up (the dead worker's connections, say) is taken again at once
+        while runner.is_alive() and time.monotonic() < killed + 10:
+            try:
+                while True:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                time.sleep(0.0005)
+
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))  # (fewer to fill)
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError as err:
+            assert err.errno == errno.EMFILE, err
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        filler = threading.Thread(target=fill, daemon=True)
+        filler.start()
+        runner.join(10)
+        waited = time.monotonic() - killed
+        filler.join()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if runner.is_alive():
+        print(f"in flight: still waiting {waited:.1f} s after the kill", flush=True)
+        os._exit(3)
+    err = ended.get("error")
+    print(f"in flight: {type(err).__name__ if err is not None else 'value'} after {waited:.2f} s: {err}", flush=True)
+    print("later:", [local.run(Graph.somatize(AddOne()), i, timeout=30) for i in range(3)], flush=True)
+    print("workers:", len(local.pids()), flush=True)
+    local.close()
+""")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_worker_dying_while_the_host_is_out_of_file_descriptors(tmp_path, workers):
+    """The host has no descriptor left (every one that frees up is taken again) when the worker running an
+    input is SIGKILLed: that input ends with WorkerDied saying descriptors ran out, within seconds, and once
+    descriptors are back the next runs work. Before Dec 3 unlinking the dead worker's segments failed
+    (`os.listdir('/dev/shm')`: EMFILE) after it was marked retired: the run in flight got the raw OSError (or,
+    found by the listener, waited forever) and, with one worker, every later run waited for a worker that was
+    never started again. In a subprocess: pytest must not run out of descriptors itself."""
+    script = tmp_path / "out_of_descriptors.py"
+    script.write_text(OUT_OF_DESCRIPTORS)
+    proc = subprocess.run([sys.executable, str(script), str(ROOT), str(tmp_path), str(workers)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    in_flight = proc.stdout.splitlines()[0]
+    assert in_flight.startswith("in flight: WorkerDied after "), proc.stdout
+    assert "was killed by signal 9" in in_flight and "Too many open files" in in_flight, in_flight
+    assert "raise the limit with `ulimit -n`" in in_flight, in_flight
+    assert f"later: [1, 2, 3]\nworkers: {workers}\n" in proc.stdout, proc.stdout
+
+
+def test_a_slot_whose_workers_are_killed_before_hello_starts_again_once_the_killing_stops():
+    """Every new worker of the slot is SIGKILLed as soon as its pid shows (long before its hello): a run meanwhile
+    fails with WorkerDied saying what was seen; once the killing stops the slot starts again (after a wait that
+    doubles, a few seconds at most) and runs. Before Dec 3 the slot was given up for good after three such deaths
+    ("... its stderr says why", though a SIGKILLed worker's stderr is empty): `pids()` stayed `[]` and no run ever
+    worked again."""
+    import threading
+
+    with soma.Local(workers=1) as one:
+        g = Graph.somatize(AddOne())
+        assert one.run(g, 1) == 2
+        killed: list = []
+        stop = threading.Event()
+
+        def kill_each_new_worker():
+            deadline = time.monotonic() + 60
+            while not stop.is_set() and time.monotonic() < deadline:
+                for pid in one.pids():
+                    if pid not in killed:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                time.sleep(0.001)
+
+        killer = threading.Thread(target=kill_each_new_worker, daemon=True)
+        killer.start()
+        try:
+            wait_for(lambda: len(killed) >= 5, seconds=30, what="the ready worker and four new ones to be killed")
+            with pytest.raises(WorkerDied, match=r"^no worker can run node `add_one`: worker w0 was killed by "
+                                                 r"signal 9 \(SIGKILL\) before it was ready, \d+ times in a row: "
+                                                 r"something outside soma kills it as it starts") as info:
+                one.run(g, 1, timeout=30)
+            assert "stderr" not in str(info.value)
+        finally:
+            stop.set()
+            killer.join(5)
+        wait_for(lambda: [p for p in one.pids() if p not in killed], seconds=20,
+                 what="the slot to start a worker again")
+        assert one.run(g, 2, timeout=30) == 3
+        assert len(one.pids()) == 1 and one.pids()[0] not in killed

@@ -162,7 +162,7 @@ class HostLoop:
                 elif kind is Retire:
                     self._end(self.pool.worker(action.slot), action.why)
                 elif kind is Spawn:
-                    self._spawn(action.slot)
+                    self._start_due(action.slot, wanted=True)
             self._take_inbox()
             actions = core.take()
 
@@ -200,32 +200,43 @@ class HostLoop:
 
     # -- workers coming and going ------------------------------------------------------------------------
     def _spawn(self, slot: int) -> None:
-        """A new worker for `slot` (after its last one's end is handled), or why there is none now."""
+        """The first worker of `slot`, or why there is none (the machine refused it: tried again soon)."""
         try:
             worker = self.pool.spawn(slot)
         except OSError as err:
-            self.core.down(slot, self.pool.why_not_started(slot, err))
+            self.core.down(slot, f"could not be started: {type(err).__name__}: {err}")
             return
         self.all_ready.clear()
         self.core.spawned(slot, worker)
+
+    def _start_due(self, slot: int | None = None, wanted: bool = False) -> None:
+        """Slots whose next worker is due start it (`wanted`: the core asked, for inputs wait for it)."""
+        started = self.pool.start_due(slot, wanted)
+        for due, worker in started:
+            if worker is not None:
+                self.all_ready.clear()
+                self.core.spawned(due, worker)
+            elif self.core.state[due] in ("down", "asked"):
+                self.core.down(due, self.pool.why_down(due))
+        if wanted and not started and self.core.state[slot] == "asked":  # (not due: backing off)
+            self.core.down(slot, self.pool.why_down(slot))
 
     def _end(self, worker, why: str | None) -> None:
         """A worker's end (it died, or the core retired it): the core hears what it held, then a replacement
         is started (unless closing)."""
         if worker is None:
             return
+        slot = worker.slot
         ended, running = self.pool.end(worker, why)
-        self._unreachable.pop(worker.slot, None)
-        replacement, down = None, "was not replaced: the pool is closing"
-        if not self.closing:
-            try:
-                replacement, down = self.pool.spawn(worker.slot), None
-            except OSError as err:
-                down = self.pool.why_not_started(worker.slot, err)
-        self.core.lost(worker.slot, worker, ended, running, down)
+        self._unreachable.pop(slot, None)
+        started = [] if self.closing else self.pool.start_due(slot)
+        replacement = started[0][1] if started else None
+        down = None if replacement is not None else (
+            "was not replaced: the pool is closing" if self.closing else self.pool.why_down(slot))
+        self.core.lost(slot, worker, ended, running, down)
         if replacement is not None:
             self.all_ready.clear()
-            self.core.spawned(worker.slot, replacement)
+            self.core.spawned(slot, replacement)
 
     def _look_at_workers(self) -> None:
         """Dead workers: what they sent before dying is received first (still a result), then their end; a slot
@@ -235,9 +246,7 @@ class HostLoop:
             self._drain()
             for worker in dead:
                 self._end(worker, None)
-        for slot in self.pool.slots_to_start_again():
-            if self.core.state[slot] == "down":
-                self._spawn(slot)
+        self._start_due()
 
     def _on_frame(self, frame: bytes) -> None:
         for event in self.pool.handle(frame):

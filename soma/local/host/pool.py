@@ -14,7 +14,6 @@ pool calls nothing above it (what happens comes back as return values and events
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import tempfile
@@ -26,10 +25,7 @@ from ...wire.protocol import Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
 from .events import Arrived, Bundled, Gone, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
-from .procs import spawn
-
-START_FAILURES = 3  # this many deaths in a row before hello, and a slot's next start waits (BACKOFF_S, doubling)
-BACKOFF_S = (0.1, 5.0)  # the first wait before such a slot is started again, and the longest
+from .procs import Restarts, spawn
 
 
 class WorkerPool:
@@ -51,9 +47,8 @@ class WorkerPool:
         self.endpoints = (f"ipc://{self.run_dir}/tasks", f"ipc://{self.run_dir}/results")
         self.workers: list = [None] * len(devices)
         self.closing = False
-        self._failed_starts = [0] * len(devices)  # per slot: its workers' deaths in a row before hello
-        self._how_they_ended = [None] * len(devices)  # per slot: how the last of those ended
-        self._start_after = [0.0] * len(devices)  # per slot: no new worker before this (time.monotonic)
+        self._restarts = Restarts()  # when each slot starts its next worker (procs.py)
+        self._unswept: set = set()  # pids of dead workers whose segments are still to unlink (no descriptor was free)
         self._book = LeaseBook(self.host_pid)
         self.segments = HostSegments(self.prefix, self.arena, self._book)
         self._results_closed = False
@@ -62,10 +57,7 @@ class WorkerPool:
 
     # -- processes -----------------------------------------------------------------------------------
     def spawn(self, slot: int):
-        """A new worker process for `slot` (OSError when the machine cannot start one now; StartDeferred while
-        a slot whose workers keep dying before their hello waits)."""
-        if time.monotonic() < self._start_after[slot]:
-            raise StartDeferred(self._deferred_why(slot))
+        """A new worker process for `slot` (OSError when the machine cannot start one now)."""
         worker = spawn(slot, self.devices[slot], endpoints=self.endpoints, run_dir=self.run_dir,
                        secret=self.secret, prefix=self.prefix, threads=self.threads,
                        arena=self.arena, preload_torch=self.preload_torch, max_memory=self.max_memory)
@@ -73,53 +65,68 @@ class WorkerPool:
         self._by_pid[worker.pid] = worker
         return worker
 
-    def why_not_started(self, slot: int, err: OSError) -> str:
-        """Why no worker of `slot` could be started, in words that follow "worker w1"."""
-        if isinstance(err, StartDeferred):
-            return str(err)
-        hint = ""
-        if getattr(err, "errno", None) == errno.EMFILE:
-            hint = (" (this process has run out of file descriptors: close some, or raise the limit with "
-                    "`ulimit -n`; the pool starts it again as soon as it can)")
-        return f"could not be started again: {type(err).__name__}: {err}{hint}"
+    def start_due(self, slot: int | None = None, wanted: bool = False) -> list:
+        """Start the next worker of each slot (or of `slot`) that has none and whose time has come (`wanted`: a
+        run wants it now, so one the machine could not start is tried at once): `[(slot, its worker, or None
+        when it could not be started)]`. Segments of dead workers not unlinked before are unlinked now."""
+        self._sweep()
+        started = []
+        for due in self._restarts.due(slot, wanted):
+            if self.closing:
+                break
+            try:
+                worker = self.spawn(due)
+            except OSError as err:
+                if self._restarts.could_not_start(due, err):  # (said once per streak, not at every try)
+                    warn("soma.local", "soma: could not start a new worker w%s: %s: %s", due, type(err).__name__,
+                         err)
+                started.append((due, None))
+                continue
+            self._restarts.started(due)
+            started.append((due, worker))
+        return started
 
-    def slots_to_start_again(self) -> list[int]:
-        """Slots with no live worker whose next start may be tried now."""
-        now = time.monotonic()
-        return [slot for slot, worker in enumerate(self.workers)
-                if not self.closing and (worker is None or worker.retired) and now >= self._start_after[slot]]
+    def why_down(self, slot: int) -> str | None:
+        """Why no worker of `slot` can take jobs now, in words that follow "worker w1"; None when one can (or
+        one is on its way, and the slot has not been given up on: procs.Restarts)."""
+        worker = self.workers[slot]
+        return self._restarts.why_down(slot, has_worker=worker is not None and not worker.retired)
 
     def end(self, worker, reason: str | None = None) -> tuple:
-        """A worker's end (it died, or the core retired it): killed, its segments settled. `(how it ended,
-        [(job id, node id)] its status page said it ran, or None when the page could not be read)`."""
+        """A worker's end (it died, or the core retired it): killed, its segments settled, its next start set
+        (procs.Restarts: at once after a hello, after a doubling wait for one that died before). `(how it
+        ended, [(job id, node id)] its status page said it ran, or None when the page could not be read)`.
+
+        A step that needs a file descriptor (unlinking its segments) and finds none is done later: whoever
+        waits for this worker's end must hear of it (a run waited forever when the host was out of them)."""
         running = worker.running()
         worker.kill()
         worker.retired = True
         self._by_pid.pop(worker.pid, None)
         ended = reason or worker.how_it_ended()
-        slot = worker.slot
-        if worker.ready:
-            self._failed_starts[slot] = 0
-        else:
-            self._failed_starts[slot] += 1
-            self._how_they_ended[slot] = ended
-            if self._failed_starts[slot] >= START_FAILURES:
-                first, longest = BACKOFF_S
-                wait = min(longest, first * 2 ** (self._failed_starts[slot] - START_FAILURES))
-                self._start_after[slot] = time.monotonic() + wait
         self._book.holder_gone(worker.pid)
+        self._unswept.add(worker.pid)
+        self._sweep()
         try:
-            unlink_all(self.prefix, owner=worker.pid, keep=self._book.held_names())
-        except OSError as err:  # (out of file descriptors, say: its segments are unlinked at close)
-            warn("soma.local", "soma: could not unlink the segments of worker %s: %s: %s", worker.id,
-                 type(err).__name__, err)
-        worker.close()
+            worker.close()
+        except OSError:
+            pass  # (its status page's file stays in the run directory, removed at close)
+        if not self.closing:
+            self._restarts.died(worker.slot, worker.ready, worker.how_it_ended(hint=False))
         return ended, running
 
-    def _deferred_why(self, slot: int) -> str:
-        wait = max(0.0, self._start_after[slot] - time.monotonic())
-        return (f"{self._how_they_ended[slot]} before it was ready, {self._failed_starts[slot]} times in a row; "
-                f"soma starts it again in {wait:.1f} s")
+    def _sweep(self) -> None:
+        """Unlink the segments of dead workers, but those the host still holds. Without a free file descriptor
+        (to list /dev/shm) they wait for the next sweep; close() unlinks every one."""
+        if not self._unswept:
+            return
+        keep = self._book.held_names()
+        for pid in list(self._unswept):
+            try:
+                unlink_all(self.prefix, owner=pid, keep=keep)
+            except OSError:
+                return
+            self._unswept.discard(pid)
 
     def find_dead(self) -> list:
         """Workers whose process has ended and whose end has not been handled (`end` them)."""
@@ -260,7 +267,7 @@ class WorkerPool:
         if worker is None or worker.id != hello.worker:
             return []
         worker.ready = True
-        self._failed_starts[worker.slot] = 0
+        self._restarts.hello(worker.slot)
         return [Ready(worker.slot)]
 
     def _on_result(self, result: Result) -> list:
@@ -356,10 +363,6 @@ class WorkerPool:
             frees = self._book.take_frees(worker.pid)
             if frees and not self._send(worker, protocol.pack(self.secret, protocol.Free(frees))):
                 self._book.give_back_frees(worker.pid, frees)
-
-
-class StartDeferred(OSError):
-    """A slot whose workers keep ending before their hello is not started again yet (the message says when)."""
 
 
 def _bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:

@@ -1,12 +1,14 @@
-"""Worker processes: how the host starts them, and how it tells how they ended."""
+"""Worker processes: how the host starts them, how it tells how they ended, and when a slot starts the next."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 from ...wire.protocol import SECRET_ENV
 from ...wire.status import StatusPage
@@ -42,7 +44,8 @@ class WorkerProcess:
             return True
         return False
 
-    def how_it_ended(self) -> str:
+    def how_it_ended(self, hint: bool = True) -> str:
+        """"was killed by signal 9 (SIGKILL...)", "exited with code 3"; `hint`: what a SIGKILL usually means."""
         code = self.proc.poll()
         if code is None:
             return "is still running"
@@ -51,9 +54,9 @@ class WorkerProcess:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            hint = (": what the kernel's out-of-memory killer sends; soma.Local(max_memory=...) replaces a worker "
-                    "before it grows that far") if -code == signal.SIGKILL else ""
-            return f"was killed by signal {-code} ({name}{hint})"
+            why = (": what the kernel's out-of-memory killer sends; soma.Local(max_memory=...) replaces a worker "
+                   "before it grows that far") if hint and -code == signal.SIGKILL else ""
+            return f"was killed by signal {-code} ({name}{why})"
         return f"exited with code {code}"
 
     def running(self) -> list[tuple[int, str]] | None:
@@ -111,3 +114,87 @@ def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: byt
     proc = subprocess.Popen(argv, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL, close_fds=True,
                             start_new_session=True)
     return WorkerProcess(slot, proc, status_path)
+
+
+START_FAILURES = 3  # a slot whose workers die this many times in a row before saying hello is down (why_down)
+RESTART_FIRST_S = 0.1  # such a slot starts its next worker after this long, doubled after each death in a row
+RESTART_MAX_S = 3.2  # ... up to this: the slot keeps trying, so the pool runs again once the cause is gone
+
+
+class Restarts:
+    """When each slot starts its next worker, and what to say while it has none (bookkeeping: no processes).
+
+    A worker that dies after its hello is replaced at once. One that dies before it (an
+    interpreter that cannot start, a `kill -9` of each new one) is started again after a
+    wait that doubles from RESTART_FIRST_S to RESTART_MAX_S, for as long as the pool is
+    open; after START_FAILURES such deaths in a row the slot is down (`why_down`) until
+    one says hello. A start the machine refuses (no file descriptor, no memory) is tried
+    again after RESTART_FIRST_S, or at once when a run wants the slot.
+    """
+
+    def __init__(self):
+        self.failures = Counter()  # slot → how many of its workers in a row died before saying hello
+        self.ended: dict = {}  # slot → how the last of those ended ("was killed by signal 9 (SIGKILL)")
+        self.at: dict = {}  # slot → when its next worker is started (a slot without one)
+        self.refused: dict = {}  # slot → the OSError its last start met
+
+    def hello(self, slot: int) -> None:
+        self.failures[slot] = 0
+
+    def died(self, slot: int, said_hello: bool, how: str) -> None:
+        """The worker of `slot` ended (`how`, in words that follow "worker w0"): when its next one starts."""
+        if said_hello:
+            self.failures[slot] = 0
+        else:
+            self.failures[slot] += 1
+            self.ended[slot] = how
+        failures = self.failures[slot]
+        self.at[slot] = time.monotonic() + (min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** (failures - 1))
+                                            if failures else 0.0)
+
+    def due(self, slot: int | None = None, wanted: bool = False) -> list[int]:
+        """The slots (of `slot` alone, if given) whose next worker is to start now (`wanted`: a run wants it, so
+        one the machine refused is tried at once)."""
+        now = time.monotonic()
+        return [s for s in ([slot] if slot is not None else list(self.at))
+                if s in self.at and (self.at[s] <= now or (wanted and s in self.refused))]
+
+    def started(self, slot: int) -> None:
+        self.refused.pop(slot, None)
+        self.at.pop(slot, None)
+
+    def could_not_start(self, slot: int, err: OSError) -> bool:
+        """The machine refused to start the next worker of `slot`; whether this is the first refusal in a row."""
+        first = slot not in self.refused
+        self.refused[slot] = err
+        self.at[slot] = time.monotonic() + RESTART_FIRST_S
+        return first
+
+    def gave_up(self, slot: int) -> bool:
+        """Whether the slot's workers died before saying hello START_FAILURES times in a row (or more)."""
+        return self.failures[slot] >= START_FAILURES
+
+    def why_down(self, slot: int, has_worker: bool) -> str | None:
+        """Why the slot cannot take jobs now, in words that follow "worker w1"; None when it can, or when its
+        next worker is on its way (`has_worker`) and has not been given up on."""
+        err = self.refused.get(slot)
+        if err is not None:
+            hint = ""
+            if getattr(err, "errno", None) == errno.EMFILE:
+                hint = (" (this process has run out of file descriptors: close some, or raise the limit with "
+                        "`ulimit -n`; the pool starts it again as soon as it can)")
+            return f"could not be started again: {type(err).__name__}: {err}{hint}"
+        if self.gave_up(slot) and not has_worker:
+            return self.what_was_seen(slot)
+        return None
+
+    def what_was_seen(self, slot: int) -> str:
+        """What was seen of a slot whose workers keep dying before they say hello, and what happens next."""
+        ended = self.ended.get(slot, "died")
+        # Its stderr is the host's (inherited), and soma does not read it: say where to look, not what it said.
+        seen = ("something outside soma kills it as it starts (`kill -9`, or the kernel's out-of-memory killer)"
+                if "signal" in ended else "anything it printed is on this process's stderr")
+        when = self.at.get(slot)
+        again = "" if when is None else (f"; the pool starts it again in {max(0.0, when - time.monotonic()):.1f} s, "
+                                         f"and runs there once one says hello")
+        return f"{ended} before it was ready, {self.failures[slot]} times in a row: {seen}{again}"

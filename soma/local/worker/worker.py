@@ -22,6 +22,7 @@ from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, unlink_all
 from ...wire.status import StatusPage
 from .library import Library
 from .resources import Arena, DeviceSetup, private_memory
+from .turns import Turns
 from .values import decode_input, encode_output, encode_outputs
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
@@ -85,6 +86,7 @@ class Worker:
         self.over_memory = False  # above max_memory after a job: it runs nothing more, and the host replaces it
         self.cancelled: set = set()  # job ids the host no longer wants (dropped unless started)
         self.pace: dict = {}  # piece id → seconds its last job took here (whether outcomes may wait: run_lane)
+        self.turns = Turns()  # jobs of pieces that hold the GIL run one at a time
         # What this worker knows: node code, nodes, pieces.
         self.library = Library(self.id, self.make_interpreter)
         self.status = StatusPage(args.status, create=True)
@@ -133,12 +135,13 @@ class Worker:
         """Unlink our segments and exit now.
 
         Other threads may be polling the socket or running a node: closing sockets
-        under them would raise in each. The host has asked us to stop (or is gone),
-        so nothing still in flight is wanted; the kernel closes the sockets.
+        under them would raise in each, and so would closing the status page (a lane
+        thread that names its next node there printed a TypeError traceback while the
+        worker stopped). The host has asked us to stop (or is gone), so nothing still
+        in flight is wanted; the kernel closes the sockets and unmaps the page.
         """
         if self.store is not None:
             self.store.close()
-        self.status.close()
         os._exit(0)
 
     # -- serving: one thread receives, the others run lanes ----------------------------------------
@@ -313,7 +316,14 @@ class Worker:
                 # would run again elsewhere: the status page no longer names it).
                 self.flush(outcomes)
                 outcomes = []
-            for outcome in self.run_turn(turn, dropped):
+            # A job of a piece that computes waits while another such job computes here (turns.py).
+            single = len(turn) == 1 and type(turn[0]) is not Bundle
+            token = self.turns.enter(piece, self.pace.get(piece)) if single else None
+            try:
+                done = self.run_turn(turn, dropped)
+            finally:
+                self.turns.leave(piece, token)
+            for outcome in done:
                 self.pace[piece] = outcome.seconds
                 now = time.monotonic()
                 if not outcomes:
@@ -599,8 +609,10 @@ class Worker:
                 if piece_id not in self.library.specs:
                     del self.lanes[piece_id]
             # list(): one copy in C, atomic under the GIL (lane threads write `pace` without the lock)
-            for piece_id in [p for p in list(self.pace) if p not in self.library.specs]:
+            gone = [p for p in list(self.pace) if p not in self.library.specs]
+            for piece_id in gone:
                 self.pace.pop(piece_id, None)  # (else a forgotten piece's pace stays for the worker's life)
+            self.turns.forget(gone)
 
     # -- what runs now, for the status page (RunState's observer) ----------------------------------
     def enter(self, job: int, node_id: str) -> None:
