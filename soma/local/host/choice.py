@@ -1,11 +1,11 @@
-"""Which worker takes a job: what the scheduler knows of each worker, and how it chooses.
+"""Which worker takes a job: what the core knows of each worker (its books: dispatch.py), and how it chooses.
 
     choose(piece, usable slots, depth) → a slot, or None (no worker can take one more of its jobs)
 
 A worker pinned to the piece's CUDA device, if it has one, and, for a batching
 node alone, one with none of its sends (bundles) out, or one out while a full
 bundle waits (GATHER_SENDS: one running, the next queued behind it): what comes
-meanwhile waits here and goes as one bundle (the scheduler fills a bundle at the
+meanwhile waits here and goes as one bundle (dispatch fills a bundle at the
 worker chosen for its first job, `fits`, before it chooses again); among those, the one with the
 fewest jobs outstanding, preferring the worker that already holds copies
 of most of the piece's nodes (their state lives there), then the one that holds
@@ -15,8 +15,8 @@ lane), so at most `depth` of them wait there, and at most `cap(piece)` jobs of a
 pieces are out at it when it takes one more.
 
 `depth` comes from measuring: how long a piece's jobs take in a worker, and how
-long their way there and back takes. Everything here runs under the scheduler's
-lock; nothing here sends or receives.
+long their way there and back takes. Everything here is the core's books (pure:
+no lock, no I/O); nothing here sends or receives.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from .procs import WorkerProcess
 
 
 class Undecodable:
-    """An output that arrived but could not be decoded (the scheduler names the node)."""
+    """An output that arrived but could not be decoded (the core names the node)."""
 
     __slots__ = ("error",)
 
