@@ -73,7 +73,10 @@ class Executor(RunnerBase):
         """`run(g, x)` on one of the Executor's threads: a `concurrent.futures.Future` at once."""
         checked_retries(retries)
         g = as_graph(g, "Executor.submit")
-        return self._threads().submit(self._run, g, g.devices(), x, timeout, None, thread_modes())
+        devices = g.devices()
+        interpreter = self._interpreter(g, devices)
+        return _submit_announced(interpreter, self._threads(), [(self._run, g, devices, x, timeout, None,
+                                                                  thread_modes(), None, interpreter)])[0]
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
@@ -97,8 +100,9 @@ class Executor(RunnerBase):
                 self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input")
             return self._pool
 
-    def _run(self, g, devices: dict, x, timeout, index, modes=None, state: RunState | None = None):
-        interpreter = self._interpreter(g, devices)
+    def _run(self, g, devices: dict, x, timeout, index, modes=None, state: RunState | None = None,
+             interpreter: Interpreter | None = None):
+        interpreter = interpreter if interpreter is not None else self._interpreter(g, devices)
         plan = g.plan()
         state = state if state is not None else RunState(index=index)
         trace = self._trace
@@ -130,6 +134,24 @@ class Executor(RunnerBase):
 
     def _trace_started(self, trace: Trace) -> None:
         trace.process(os.getpid(), f"host (soma.Executor, pid {os.getpid()})")
+
+
+def _submit_announced(interpreter: Interpreter, threads: cf.ThreadPoolExecutor, calls: list) -> list:
+    """A future per call `(fn, *args)` submitted to `threads`, each an input of `interpreter`, all counted as
+    coming at its batching nodes before the first is submitted (`Interpreter.announce`): the first input to get
+    there waits for the others rather than going alone because their threads had not started yet. One
+    cancelled before a thread took it is withdrawn."""
+    if not interpreter.batching:
+        return [threads.submit(*call) for call in calls]
+    interpreter.announce(len(calls))
+    futures: list = []
+    try:
+        for call in calls:
+            futures.append(threads.submit(*call))
+            futures[-1].add_done_callback(lambda done: done.cancelled() and interpreter.withdraw(1))
+    finally:
+        interpreter.withdraw(len(calls) - len(futures))  # (none, unless submitting failed: the pool closed)
+    return futures
 
 
 def _with_timeout(interpreter: Interpreter, plan, x, state: RunState, spans, timeout: float):
@@ -175,8 +197,8 @@ class ExecutorInflight(Inflight):
         self.modes = thread_modes()  # the map's caller's torch modes, for every input
         # A graph that is one batching node, untimed: its inputs go to the node in chunks, one call each, on
         # one thread (no thread per input, meeting at the node: ~250 µs an input here, against the model's 38)
-        interpreter = executor._interpreter(g, devices)
-        self.batch_node = interpreter.batch_node(g.plan()) if timeout is None else None
+        self.interpreter = executor._interpreter(g, devices)
+        self.batch_node = self.interpreter.batch_node(g.plan()) if timeout is None else None
 
     def parallelism(self) -> int:
         # A pipeline has a stage per node, and a batching node wants a batch's worth of inputs at it.
@@ -197,15 +219,16 @@ class ExecutorInflight(Inflight):
                 future = threads.submit(self._run_chunk, [x for _, x in chunk], given_up)
                 self.running[future] = ([index for index, _ in chunk], [], given_up)
             return
-        for index, x in items:
-            state = RunState(index=index)
-            future = threads.submit(self.executor._run, self.g, self.devices, x, None, index, self.modes, state)
+        states = [RunState(index=index) for index, _ in items]
+        futures = _submit_announced(self.interpreter, threads, [
+            (self.executor._run, self.g, self.devices, x, None, index, self.modes, state, self.interpreter)
+            for (index, x), state in zip(items, states)])
+        for (index, _), state, future in zip(items, states, futures):
             self.running[future] = ([index], [state], None)
 
     def _run_chunk(self, xs: list, given_up: threading.Event) -> list:
-        interpreter = self.executor._interpreter(self.g, self.devices)
         with self.modes():
-            return interpreter.run_batch(self.batch_node, xs, given_up=given_up)
+            return self.interpreter.run_batch(self.batch_node, xs, given_up=given_up)
 
     def wait(self, timeout):
         done, _ = cf.wait(list(self.running), timeout=timeout, return_when=cf.FIRST_COMPLETED)
