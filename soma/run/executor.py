@@ -76,7 +76,7 @@ class Executor(RunnerBase):
         devices = g.devices()
         interpreter = self._interpreter(g, devices)
         return _submit_announced(interpreter, self._threads(), [(self._run, g, devices, x, timeout, None,
-                                                                  thread_modes(), None, interpreter)])[0]
+                                                                  thread_modes(), None, interpreter)], 1)[0]
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
@@ -136,21 +136,23 @@ class Executor(RunnerBase):
         trace.process(os.getpid(), f"host (soma.Executor, pid {os.getpid()})")
 
 
-def _submit_announced(interpreter: Interpreter, threads: cf.ThreadPoolExecutor, calls: list) -> list:
-    """A future per call `(fn, *args)` submitted to `threads`, each an input of `interpreter`, all counted as
-    coming at its batching nodes before the first is submitted (`Interpreter.announce`): the first input to get
-    there waits for the others rather than going alone because their threads had not started yet. One
+def _submit_announced(interpreter: Interpreter, threads: cf.ThreadPoolExecutor, calls: list, room: int) -> list:
+    """A future per call `(fn, *args)` submitted to `threads`, each an input of `interpreter`; the first `room`
+    (those a free thread will take at once) counted as coming at its batching nodes before the first is
+    submitted (`Interpreter.announce`): the first input to get there waits for them rather than going alone
+    because their threads had not started yet. The others count themselves when they start: announced, an
+    input queued behind busy threads would keep those at the node waiting their batch_wait for it. One
     cancelled before a thread took it is withdrawn."""
-    if not interpreter.batching:
-        return [threads.submit(*call) for call in calls]
-    interpreter.announce(len(calls))
+    announced = min(len(calls), room) if interpreter.batching else 0
+    interpreter.announce(announced)
     futures: list = []
     try:
         for call in calls:
             futures.append(threads.submit(*call))
-            futures[-1].add_done_callback(lambda done: done.cancelled() and interpreter.withdraw(1))
+            if len(futures) <= announced:
+                futures[-1].add_done_callback(lambda done: done.cancelled() and interpreter.withdraw(1))
     finally:
-        interpreter.withdraw(len(calls) - len(futures))  # (none, unless submitting failed: the pool closed)
+        interpreter.withdraw(announced - min(announced, len(futures)))  # (none, unless the pool refused one)
     return futures
 
 
@@ -222,7 +224,7 @@ class ExecutorInflight(Inflight):
         states = [RunState(index=index) for index, _ in items]
         futures = _submit_announced(self.interpreter, threads, [
             (self.executor._run, self.g, self.devices, x, None, index, self.modes, state, self.interpreter)
-            for (index, x), state in zip(items, states)])
+            for (index, x), state in zip(items, states)], self.executor.threads - len(self.running))
         for (index, _), state, future in zip(items, states, futures):
             self.running[future] = ([index], [state], None)
 
