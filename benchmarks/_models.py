@@ -30,26 +30,38 @@ def model(name: str = MLP):
                                   torch.nn.ReLU(), torch.nn.Linear(512, OUT[MLP]))
     elif name == TRANSFORMER:
         layer = torch.nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True)
-        net = _mean_pooled(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+        net = _then(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), _mean_of_tokens)
     else:
         raise ValueError(f"no model named {name!r}: {MLP!r} or {TRANSFORMER!r}")
     return net.eval().requires_grad_(False)
 
 
-def _mean_pooled(encoder):
-    import torch  # (made here, not at import: this module imports without torch, for benchmarks with no model)
+def _then(net, after):
+    """`net`, then `after` on its output, as one module (its class made here, not at import: this module imports
+    without torch, for benchmarks with no model)."""
+    import torch
 
-    class MeanPooled(torch.nn.Module):
-        """(batch, tokens, width) → (batch, width): the encoder's tokens averaged."""
-
+    class Then(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.encoder = encoder
+            self.net = net
 
         def forward(self, x):
-            return self.encoder(x).mean(1)
+            return after(self.net(x))
 
-    return MeanPooled()
+    return Then()
+
+
+def _mean_of_tokens(out):
+    """(batch, tokens, width) → (batch, width): the encoder's tokens averaged."""
+    return out.mean(1)
+
+
+def _with_batch_size(out):
+    """(batch, out) → (batch, out + 1): each row ending in how many rows the batch had."""
+    import torch
+
+    return torch.cat([out, out.new_full((len(out), 1), float(len(out)))], 1)
 
 
 def inputs(n: int, name: str = MLP) -> list:
@@ -83,7 +95,7 @@ def batched(name: str = MLP):
     that says how many shared the call (`counted`): each input's `[output row..., batch size]`."""
     from soma.torch import Batched
 
-    return Batched(_counting(model(name)), name=f"batched_{name}", max_batch=BATCH)
+    return Batched(_then(model(name), _with_batch_size), name=f"batched_{name}", max_batch=BATCH)
 
 
 def counted(name: str, out) -> tuple:
@@ -100,23 +112,6 @@ def counted(name: str, out) -> tuple:
     if odd:
         raise WrongValue(f"{name}: calls of these sizes gave these many outputs, not a multiple of the size: {odd}")
     return rows, sizes
-
-
-def _counting(net):
-    import torch  # (made here, not at import: this module imports without torch)
-
-    class Counting(torch.nn.Module):
-        """(batch, ...) → (batch, out + 1): the model's rows, each ending in how many rows the batch had."""
-
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def forward(self, x):
-            out = self.net(x)
-            return torch.cat([out, out.new_full((len(out), 1), float(len(out)))], 1)
-
-    return Counting()
 
 
 class NoModel(Node):
