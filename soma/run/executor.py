@@ -49,6 +49,8 @@ class Executor(RunnerBase):
         self._interpreters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (version, it)
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._busy = 0  # inputs of map, submit, arun and amap handed to the threads and not over yet
+        self._busy_lock = threading.Lock()
 
     def close(self) -> None:
         """Let go of the threads (inputs already running finish; none queued starts)."""
@@ -75,8 +77,8 @@ class Executor(RunnerBase):
         g = as_graph(g, "Executor.submit")
         devices = g.devices()
         interpreter = self._interpreter(g, devices)
-        return _submit_announced(interpreter, self._threads(), [(self._run, g, devices, x, timeout, None,
-                                                                  thread_modes(), None, interpreter)], 1)[0]
+        return self._submit_inputs(interpreter, [(self._run, g, devices, x, timeout, None, thread_modes(), None,
+                                                  interpreter)])[0]
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
@@ -99,6 +101,38 @@ class Executor(RunnerBase):
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input")
             return self._pool
+
+    def _submit_inputs(self, interpreter: Interpreter, calls: list) -> list:
+        """A future per call `(fn, *args)`, each an input of `interpreter`, submitted to the Executor's threads.
+        Those a free thread will take at once are counted as coming at the interpreter's batching nodes before
+        the first is submitted (`Interpreter.announce`): the first input to get there waits for them rather
+        than going alone because their threads had not started yet. The others count themselves when they
+        start: announced, an input queued behind busy threads would keep the inputs at the node (holding those
+        threads) waiting their whole batch_wait for it. One cancelled before a thread took it is withdrawn."""
+        threads = self._threads()
+        with self._busy_lock:
+            free = self.threads - self._busy
+            self._busy += len(calls)
+        announced = max(0, min(len(calls), free)) if interpreter.batching else 0
+        interpreter.announce(announced)
+        futures: list = []
+        try:
+            for call in calls:
+                future = threads.submit(*call)
+                futures.append(future)
+                future.add_done_callback(self._input_over)
+                if len(futures) <= announced:
+                    future.add_done_callback(lambda done: done.cancelled() and interpreter.withdraw(1))
+        finally:
+            if len(futures) < len(calls):  # (the pool refused one: closed)
+                interpreter.withdraw(announced - min(announced, len(futures)))
+                with self._busy_lock:
+                    self._busy -= len(calls) - len(futures)
+        return futures
+
+    def _input_over(self, _future) -> None:
+        with self._busy_lock:
+            self._busy -= 1
 
     def _run(self, g, devices: dict, x, timeout, index, modes=None, state: RunState | None = None,
              interpreter: Interpreter | None = None):
@@ -134,26 +168,6 @@ class Executor(RunnerBase):
 
     def _trace_started(self, trace: Trace) -> None:
         trace.process(os.getpid(), f"host (soma.Executor, pid {os.getpid()})")
-
-
-def _submit_announced(interpreter: Interpreter, threads: cf.ThreadPoolExecutor, calls: list, room: int) -> list:
-    """A future per call `(fn, *args)` submitted to `threads`, each an input of `interpreter`; the first `room`
-    (those a free thread will take at once) counted as coming at its batching nodes before the first is
-    submitted (`Interpreter.announce`): the first input to get there waits for them rather than going alone
-    because their threads had not started yet. The others count themselves when they start: announced, an
-    input queued behind busy threads would keep those at the node waiting their batch_wait for it. One
-    cancelled before a thread took it is withdrawn."""
-    announced = min(len(calls), room) if interpreter.batching else 0
-    interpreter.announce(announced)
-    futures: list = []
-    try:
-        for call in calls:
-            futures.append(threads.submit(*call))
-            if len(futures) <= announced:
-                futures[-1].add_done_callback(lambda done: done.cancelled() and interpreter.withdraw(1))
-    finally:
-        interpreter.withdraw(announced - min(announced, len(futures)))  # (none, unless the pool refused one)
-    return futures
 
 
 def _with_timeout(interpreter: Interpreter, plan, x, state: RunState, spans, timeout: float):
@@ -222,9 +236,9 @@ class ExecutorInflight(Inflight):
                 self.running[future] = ([index for index, _ in chunk], [], given_up)
             return
         states = [RunState(index=index) for index, _ in items]
-        futures = _submit_announced(self.interpreter, threads, [
+        futures = self.executor._submit_inputs(self.interpreter, [
             (self.executor._run, self.g, self.devices, x, None, index, self.modes, state, self.interpreter)
-            for (index, x), state in zip(items, states)], self.executor.threads - len(self.running))
+            for (index, x), state in zip(items, states)])
         for (index, _), state, future in zip(items, states, futures):
             self.running[future] = ([index], [state], None)
 

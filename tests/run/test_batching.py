@@ -299,3 +299,13 @@ def test_a_traced_map_of_a_batching_node_batches_and_each_call_is_one_event(runn
     assert all(e["args"]["batch"] == len(e["args"]["inputs"]) <= 8 for e in events)
     assert max(e["args"]["batch"] for e in events) > 1, events
     assert len(events) <= 16, [e["args"]["batch"] for e in events]
+
+
+def test_a_failing_batch_after_a_per_item_stage_fails_each_of_its_inputs_with_its_own_error(runner):
+    out = list(runner.map(Graph.somatize(Stamp() >> FailsOn(bad=5)), range(24), window=24, errors="yield"))
+    failed = [o for o in out if isinstance(o, NodeError)]
+    assert 5 in {o.index for o in failed} and len(failed) <= 4
+    assert len({id(o) for o in failed}) == len(failed)  # each its own error
+    assert all(str(o).startswith("node `fails_on` failed: ValueError: bad batch [") for o in failed)
+    assert [o for i, o in enumerate(out) if not isinstance(o, NodeError)] == \
+        [i for i in range(24) if i not in {o.index for o in failed}]

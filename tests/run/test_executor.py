@@ -369,9 +369,14 @@ def test_inputs_waiting_for_a_busy_thread_do_not_hold_a_batch_back():
     # Four threads: a batch is at most four inputs, and the map's others wait for a thread that the inputs at
     # the node hold. Counted as coming, they would keep each batch waiting its whole batch_wait (2 s) for them.
     executor = Executor(threads=4)
+    g = Graph.somatize(AddOne() >> Patient())
     try:
         start = time.monotonic()
-        out = list(executor.map(AddOne() >> Patient(), range(16), window=16))
+        out = list(executor.map(g, range(16), window=16))
+        assert [v for v, _ in out] == [x + 1 for x in range(16)]
+        assert time.monotonic() - start < 1.5, out
+        start = time.monotonic()
+        out = [f.result(30) for f in [executor.submit(g, x) for x in range(16)]]  # (arun's way too)
         assert [v for v, _ in out] == [x + 1 for x in range(16)]
         assert time.monotonic() - start < 1.5, out
     finally:
