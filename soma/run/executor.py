@@ -14,6 +14,11 @@ most `threads` at once, each input whole on one of them:
 One process has one GIL: the pipeline overlaps what releases it (I/O, sleeps, torch
 and numpy kernels) and lets a batching node see several inputs at once; for Python
 that holds the GIL, use `Local`.
+
+A batching node's inputs meet at the node object's one Meeting (soma.run.batching),
+whatever thread or Executor runs them. The inputs handed to free threads are announced
+there first (`_submit_inputs`), so the first to arrive waits for them (at most
+batch_wait) instead of going alone because their threads had not started yet.
 """
 
 from __future__ import annotations
