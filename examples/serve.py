@@ -70,11 +70,15 @@ class Tokenize(Node):
 
 
 def make_model() -> torch.nn.Module:
-    """A small classifier, the same weights in every process (seeded here, not by the caller's RNG)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Flatten(), torch.nn.Linear(IDS * 16, 64),
-                                   torch.nn.ReLU(), torch.nn.Linear(64, CLASSES)).eval()
+    """A small classifier, the same weights in every process and thread: drawn from a generator of its own
+    (seeding torch's global one would race with any other thread drawing from it meanwhile)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Flatten(), torch.nn.Linear(IDS * 16, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, CLASSES))
+    weights = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=weights) * (0.5 if p.dim() == 2 and p.shape[0] == VOCAB else 0.05))
+    return model.eval()
 
 
 def model_node(max_batch: int = 32, batch_wait: float = 0.002) -> soma.torch.Batched:

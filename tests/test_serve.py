@@ -10,6 +10,7 @@ and SIGTERM with a request in flight (it is answered; then nothing is left: no p
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import math
 import os
@@ -18,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -168,3 +168,26 @@ def test_the_example_app_behind_uvicorn(server):
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"soma-{server.proc.pid}-")]
     assert list(server.tmp.iterdir()) == []  # Local's socket dir is gone
     assert "Application shutdown complete" in server.log()
+
+
+@pytest.mark.timeout(630)
+def test_soma_bench_serve_smoke_writes_the_figures_at_64_clients(tmp_path):
+    """`soma bench serve --smoke`: every contender's server answers (each answer checked by the benchmark), and
+    --json holds requests/s, p50 and p99 per workload and contender at 64 clients (ray_serve: skipped, why)."""
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    plotting = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
+    done = subprocess.run([sys.executable, "-m", "soma.cli", "bench", "serve", "--smoke", "--json", str(out),
+                           *plotting], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"tiny", "heavy"}
+    for workload, by_contender in figures.items():
+        assert set(by_contender) == {"soma", "inprocess", "process_pool", "ray_serve"}, by_contender
+        for contender in ("soma", "inprocess", "process_pool"):
+            f = by_contender[contender]
+            assert f["rps"] > 0 and 0 < f["p50_ms"] <= f["p99_ms"], (workload, contender, f)
+        assert "--smoke runs no Ray Serve" in by_contender["ray_serve"]["skipped"]
+    assert "goals at 64 clients" in done.stdout
+    if plotting:
+        assert png.read_bytes().startswith(b"\x89PNG")
