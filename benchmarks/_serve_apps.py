@@ -2,6 +2,8 @@
 
 It serves `POST /predict {"text": ...}` → `{"scores": [...]}` on 127.0.0.1 (a port of its own choosing), writes
 the port to READY_FILE once it can answer, and runs until SIGTERM (then it shuts down cleanly and exits).
+`ray_serve` also reads workload names on stdin: each line redeploys the model for that workload on the Ray it
+has (a Ray start costs 15-60 s here: one serves both workloads) and writes READY_FILE again once it answers.
 
     soma          examples/serve.py's app: `await local.arun(stage >> Batched(model))`, Local(workers=2)
     inprocess     the same FastAPI app, `await loop.run_in_executor(None, predict, text)` (the default
@@ -85,12 +87,16 @@ def serve_uvicorn(contender: str, workload: str, ready_file: str) -> None:
     def announce():  # once the lifespan's startup has finished (Local's workers up, the pool made)
         while not server.started and not server.should_exit:
             threading.Event().wait(0.01)
-        with open(ready_file + ".tmp", "w") as f:
-            f.write(str(server.servers[0].sockets[0].getsockname()[1]))
-        os.replace(ready_file + ".tmp", ready_file)
+        _announce(ready_file, server.servers[0].sockets[0].getsockname()[1])
 
     threading.Thread(target=announce, daemon=True).start()
     server.run()
+
+
+def _announce(ready_file: str, port: int) -> None:
+    with open(ready_file + ".tmp", "w") as f:
+        f.write(str(port))
+    os.replace(ready_file + ".tmp", ready_file)
 
 
 def serve_ray(workload: str, ready_file: str) -> None:
@@ -130,10 +136,14 @@ def serve_ray(workload: str, ready_file: str) -> None:
                 body = await request.json()
                 return {"scores": await self.run_model(self.stage(body["text"]))}
 
-        serve.run(Model.bind(workload), route_prefix="/predict")
-        with open(ready_file + ".tmp", "w") as f:
-            f.write(str(port))
-        os.replace(ready_file + ".tmp", ready_file)
+        def switch_on_request():  # the driver's next workloads, a line each, until it closes stdin
+            for line in sys.stdin:
+                serve.run(Model.bind(line.strip()), name="model", route_prefix="/predict")
+                _announce(ready_file, port)
+
+        serve.run(Model.bind(workload), name="model", route_prefix="/predict")
+        _announce(ready_file, port)
+        threading.Thread(target=switch_on_request, daemon=True).start()
         stopping.wait()
     finally:
         with contextlib.suppress(Exception):

@@ -17,7 +17,7 @@ The load is benchmarks/_serve_load.py, its own process: 1, 16 and 64 asyncio cli
 connection each, the same requests for every contender, every answer checked against the model run there
 (a wrong one ends the run: FAILED naming the contender). The three uvicorn servers run side by side and take
 turns, round by round (benchmarks/README.md: alternation); Ray Serve, whose idle processes would tax the
-others, runs alone after them. Figures: requests/s, p50 and p99 latency (the median over rounds of each);
+others, runs alone after them (one Ray for both workloads). Figures: requests/s, p50 and p99 latency (the median over rounds of each);
 `--json` writes those at 64 clients as {"tiny": {"soma": {"rps", "p50_ms", "p99_ms"}, ...}, "heavy": ...}.
 Goals at 64 clients (issue 35): heavy soma >= 1.5x inprocess and >= 1.0x process_pool with a p99 no worse;
 tiny soma >= 1.0x inprocess; both >= 4x Ray Serve with at most a third of its p99.
@@ -60,8 +60,16 @@ class Server:
         self.log_path = os.path.join(folder, f"{contender}-{workload}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_serve_apps.py"), contender, workload,
-                                      self.ready], stdout=self.log, stderr=subprocess.STDOUT)
+                                      self.ready], stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                     text=True)
         self.port = None
+
+    def switch(self, workload: str) -> int:
+        """ray_serve: the same server, the model redeployed for `workload` (benchmarks/_serve_apps.py)."""
+        os.remove(self.ready)
+        self.proc.stdin.write(workload + "\n")
+        self.proc.stdin.flush()
+        return self.wait_ready()
 
     def wait_ready(self) -> int:
         deadline = time.monotonic() + START_S
@@ -79,6 +87,7 @@ class Server:
             return f.read()[-3000:]
 
     def stop(self) -> None:
+        self.proc.stdin.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -148,10 +157,24 @@ def run_servers(contenders, workload: str, folder: str, loadgen, sizes, rounds, 
     try:
         for server in servers.values():
             server.wait_ready()
-        measure(loadgen, servers, workload, sizes, rounds, samples)
+        measure(loadgen, servers, workload, sizes, rounds, samples[workload])
     finally:
         for server in servers.values():
             server.stop()
+
+
+def run_ray_serve(folder: str, loadgen, sizes, rounds, samples) -> None:
+    """One Ray Serve for both workloads, the model redeployed between them."""
+    server = Server("ray_serve", WORKLOADS[0], folder)
+    try:
+        for workload in WORKLOADS:
+            if workload == WORKLOADS[0]:
+                server.wait_ready()
+            else:
+                server.switch(workload)
+            measure(loadgen, {"ray_serve": server}, workload, sizes, rounds, samples[workload])
+    finally:
+        server.stop()
 
 
 def summarize(samples: dict) -> dict:
@@ -242,19 +265,19 @@ def main(argv) -> None:
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise SystemExit(f"{NAME}: needs fastapi and uvicorn (pip install 'soma[serve]')")
     suite = h.Suite(NAME, args)  # (its mode and the machine's share; the records are the figures below)
+    machine = h.MachineShare()  # (for the plot's title: a figure taken beside other programs says so)
     ray_skipped = why_no_ray_serve(args)
     sizes, rounds = requests_per_level(suite.mode), suite.repeat(3, quick=1)
     print(f"{NAME} ({suite.mode}): {h.versions()}; requests per level {sizes}, {rounds} round(s); "
           f"ray_serve: {'skipped: ' + ray_skipped if ray_skipped else 'on loopback only'}", flush=True)
-    samples: dict = {}
+    samples: dict = {workload: {} for workload in WORKLOADS}
     loadgen = LoadGenerator()
     try:
         with tempfile.TemporaryDirectory(prefix="soma-bench-serve-") as folder:
             for workload in WORKLOADS:
-                samples[workload] = {}
-                run_servers(UVICORN_CONTENDERS, workload, folder, loadgen, sizes, rounds, samples[workload])
-                if ray_skipped is None:
-                    run_servers(["ray_serve"], workload, folder, loadgen, sizes, rounds, samples[workload])
+                run_servers(UVICORN_CONTENDERS, workload, folder, loadgen, sizes, rounds, samples)
+            if ray_skipped is None:
+                run_ray_serve(folder, loadgen, sizes, rounds, samples)
     finally:
         loadgen.close()
     figures = {workload: summarize(by_contender) for workload, by_contender in samples.items()}
@@ -274,7 +297,9 @@ def main(argv) -> None:
             json.dump(out, f, indent=1)
         print(f"wrote the figures at 64 clients to {json_path}")
     if getattr(args, "plot", None):
-        plot(figures, args.plot, f"soma bench serve ({suite.mode}), {h.versions()}")
+        others, _ = machine.others()
+        plot(figures, args.plot, f"soma bench serve ({suite.mode}), {h.versions()}; other programs used "
+                                 f"{others:.0f}% of a core meanwhile")
 
 
 if __name__ == "__main__":

@@ -7,14 +7,14 @@
 
 How a request flows:
 
-    uvicorn (event loop) ── handler: await local.arun(GRAPH, text) ──▶ soma.Local host
-                                                                          │
-        worker 1, worker 2:  tokenize (per item, spread over both workers)
-                                          ▼
-                             model = soma.torch.Batched (the inputs at it at once: one call)
+    uvicorn (event loop) ── handler: await local.arun(graph, text) ──▶ soma.Local's host
+                                                                          │ (inputs to the workers)
+        worker 1, worker 2:   tokenize ──▶ model (soma.torch.Batched)
+                              each input whole on one worker; the inputs a worker has at once
+                              run together and meet at `model` in one call (up to max_batch)
 
 Each request is one coroutine and one input in flight, never a thread: 64 clients are 64
-inputs, spread over the workers at `tokenize` and met in batches at `model`.
+inputs, spread over both workers and met in batches at `model`.
 
 What a user meets:
 - The runner lives as long as the app: opened in the lifespan's startup, closed at its
@@ -30,7 +30,8 @@ What a user meets:
 - A body that is not `{"text": <non-empty string>}` is a 422 from FastAPI's validation,
   with what was wrong; it never reaches the runner.
 - A node that raises is a 500 whose body names the node (`soma.NodeError.node`) and says
-  what failed; a worker that died is a 503 (soma replaced it, the client may try again).
+  what failed; a worker that died, a run past TIMEOUT, or a runner closed under a request
+  (shutdown past its grace) is a 503 that says which (the client may try again).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def create_app(graph: Graph | None = None, workers: int = 2) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with soma.Local(workers=workers) as local:  # started off the loop, closed the same way
+        # Started off the loop, closed the same way; the workers import torch at once, not at the first request.
+        async with soma.Local(workers=workers, preload_torch=True) as local:
             app.state.local = local
             yield
 
