@@ -48,7 +48,7 @@ def close_to(got, want) -> bool:
 class Server:
     """uvicorn running tests/serve_app.py on a socket bound here (no free-port race), its log in a file."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, http: str):
         self.folder = folder
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -60,7 +60,7 @@ class Server:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "--factory", "tests.serve_app:create_app", "--fd",
-                 str(self.sock.fileno()), "--timeout-graceful-shutdown", "20"],
+                 str(self.sock.fileno()), "--timeout-graceful-shutdown", "20", *HTTP[http]],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=[self.sock.fileno()])
         wait_for(lambda: "Application startup complete" in self.log() or self.proc.poll() is not None, START_S,
                  "uvicorn to start the app")
@@ -94,9 +94,16 @@ class Server:
         self.sock.close()
 
 
-@pytest.fixture
-def server(tmp_path):
-    s = Server(tmp_path)
+# uvicorn's two HTTP implementations tell a handler of a disconnect each their own way: both are checked
+# (plain `pip install uvicorn` has h11 and asyncio's loop; uvicorn[standard] httptools and uvloop)
+HTTP = {"h11": ["--http", "h11", "--loop", "asyncio"], "httptools": ["--http", "httptools", "--loop", "auto"]}
+
+
+@pytest.fixture(params=[
+    "h11", pytest.param("httptools", marks=pytest.mark.skipif(importlib.util.find_spec("httptools") is None,
+                                                              reason="httptools is not installed (uvicorn[standard])"))])
+def server(tmp_path, request):
+    s = Server(tmp_path, request.param)
     yield s
     s.stop()
 
