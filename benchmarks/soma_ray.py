@@ -45,7 +45,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,24 +53,7 @@ import _harness as h
 from _work import AddOne, Double, chain3
 
 NAME = "soma_ray"
-IN_NAMESPACE = "SOMA_BENCH_LOOPBACK"
 WINDOW = 4
-
-
-# -- keeping Ray on loopback ---------------------------------------------------------------------------
-
-def rerun_on_loopback(argv: list[str]) -> None:
-    """Replace this process with itself inside a network namespace that has only `lo`, when allowed."""
-    if os.environ.get(IN_NAMESPACE) or shutil.which("unshare") is None or shutil.which("ip") is None:
-        return
-    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
-        print(f"{NAME}: no network namespace here (unshare -n refused): Ray binds this machine's address")
-        return
-    os.environ[IN_NAMESPACE] = "1"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    script = os.path.abspath(__file__)
-    os.execvp("unshare", ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
-                          script, *argv])
 
 
 # -- what the actors run (plain functions and nodes; by value from __main__ is fine for both) -------------
@@ -365,7 +347,7 @@ def concurrent_runs(suite, cluster, soma):
 
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
-    rerun_on_loopback(argv)
+    h.rerun_on_loopback(NAME, os.path.abspath(__file__), argv)
     args = h.parse_args(argv, __doc__)
     suite = h.Suite(NAME, args)
     ray = h.optional_ray()
@@ -375,7 +357,7 @@ def main(argv=None) -> list[dict]:
     import soma
 
     print(f"{NAME}: {h.versions()}, ray {ray.__version__}; mode {suite.mode}; "
-          f"{'loopback only' if os.environ.get(IN_NAMESPACE) else 'on the machine address'}")
+          f"{'loopback only' if os.environ.get(h.IN_NAMESPACE) else 'on the machine address'}")
     folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")  # Ray's temp dir: nothing left for the next init
     try:
         # address="local": always a new instance of our own, never another program's cluster on this machine

@@ -40,7 +40,7 @@ def test_soma_bench_with_a_flag_and_no_name_says_what_it_expects():
     lines = done.stdout.splitlines()[1:-1]
     assert [line.split()[0] for line in lines] == BENCHMARKS.split(", ")
     assert all(len(line.split(None, 1)[1]) > 20 for line in lines), lines  # a sentence each, not just the name
-    assert done.stdout.endswith("usage: soma bench NAME [--quick] [--smoke] [--json FILE]\n")
+    assert done.stdout.endswith("usage: soma bench NAME [--quick] [--smoke] [--json FILE] [--plot FILE.png]\n")
 
 
 def test_soma_example_without_torch_says_it_needs_torch():
