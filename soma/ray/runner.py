@@ -43,7 +43,7 @@ from . import tracing
 from .devices import checked_options
 from .driver import CLOSED, Driver
 from .inflight import RayInflight, batch_size, parallelism
-from .submission import Submission, value_of
+from .submission import value_of
 
 
 def _import_ray():
@@ -140,17 +140,17 @@ class Ray(RunnerBase):
         timed = timeout is not None
         with trace.host_step("run", input=None) if trace is not None else contextlib.nullcontext():
             [submission] = driver.submit_run(graph, x, timed, trace, retries)  # (with concurrent runs: batching)
+            tries = driver.tries(graph, submission)
             try:
                 while True:
-                    settled = driver.outcomes([submission], graph, _left(deadline))
+                    settled = driver.outcomes([tries.submission], graph, _left(deadline))
                     if settled is None:
-                        raise driver.expire(submission, timeout) from None
-                    after = driver.next_try(graph, submission, *settled[0])
-                    if not isinstance(after, Submission):
-                        return _outcome(after)
-                    submission = after
+                        raise driver.expire(tries.submission, timeout) from None
+                    done = tries.after(*settled[0])
+                    if done is not None:
+                        return _outcome(done)
             finally:
-                driver.release(submission)
+                driver.release(tries.submission)
                 driver.run_over(graph, timed)
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
@@ -187,28 +187,28 @@ class Ray(RunnerBase):
             [submission] = await asyncio.to_thread(driver.submit_run, graph, x, timed, self._trace, retries)
         else:
             [submission] = driver.submit_run(graph, x, timed, self._trace, retries)
+        tries = driver.tries(graph, submission)
         futures: list = []
         try:
             while True:
-                futures = [asyncio.wrap_future(ref.future()) for ref in submission.refs]
+                futures = [asyncio.wrap_future(ref.future()) for ref in tries.submission.refs]
                 _, pending = await asyncio.wait(futures, timeout=_left(deadline))
                 if pending:
-                    raise await asyncio.to_thread(driver.expire, submission, timeout) from None
+                    raise await asyncio.to_thread(driver.expire, tries.submission, timeout) from None
                 values = [value_of(future) for future in futures]
                 if any(isinstance(v, BaseException) for v in values):  # (a dead actor's record may take a Ray task)
-                    after = await asyncio.to_thread(driver.settle, graph, submission, values)
+                    done = await asyncio.to_thread(tries.after_values, values)
                 else:
-                    after = driver.settle(graph, submission, values)
-                if not isinstance(after, Submission):
-                    return _outcome(after)
-                submission = after
+                    done = tries.after_values(values)
+                if done is not None:
+                    return _outcome(done)
         except asyncio.CancelledError:
-            driver.abandon(submission)  # what has not started never starts; its result is dropped
+            driver.abandon(tries.submission)  # what has not started never starts; its result is dropped
             raise
         finally:
             for future in futures:
                 future.cancel()  # (done ones stay as they are)
-            driver.release(submission)
+            driver.release(tries.submission)
             driver.run_over(graph, timed)
 
     def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
