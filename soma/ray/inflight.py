@@ -112,9 +112,9 @@ class RayInflight(Inflight):
         new copy takes to start."""
         now = time.monotonic()
         startup, _ = self.driver.startup(self.graph)
-        since = [self._running_since(s) for s in self.submissions.values()]
-        cost = input_cost(self.graph.cost, since, now)
-        busy = [cost - min(cost, now - t) if t is not None else cost + startup for t in since]
+        inputs = list(self.submissions.values())
+        cost = input_cost(self.graph.cost, [self._running_since(s) for s in inputs], now)
+        busy = [self._busy(s, cost, startup, now) for s in inputs]
         if copy_pays(len(self.held), cost, busy, self.driver.copies(self.graph), startup):
             self.driver.add_copy(self.graph)
 
@@ -123,6 +123,16 @@ class RayInflight(Inflight):
         """When the input started running: sent, and every copy it went to up; None while one is starting."""
         ups = [call.actor.up_at for call in submission.calls]
         return None if None in ups else max([submission.sent_at] + ups)
+
+    @classmethod
+    def _busy(cls, submission: Submission, cost: float, startup: float, now: float) -> float:
+        """How long the copy of an input in flight still needs for it: what is left of its cost, after what
+        is left of its copy's start-up if that copy is still starting."""
+        since = cls._running_since(submission)
+        if since is not None:
+            return max(0.0, cost - (now - since))
+        started = min(call.actor.started_at for call in submission.calls if call.actor.up_at is None)
+        return max(0.0, startup - (now - started)) + cost
 
     def _start(self, items: list, held: bool = False) -> None:
         trace = self.tracer.current_trace if self.tracer is not None else None

@@ -19,12 +19,16 @@ How one input flows (on the right of each step, the module of soma/ray/ that doe
       ▼  the output, or soma's error  faults.py: Ray's errors as soma's (WorkerDied, NodeError), timeouts
 
     Ray.map(g, xs)           map_outputs (soma.run.mapping) over inflight.RayInflight: batches of
-                             inputs share one call per node (call_many: one return per input)
+                             cheap inputs share one call per node (call_many: one return per input);
+                             heavy ones wait at the driver for a free copy, and a copy starts when the
+                             queue it saves is longer than its measured start-up (spreading.py)
     Ray.submit(g, x)         a Future at once; settler.py: one thread settles every submitted input
     await Ray.arun(g, x)     the output refs awaited on the event loop (Ray sets their futures)
     Ray.amap(g, xs)          amap_outputs (soma.run.aio) over RayInflight.await_wait
-    retries=N                tries.py: an input lost to a dead actor is sent again (records.py: what the
-                             actor had started), or tried again from the graph's start, or its WorkerDied
+    after every try          tries.Tries.after, the one retry-or-finish step of run, arun, map and
+                             submit: an input lost to a dead actor is sent again (records.py: what the
+                             actor had started), or tried again from the graph's start, or its WorkerDied;
+                             a finished one is released (and measured: its cost, spreading.py)
     Ray.trace(path)          tracing.py: the actors keep their records; the block's end collects them
 """
 
