@@ -72,6 +72,7 @@ class RayInflight(Inflight):
         # heavy inputs, one input per call, held here until a copy is free (soma.ray.spreading)
         self.by_cost = by_cost
         self.held: deque = deque()  # (index, x) taken, waiting for a free copy (oldest first)
+        self.waiting_since: float | None = None  # since when inputs have been held without a break
         self.last_outcome: float | None = None  # when the last batch concluded (by_cost)
         self.retries = retries
         self.tracer = tracer
@@ -104,8 +105,12 @@ class RayInflight(Inflight):
             return
         while self.held and self.driver.has_room(self.graph):
             self._start([self.held.popleft()], held=True)
-        if self.held:
-            self._spread()
+        if not self.held:
+            self.waiting_since = None
+            return
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        self._spread()
 
     def _spread(self) -> None:
         """Start one more copy when the last held input would wait longer for one of the copies there than a
@@ -115,7 +120,7 @@ class RayInflight(Inflight):
         inputs = list(self.submissions.values())
         cost = input_cost(self.graph.cost, [self._running_since(s) for s in inputs], now)
         busy = [self._busy(s, cost, startup, now) for s in inputs]
-        if copy_pays(len(self.held), cost, busy, self.driver.copies(self.graph), startup):
+        if copy_pays(len(self.held), cost, busy, self.driver.copies(self.graph), startup, now - self.waiting_since):
             self.driver.add_copy(self.graph)
 
     @staticmethod

@@ -10,6 +10,8 @@
         the held inputs would start at 0.5, 1.0, 1.5 s on the one copy: the last waits 1.5 s, longer
         than a copy takes to start (1.1 s, measured): one more copy pays → True
     copy_pays(held=2, cost=0.5, busy=[0.5], copies=1, startup=1.1) → False: the last waits 1.0 s
+    copy_pays(..., waited=1.2) → True: inputs have waited here for longer than a start-up (a map sees
+        only its window: a long one, or one over a generator, is taken to go on as long again)
 
 Why held at the driver rather than sent to the new copy at once: a copy that is
 still starting takes no input while another is up, so a held input goes to
@@ -25,7 +27,10 @@ The start-up is measured as it happens: from an actor's creation to its hello
 conservative guess (a new copy must save more than that before one starts).
 An input's cost is the graph's measured cost (`measured`); before any is known,
 the longest that an input in flight has been running on a copy that is up (it
-costs at least that), so a tick re-asks while inputs are held.
+costs at least that), so a tick re-asks while inputs are held. The queue a map
+shows is its window; how long inputs have been waiting says how long it goes on
+(a map that has kept inputs waiting for longer than a start-up gets a copy, up to
+the node's `copies`: a long map of heavy inputs spreads after one start-up).
 """
 
 from __future__ import annotations
@@ -73,11 +78,17 @@ def input_cost(known: float | None, running: list, now: float) -> float:
     return max([now - since for since in running if since is not None] + [0.0])
 
 
-def copy_pays(held: int, cost: float, busy: list, copies: int, startup: float) -> bool:
+def copy_pays(held: int, cost: float, busy: list, copies: int, startup: float, waited: float = 0.0) -> bool:
     """Whether one more copy would start a held input sooner than the copies there now: the last of the `held`
     inputs, taken oldest first by whichever of `copies` copies is free first (`busy`: how long each busy one
-    still needs; the others are free now), waits longer than `startup`."""
-    if held <= 0 or copies <= 0 or cost <= 0:
+    still needs; the others are free now), waits longer than `startup`; or inputs have been waiting for
+    `waited` seconds, longer than `startup` (a map sees only its window: one that has kept inputs waiting
+    that long is taken to go on as long again, as a map over a generator may)."""
+    if held <= 0 or copies <= 0:
+        return False
+    if waited > startup:
+        return True
+    if cost <= 0:
         return False
     free_at = sorted(busy)[:copies] + [0.0] * max(0, copies - len(busy))
     heapq.heapify(free_at)

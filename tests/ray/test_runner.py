@@ -477,7 +477,7 @@ def test_ray_a_batching_node_gets_a_calls_inputs_as_one_forward_batch(observed):
 def test_ray_heavy_inputs_go_one_per_call_over_the_copies_and_cheap_ones_share_calls(observed):
     seen = check(observed, "heavy_inputs_spread")
     assert seen["values"] == seen["alone_values"] == [0, 1, 2, 3]
-    assert seen["heavy_calls"] == [["sleep_pid", 1]] * 4  # one per call, not four in one actor's call
+    assert seen["heavy_calls"] == [["four_copies", 1]] * 4  # one per call, not four in one actor's call
     assert seen["tiny"]
     batches = [batch for _, batch in seen["tiny_calls"]]
     assert sum(batches) == 200 and max(batches) > 1 and len(batches) < 200, batches

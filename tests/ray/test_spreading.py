@@ -30,6 +30,13 @@ def test_copies_that_are_free_or_finishing_soon_take_the_held_inputs_first():
     assert not copy_pays(held=2, cost=1.0, busy=[0.1, 0.2], copies=2, startup=0.5)  # both nearly done
 
 
+def test_inputs_held_for_longer_than_a_start_up_get_a_copy_whatever_the_window_shows():
+    # a long map (or one over a generator) shows only its window: one that kept inputs waiting that long goes on
+    assert copy_pays(held=1, cost=0.06, busy=[0.06], copies=1, startup=1.0, waited=1.2)
+    assert not copy_pays(held=1, cost=0.06, busy=[0.06], copies=1, startup=1.0, waited=0.8)
+    assert not copy_pays(held=0, cost=0.06, busy=[0.06], copies=1, startup=1.0, waited=9.0)
+
+
 def test_nothing_held_or_no_cost_known_starts_nothing():
     assert not copy_pays(held=0, cost=9.0, busy=[9.0], copies=1, startup=0.1)
     assert not copy_pays(held=4, cost=0.0, busy=[], copies=1, startup=0.1)
