@@ -19,12 +19,16 @@ How one input flows (on the right of each step, the module of soma/ray/ that doe
       ▼  the output, or soma's error  faults.py: Ray's errors as soma's (WorkerDied, NodeError), timeouts
 
     Ray.map(g, xs)           map_outputs (soma.run.mapping) over inflight.RayInflight: batches of
-                             inputs share one call per node (call_many: one return per input)
+                             cheap inputs share one call per node (call_many: one return per input);
+                             heavy ones wait at the driver for a free copy, and a copy starts when the
+                             queue it saves is longer than its measured start-up (spreading.py)
     Ray.submit(g, x)         a Future at once; settler.py: one thread settles every submitted input
     await Ray.arun(g, x)     the output refs awaited on the event loop (Ray sets their futures)
     Ray.amap(g, xs)          amap_outputs (soma.run.aio) over RayInflight.await_wait
-    retries=N                tries.py: an input lost to a dead actor is sent again (records.py: what the
-                             actor had started), or tried again from the graph's start, or its WorkerDied
+    after every try          tries.Tries.after, the one retry-or-finish step of run, arun, map and
+                             submit: an input lost to a dead actor is sent again (records.py: what the
+                             actor had started), or tried again from the graph's start, or its WorkerDied;
+                             a finished one is released (and measured: its cost, spreading.py)
     Ray.trace(path)          tracing.py: the actors keep their records; the block's end collects them
 """
 
@@ -43,7 +47,7 @@ from . import tracing
 from .devices import checked_options
 from .driver import CLOSED, Driver
 from .inflight import RayInflight, batch_size, parallelism
-from .submission import Submission, value_of
+from .submission import value_of
 
 
 def _import_ray():
@@ -140,17 +144,17 @@ class Ray(RunnerBase):
         timed = timeout is not None
         with trace.host_step("run", input=None) if trace is not None else contextlib.nullcontext():
             [submission] = driver.submit_run(graph, x, timed, trace, retries)  # (with concurrent runs: batching)
+            tries = driver.tries(graph, submission)
             try:
                 while True:
-                    settled = driver.outcomes([submission], graph, _left(deadline))
+                    settled = driver.outcomes([tries.submission], graph, _left(deadline))
                     if settled is None:
-                        raise driver.expire(submission, timeout) from None
-                    after = driver.next_try(graph, submission, *settled[0])
-                    if not isinstance(after, Submission):
-                        return _outcome(after)
-                    submission = after
+                        raise driver.expire(tries.submission, timeout) from None
+                    done = tries.after(*settled[0])
+                    if done is not None:
+                        return _outcome(done)
             finally:
-                driver.release(submission)
+                driver.release(tries.submission)
                 driver.run_over(graph, timed)
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
@@ -187,28 +191,28 @@ class Ray(RunnerBase):
             [submission] = await asyncio.to_thread(driver.submit_run, graph, x, timed, self._trace, retries)
         else:
             [submission] = driver.submit_run(graph, x, timed, self._trace, retries)
+        tries = driver.tries(graph, submission)
         futures: list = []
         try:
             while True:
-                futures = [asyncio.wrap_future(ref.future()) for ref in submission.refs]
+                futures = [asyncio.wrap_future(ref.future()) for ref in tries.submission.refs]
                 _, pending = await asyncio.wait(futures, timeout=_left(deadline))
                 if pending:
-                    raise await asyncio.to_thread(driver.expire, submission, timeout) from None
+                    raise await asyncio.to_thread(driver.expire, tries.submission, timeout) from None
                 values = [value_of(future) for future in futures]
                 if any(isinstance(v, BaseException) for v in values):  # (a dead actor's record may take a Ray task)
-                    after = await asyncio.to_thread(driver.settle, graph, submission, values)
+                    done = await asyncio.to_thread(tries.after_values, values)
                 else:
-                    after = driver.settle(graph, submission, values)
-                if not isinstance(after, Submission):
-                    return _outcome(after)
-                submission = after
+                    done = tries.after_values(values)
+                if done is not None:
+                    return _outcome(done)
         except asyncio.CancelledError:
-            driver.abandon(submission)  # what has not started never starts; its result is dropped
+            driver.abandon(tries.submission)  # what has not started never starts; its result is dropped
             raise
         finally:
             for future in futures:
                 future.cancel()  # (done ones stay as they are)
-            driver.release(submission)
+            driver.release(tries.submission)
             driver.run_over(graph, timed)
 
     def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
