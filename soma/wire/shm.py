@@ -165,7 +165,7 @@ class _Segment:
         self.nbytes = nbytes
         self.address = address  # the owner's permanent mapping: already faulted in when reused
         self.sent = 0  # handles sent and not yet settled by the host's free()
-        self.local_live = 0  # live views of this process on the segment (0 or 1)
+        self.local_live = 0  # live views of this process on the segment (its bytes view, its storage: 0 to 2)
         self.in_pool = False  # free and waiting for reuse
 
     @property
@@ -174,17 +174,56 @@ class _Segment:
 
 
 class _View:
-    """Bookkeeping for this process's one live view of a segment."""
+    """Bookkeeping for one live view of a segment in this process: its bytes view (a ctypes array), or a
+    mapping someone else made and unmaps (a `Mapper`'s: torch's shared storage), one of each per segment."""
 
-    __slots__ = ("name", "start", "nbytes", "receipts", "ref", "owned")
+    __slots__ = ("name", "start", "nbytes", "receipts", "ref", "seg", "unmaps", "mapper")
 
-    def __init__(self, name: str, start: int, nbytes: int, view, owned: bool):
+    def __init__(self, name: str, start: int, nbytes: int, view, seg, unmaps: bool, mapper):
         self.name = name
         self.start = start
         self.nbytes = nbytes
         self.receipts = 0  # handles received for it, to report once it dies
         self.ref = weakref.ref(view)
-        self.owned = owned  # over the owner's base mapping (else a mapping of its own, unmapped when it dies)
+        self.seg = seg  # the _Segment when this process owns it (its local_live counts this view), else None
+        self.unmaps = unmaps  # a mapping of the store's own, unmapped when the view dies (not the base, not a Mapper's)
+        self.mapper = mapper
+
+    @property
+    def key(self) -> tuple:
+        return self.name, self.mapper is not None
+
+
+class Mapper:
+    """How another library maps a segment so that it knows the memory as its own shared memory (torch's
+    `is_shared()`): `map(path, nbytes)` gives the object whose life is the mapping's (weakly referable;
+    it unmaps when it dies), `address(obj)` where its bytes are now (0 once they moved elsewhere)."""
+
+    def map(self, path: str, nbytes: int):
+        raise NotImplementedError
+
+    def address(self, obj) -> int:
+        raise NotImplementedError
+
+
+# A segment handed on outside soma (torch.multiprocessing received its file descriptor) is marked so on its
+# file: another process may map it for as long as it likes, so its owner never reuses it, only unlinks it.
+_EXPORTED_BIT = 0o100
+
+
+def mark_exported(path: str) -> None:
+    """Segment file `path` was handed on outside soma: its owner must not reuse it (see `_EXPORTED_BIT`)."""
+    try:
+        os.chmod(path, 0o600 | _EXPORTED_BIT)
+    except FileNotFoundError:
+        pass  # unlinked already: nobody can reuse it
+
+
+def _exported(name: str) -> bool:
+    try:
+        return bool(os.stat(os.path.join(SHM_DIR, name)).st_mode & _EXPORTED_BIT)
+    except FileNotFoundError:
+        return False
 
 
 class SegmentStore:
@@ -210,7 +249,7 @@ class SegmentStore:
         self._owned: dict[str, _Segment] = {}
         self._pool: list[_Segment] = []  # free owned segments, reusable
         self._pooled_bytes = 0
-        self._by_name: dict[str, _View] = {}  # segment → this process's live view of it
+        self._views: dict[tuple, _View] = {}  # (segment, by a Mapper?) → this process's live view of it
         self._starts: list[int] = []  # sorted start addresses of the live views (for `locate`)
         self._at: dict[int, _View] = {}  # start address → its view's record
         self._pending: list[tuple[str, int]] = []
@@ -221,7 +260,7 @@ class SegmentStore:
         """`(view, name)`: a fresh view of at least `nbytes` in a segment this process owns (reused when one is
         free). The view spans the whole segment and stays this process's view of it until it dies."""
         seg = self._take_free(nbytes) or self._create(nbytes)
-        return self._view(seg, owned=True), seg.name
+        return self._view(seg), seg.name
 
     def _take_free(self, nbytes: int):
         with self._lock:
@@ -281,7 +320,7 @@ class SegmentStore:
         # lock held
         if seg.busy or seg.in_pool:
             return
-        if self.closed or self._pooled_bytes + seg.nbytes > self.cap:
+        if self.closed or self._pooled_bytes + seg.nbytes > self.cap or _exported(seg.name):
             del self._owned[seg.name]
             unlink_quietly(seg.name)
             _unmap(seg.address, seg.nbytes)  # nothing of this process sees it any more (no live view)
@@ -300,8 +339,11 @@ class SegmentStore:
                 return None
             rec = self._at[self._starts[i]]
             # A view that is dying (its finalizer has not run yet) answers None: its memory may be gone.
-            if address + nbytes > rec.start + rec.nbytes or rec.ref() is None:
+            view = rec.ref()
+            if address + nbytes > rec.start + rec.nbytes or view is None:
                 return None
+            if rec.mapper is not None and rec.mapper.address(view) != rec.start:
+                return None  # (torch moved its bytes elsewhere: share_memory_ under the file_system strategy)
             return rec.name, rec.nbytes, address - rec.start
 
     def note_sent(self, name: str) -> None:
@@ -312,12 +354,14 @@ class SegmentStore:
                 seg.sent += 1
 
     # -- receiver side ---------------------------------------------------------------------
-    def open(self, name: str, nbytes: int):
-        """This process's live view of segment `name` (the existing one when there is), counting a receipt."""
+    def open(self, name: str, nbytes: int, mapper: Mapper | None = None):
+        """This process's live view of segment `name` (the existing one when there is), counting a receipt:
+        a ctypes byte array, or with `mapper` the object it maps the segment into (one of each per segment)."""
         if not self._name_re.match(name):
             raise ShmError(f"segment name {name!r} is not one of this pool's ({self.prefix}-*)")
+        key = name, mapper is not None
         with self._lock:
-            found = self._by_name.get(name)
+            found = self._views.get(key)
             view = found.ref() if found is not None else None
             if view is not None:
                 if found.nbytes < nbytes:
@@ -325,12 +369,15 @@ class SegmentStore:
                 found.receipts += 1
                 return view
             seg = self._owned.get(name)
-        if seg is not None:  # one of ours sent back: a view of the base mapping, no new faults
+        path = os.path.join(SHM_DIR, name)
+        if seg is not None:  # one of ours sent back
             if nbytes > seg.nbytes:
                 raise ShmError(f"segment {name} holds {seg.nbytes} bytes, the handle claims {nbytes}")
-            view = self._view(seg, owned=True)
+            if mapper is None:
+                view = self._view(seg)  # a view of the base mapping: no new faults
+            else:  # (its pages are in memory: they fault in as they are touched, none if none is)
+                view = self._view(seg, mapped=self._mapped(path, seg.nbytes, mapper, False), mapper=mapper)
         else:
-            path = os.path.join(SHM_DIR, name)
             try:
                 size = os.stat(path).st_size
             except FileNotFoundError:
@@ -338,26 +385,56 @@ class SegmentStore:
             if size < nbytes:
                 # Mapping beyond the end of the file would raise SIGBUS when touched.
                 raise ShmError(f"segment {name} holds {size} bytes, the handle claims {nbytes}")
-            view = self._view(None, owned=False, name=name, address=_map_file(path, nbytes, _MADV_POPULATE_READ),
-                              nbytes=nbytes)
+            if mapper is None:
+                view = self._view(None, name=name, address=_map_file(path, nbytes, _MADV_POPULATE_READ),
+                                  nbytes=nbytes)
+            else:
+                view = self._view(None, name=name, nbytes=nbytes, mapped=self._mapped(path, nbytes, mapper, True),
+                                  mapper=mapper)
         with self._lock:
-            self._by_name[name].receipts += 1
+            self._views[key].receipts += 1
         return view
 
-    def _view(self, seg: _Segment | None, owned: bool, name: str = "", address: int = 0, nbytes: int = 0):
+    @staticmethod
+    def _mapped(path: str, nbytes: int, mapper: Mapper, populate: bool):
+        """`mapper`'s mapping of segment file `path`, checked to be that file (a mapper may create a file
+        of that name when it is gone: that one is unlinked again, and the segment reported gone)."""
+        try:
+            before = os.stat(path).st_ino
+            obj = mapper.map(path, nbytes)
+            after = os.stat(path).st_ino
+        except FileNotFoundError:
+            after = None
+        if after != before:
+            if after is not None:
+                unlink_quietly(os.path.basename(path))
+            raise ShmError(f"segment {os.path.basename(path)} is gone (its owner died or the pool closed)")
+        if populate and nbytes >= POPULATE_BYTES:
+            _lib().madvise(mapper.address(obj), nbytes, _MADV_POPULATE_READ)  # (as _map_file does)
+        return obj
+
+    def _view(self, seg: _Segment | None, name: str = "", address: int = 0, nbytes: int = 0, mapped=None,
+              mapper: Mapper | None = None):
+        """Register a new view: over the base mapping of `seg`, over `address` (a mapping of ours), or the
+        object `mapped` (a `mapper`'s mapping of a whole segment); the view registered first is the answer."""
         if seg is not None:
-            name, address, nbytes = seg.name, seg.address, seg.nbytes
-        view = view_at(address, nbytes)
-        rec = _View(name, address, nbytes, view, owned)
+            name, nbytes = seg.name, seg.nbytes
+            if mapped is None:
+                address = seg.address
+        if mapped is not None:
+            view, address = mapped, mapper.address(mapped)
+        else:
+            view = view_at(address, nbytes)
+        rec = _View(name, address, nbytes, view, seg, unmaps=seg is None and mapped is None, mapper=mapper)
         with self._lock:
-            old = self._by_name.get(name)
+            old = self._views.get(rec.key)
             alive = old.ref() if old is not None else None
             if alive is not None:
                 # Two threads opened it at once: keep the first view, let this one go.
-                if not owned:
+                if rec.unmaps:
                     _unmap(address, nbytes)
                 return alive
-            self._by_name[name] = rec
+            self._views[rec.key] = rec
             if address not in self._at:  # (a dying view of the same base mapping may still be listed)
                 bisect.insort(self._starts, address)
             self._at[address] = rec
@@ -402,15 +479,14 @@ class SegmentStore:
             i = bisect.bisect_left(self._starts, rec.start)
             if i < len(self._starts) and self._starts[i] == rec.start:
                 del self._starts[i]
-        if self._by_name.get(rec.name) is rec:
-            del self._by_name[rec.name]
+        if self._views.get(rec.key) is rec:
+            del self._views[rec.key]
         receipts, rec.receipts = rec.receipts, 0
-        if rec.owned:
-            seg = self._owned.get(rec.name)
-            if seg is not None:
-                seg.local_live -= 1
-                self._maybe_reusable(seg)
-        else:
+        if rec.seg is not None:
+            rec.seg.local_live -= 1
+            if self._owned.get(rec.name) is rec.seg:
+                self._maybe_reusable(rec.seg)
+        elif rec.unmaps:
             _unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
         return [(rec.name, receipts)] if receipts else []
 
