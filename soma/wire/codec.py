@@ -34,7 +34,7 @@ import msgpack
 
 from ..errors import SharedMemoryFull
 from .buffers import INLINE_LIMIT, decode_array, dump_pickle, encode_array, load_pickle
-from .shm import address_of
+from .mapping import address_of
 from .tensors import (
     SHARED_STORAGES,
     T_INLINE,

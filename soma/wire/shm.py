@@ -7,31 +7,26 @@ as handles (segment name, size, where in it); their bytes never go through a
 socket. This module knows bytes only: no torch, no numpy (a process that moves
 only numpy arrays or bytes never imports torch).
 
-A process sees a segment through one *view* at a time: a ctypes byte array over
-its mapping. Everything made from a segment keeps that view alive: a tensor's
-storage (`torch.frombuffer` holds it), an ndarray (its `.base` chain ends at it),
-a memoryview slice handed to the unpickler as an out-of-band buffer (its managed
-buffer holds it). So "nobody in this process can still see the segment" is
-exactly "the view died", which `weakref.finalize` on the view reports.
-
-Why a ctypes array over memory soma maps itself (libc `mmap`, fd closed at once),
-and not Python's `mmap.mmap` or torch's `UntypedStorage.from_file`:
-
-* `mmap.mmap` keeps a duplicate file descriptor open for its whole life: a caller
-  holding a few thousand results would run out of descriptors. Ours keep none.
-* `mmap.mmap` unmaps before its weak references are cleared (measured on 3.11:
-  inside a finalizer the pages are already gone), so for a moment another thread
-  could be given the same addresses while this store still lists them. Here the
-  finalizer forgets the view first and unmaps after.
-* numpy keeps a ctypes array itself as an array's base (a memoryview it would
-  replace by one of its own), and ctypes arrays can be weakly referenced.
-* torch's storages need torch.
+A process sees a segment through at most two *views* at a time: a ctypes byte
+array over a mapping of soma's own (`soma.wire.mapping`: why not Python's mmap),
+for arrays and bytes, and the storage torch maps it into for tensors (a
+`Mapper`'s view: `soma.wire.tensors.SharedStorages`, so that torch knows the
+memory as shared). Everything made from a segment keeps its view alive: a
+tensor its storage, an ndarray its `.base` chain (ending at the ctypes array),
+a memoryview slice handed to the unpickler as an out-of-band buffer its managed
+buffer. So "nobody in this process can still see the segment" is exactly "its
+views died", which `weakref.finalize` on each view reports; each view counts
+the receipts it was opened for.
 
 Who frees what, and when (the rules `docs/local.md` explains at length):
 
 * The owner keeps each segment mapped once (its *base* mapping) and reuses it
   for later values: a reused segment is already faulted in, which is what makes
-  `ctx.empty` and heap copies cheap on a warm pool.
+  `ctx.empty` and heap copies cheap on a warm pool. (A tensor sent back to its
+  owner is mapped apart, by torch: its pages fault in as they are touched.)
+* A segment handed on outside soma (torch.multiprocessing asked for its file
+  descriptor) is marked on its file; its owner then unlinks it instead of
+  reusing it, since the other process may map it for as long as it likes.
 * A segment is in use while any process holds a live view on it.
 * The host is the lease authority. It counts, per segment, the receipts every
   process holds (`LeaseBook` in `soma.local`); when the count reaches zero it
@@ -48,7 +43,6 @@ would cost more than the bytes.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import os
 import re
 import threading
@@ -56,6 +50,15 @@ import weakref
 from collections import deque
 
 from ..errors import SharedMemoryFull
+from .mapping import (
+    POPULATE_READ,
+    POPULATE_WRITE,
+    Mapper,
+    map_file,
+    populate_pages,
+    unmap,
+    view_at,
+)
 
 SHM_DIR = "/dev/shm"
 GRANULE = 64 * 1024  # segment sizes are rounded up to this, so near sizes reuse one segment
@@ -98,63 +101,6 @@ class ShmError(RuntimeError):
     """A handle names a segment this process must not or cannot map."""
 
 
-# -- mapping memory without Python's mmap (see the module docstring for why) --------------------------
-
-_PROT_RW, _MAP_SHARED = 0x1 | 0x2, 0x01
-_libc = None
-
-
-def _lib():
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_long]
-        lib.munmap.restype = ctypes.c_int
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.madvise.restype = ctypes.c_int
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc = lib
-    return _libc
-
-
-# Linux >= 5.14: map every page of a range now, in one call, instead of one fault per 4 KiB page when the bytes
-# are first touched (a value is about to be written or read whole). Measured here for 1 GiB: about half the
-# time of the faults it replaces. Older kernels answer EINVAL and the pages fault in as before.
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
-POPULATE_BYTES = 1 << 20  # smaller mappings fault in few pages: not worth a call
-
-
-def _map_file(path: str, nbytes: int, populate: int = 0) -> int:
-    """The address of a fresh shared, writable mapping of the first `nbytes` of `path` (no fd kept);
-    `populate`: _MADV_POPULATE_WRITE or _READ to map its pages now when it is large."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        address = _lib().mmap(None, nbytes, _PROT_RW, _MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    if address is None or address == ctypes.c_void_p(-1).value:
-        err = ctypes.get_errno()
-        raise OSError(err, f"could not map {path}: {os.strerror(err)}")
-    if populate and nbytes >= POPULATE_BYTES:
-        _lib().madvise(address, nbytes, populate)  # (a hint: its failure changes nothing but speed)
-    return address
-
-
-def _unmap(address: int, nbytes: int) -> None:
-    _lib().munmap(address, nbytes)
-
-
-def view_at(address: int, nbytes: int):
-    """A ctypes byte array over memory that someone else keeps mapped (it does not own it)."""
-    return (ctypes.c_ubyte * nbytes).from_address(address)
-
-
-def address_of(view) -> int:
-    return ctypes.addressof(view)
-
-
 class _Segment:
     """A segment this process created: its base mapping, and who still uses it."""
 
@@ -192,18 +138,6 @@ class _View:
     @property
     def key(self) -> tuple:
         return self.name, self.mapper is not None
-
-
-class Mapper:
-    """How another library maps a segment so that it knows the memory as its own shared memory (torch's
-    `is_shared()`): `map(path, nbytes)` gives the object whose life is the mapping's (weakly referable;
-    it unmaps when it dies), `address(obj)` where its bytes are now (0 once they moved elsewhere)."""
-
-    def map(self, path: str, nbytes: int):
-        raise NotImplementedError
-
-    def address(self, obj) -> int:
-        raise NotImplementedError
 
 
 # A segment handed on outside soma (torch.multiprocessing received its file descriptor) is marked so on its
@@ -297,7 +231,7 @@ class SegmentStore:
             raise SharedMemoryFull.reserving(None, size, f"a segment ({err.strerror})") from None
         os.close(fd)
         try:
-            address = _map_file(path, size, _MADV_POPULATE_WRITE)  # (the value is copied in next)
+            address = map_file(path, size, POPULATE_WRITE)  # (the value is copied in next)
         except OSError:
             unlink_quietly(name)
             raise
@@ -323,7 +257,7 @@ class SegmentStore:
         if self.closed or self._pooled_bytes + seg.nbytes > self.cap or _exported(seg.name):
             del self._owned[seg.name]
             unlink_quietly(seg.name)
-            _unmap(seg.address, seg.nbytes)  # nothing of this process sees it any more (no live view)
+            unmap(seg.address, seg.nbytes)  # nothing of this process sees it any more (no live view)
             return
         seg.in_pool = True
         self._pool.append(seg)
@@ -386,7 +320,7 @@ class SegmentStore:
                 # Mapping beyond the end of the file would raise SIGBUS when touched.
                 raise ShmError(f"segment {name} holds {size} bytes, the handle claims {nbytes}")
             if mapper is None:
-                view = self._view(None, name=name, address=_map_file(path, nbytes, _MADV_POPULATE_READ),
+                view = self._view(None, name=name, address=map_file(path, nbytes, POPULATE_READ),
                                   nbytes=nbytes)
             else:
                 view = self._view(None, name=name, nbytes=nbytes, mapped=self._mapped(path, nbytes, mapper, True),
@@ -409,8 +343,8 @@ class SegmentStore:
             if after is not None:
                 unlink_quietly(os.path.basename(path))
             raise ShmError(f"segment {os.path.basename(path)} is gone (its owner died or the pool closed)")
-        if populate and nbytes >= POPULATE_BYTES:
-            _lib().madvise(mapper.address(obj), nbytes, _MADV_POPULATE_READ)  # (as _map_file does)
+        if populate:
+            populate_pages(mapper.address(obj), nbytes, POPULATE_READ)  # (as map_file does)
         return obj
 
     def _view(self, seg: _Segment | None, name: str = "", address: int = 0, nbytes: int = 0, mapped=None,
@@ -432,7 +366,7 @@ class SegmentStore:
             if alive is not None:
                 # Two threads opened it at once: keep the first view, let this one go.
                 if rec.unmaps:
-                    _unmap(address, nbytes)
+                    unmap(address, nbytes)
                 return alive
             self._views[rec.key] = rec
             if address not in self._at:  # (a dying view of the same base mapping may still be listed)
@@ -487,7 +421,7 @@ class SegmentStore:
             if self._owned.get(rec.name) is rec.seg:
                 self._maybe_reusable(rec.seg)
         elif rec.unmaps:
-            _unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
+            unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
         return [(rec.name, receipts)] if receipts else []
 
     def releases(self) -> list[tuple[str, int]]:
@@ -518,7 +452,7 @@ class SegmentStore:
                 self._pooled_bytes -= seg.nbytes
                 del self._owned[seg.name]
                 unlink_quietly(seg.name)
-                _unmap(seg.address, seg.nbytes)
+                unmap(seg.address, seg.nbytes)
                 given += seg.nbytes
         return given
 
@@ -531,6 +465,6 @@ class SegmentStore:
                 unlink_quietly(name)
             for seg in self._pool:
                 del self._owned[seg.name]
-                _unmap(seg.address, seg.nbytes)  # idle: nothing sees it
+                unmap(seg.address, seg.nbytes)  # idle: nothing sees it
             self._pool.clear()
             self._pooled_bytes = 0

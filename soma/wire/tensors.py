@@ -30,7 +30,8 @@ import sys
 import weakref
 
 from .buffers import INLINE_LIMIT
-from .shm import Mapper, mark_exported
+from .mapping import Mapper
+from .shm import mark_exported
 
 # tensor handle kinds
 T_INLINE, T_SHM, T_META, T_TORCH = 0, 1, 2, 3

@@ -7,13 +7,13 @@ import os
 import pytest
 
 from soma.local.host.leases import LeaseBook
+from soma.wire.mapping import address_of
 from soma.wire.shm import (
     GRANULE,
     SHM_DIR,
     Mapper,
     SegmentStore,
     ShmError,
-    address_of,
     mark_exported,
     owner_pid,
     pool_prefix,
