@@ -164,7 +164,12 @@ def _hand_on(path: str, start: int, ref) -> tuple:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:  # unlinked (its pool closed): this process's own mapping still names the file
             start = storage.data_ptr()
-            fd = os.open(f"/proc/self/map_files/{start:x}-{start + storage.nbytes():x}", os.O_RDWR)
+            try:
+                fd = os.open(f"/proc/self/map_files/{start:x}-{start + storage.nbytes():x}", os.O_RDWR)
+            except OSError as err:
+                raise OSError(err.errno, f"this tensor's shared memory ({os.path.basename(path)}) was unlinked when "
+                                         f"its soma pool closed, and this system does not let it be opened again "
+                                         f"({err.strerror}): hand on a copy (t.clone()) instead") from None
         storage._soma_fd = fd
         weakref.finalize(storage, os.close, fd)
     return fd, storage.nbytes()

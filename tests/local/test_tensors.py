@@ -302,3 +302,14 @@ def test_a_torch_multiprocessing_queue_hands_a_result_on_without_a_copy_and_the_
         child.join(30)
         if child.is_alive():
             child.kill()
+
+
+def test_a_result_can_be_handed_on_after_its_pool_closed():
+    """Its segment file is unlinked at close(); the mapping this process holds still opens it (map_files)."""
+    with soma.Local(workers=1) as pool:
+        t = pool.run(Graph.somatize(MakeTensor(LARGE, value=4.0)), None)
+    ptr = t.data_ptr()
+    fd, nbytes = t.untyped_storage()._share_fd_cpu_()  # what torch.multiprocessing asks for
+    assert nbytes >= LARGE * 4 and os.fstat(fd).st_nlink == 0  # the unlinked segment itself
+    assert os.pread(fd, 8, 40) == torch.full((2,), 4.0).numpy().tobytes()
+    assert t.share_memory_().data_ptr() == ptr and t.is_shared()
