@@ -313,28 +313,29 @@ class SegmentStore:
                 view = self._view(seg, mapped=self._mapped(path, seg.nbytes, mapper, False), mapper=mapper)
         else:
             try:
-                size = os.stat(path).st_size
+                st = os.stat(path)
             except FileNotFoundError:
                 raise ShmError(f"segment {name} is gone (its owner died or the pool closed)") from None
-            if size < nbytes:
+            if st.st_size < nbytes:
                 # Mapping beyond the end of the file would raise SIGBUS when touched.
-                raise ShmError(f"segment {name} holds {size} bytes, the handle claims {nbytes}")
+                raise ShmError(f"segment {name} holds {st.st_size} bytes, the handle claims {nbytes}")
             if mapper is None:
                 view = self._view(None, name=name, address=map_file(path, nbytes, POPULATE_READ),
                                   nbytes=nbytes)
             else:
-                view = self._view(None, name=name, nbytes=nbytes, mapped=self._mapped(path, nbytes, mapper, True),
-                                  mapper=mapper)
+                view = self._view(None, name=name, nbytes=nbytes, mapper=mapper,
+                                  mapped=self._mapped(path, nbytes, mapper, True, st.st_ino))
         with self._lock:
             self._views[key].receipts += 1
         return view
 
     @staticmethod
-    def _mapped(path: str, nbytes: int, mapper: Mapper, populate: bool):
-        """`mapper`'s mapping of segment file `path`, checked to be that file (a mapper may create a file
-        of that name when it is gone: that one is unlinked again, and the segment reported gone)."""
+    def _mapped(path: str, nbytes: int, mapper: Mapper, populate: bool, inode: int | None = None):
+        """`mapper`'s mapping of segment file `path` (inode `inode` when known), checked to be that file (a mapper
+        may create a file of that name when it is gone: that one is unlinked again, and the segment reported
+        gone)."""
         try:
-            before = os.stat(path).st_ino
+            before = inode if inode is not None else os.stat(path).st_ino
             obj = mapper.map(path, nbytes)
             after = os.stat(path).st_ino
         except FileNotFoundError:

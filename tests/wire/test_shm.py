@@ -177,6 +177,27 @@ def test_the_owner_maps_its_own_segment_apart_for_a_mapper_and_reuses_it_after(p
     assert name in [n for _, n in held]
 
 
+def test_a_segment_gone_while_a_mapper_maps_it_is_gone_not_a_fresh_empty_file(prefix):
+    """torch's from_file creates a file that is missing: one made so is unlinked again, and never read."""
+    pytest.importorskip("torch")
+    from soma.wire.tensors import SHARED_STORAGES
+
+    class LateMapper(Mapper):  # the owner's file goes just before the mapper opens the name
+        def map(self, path, nbytes):
+            os.unlink(path)
+            return SHARED_STORAGES.map(path, nbytes)
+
+        address = SHARED_STORAGES.address
+
+    owner = SegmentStore(prefix, cap=1 << 30)
+    receiver = SegmentStore(prefix, cap=1 << 30)
+    view, name = owner.allocate(GRANULE)
+    with pytest.raises(ShmError, match=f"segment {name} is gone"):
+        receiver.open(name, GRANULE, LateMapper())
+    assert files(prefix) == [] and receiver.releases() == []
+    del view
+
+
 def test_a_segment_handed_on_outside_soma_is_unlinked_never_reused(prefix):
     owner = SegmentStore(prefix, cap=1 << 30)
     receiver = SegmentStore(prefix, cap=1 << 30)
