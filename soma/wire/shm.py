@@ -63,7 +63,12 @@ from .mapping import (
 SHM_DIR = "/dev/shm"
 GRANULE = 64 * 1024  # segment sizes are rounded up to this, so near sizes reuse one segment
 
-IDLE_TRIM_S = 1.0  # a process with nothing to do for this long gives back its free segments beyond IDLE_KEEP
+# A process with nothing to do for this long gives back its free segments beyond IDLE_KEEP. Not sooner: a caller
+# that runs every second or two (a notebook, an evaluation between training steps, a benchmark's other work) would
+# otherwise get a fresh segment for each large value: reserving and mapping a fresh 256 MiB segment took 0.2-0.45 s
+# here (posix_fallocate zeroes it, MADV_POPULATE_WRITE maps it; strace) against 20-30 ms for the copy into it, and
+# a warm one costs neither (a 256 MiB tensor came back in 0.29x ProcessPoolExecutor's time warm, 1.15-1.33x fresh).
+IDLE_TRIM_S = 5.0
 IDLE_KEEP = 64 << 20  # (kept for reuse while busy: a hot loop's values reuse warm, mapped memory)
 
 def pool_prefix(host_pid: int, token: str) -> str:
