@@ -1,7 +1,8 @@
 """Tensors on the wire: a handle per tensor (dtype, shape, stride, offset, and where the bytes are).
 
     inline   the bytes themselves, for what covers under the inline limit
-    shm      a shared-memory segment (`soma.wire.shm`): name and size, never the bytes
+    shm      a shared-memory segment (`soma.wire.shm`): name and size, never the bytes; the receiver's
+             tensor is over torch's own mapping of it (`SharedStorages`), so torch calls it shared
     meta     nothing but the shape
     torch    torch's own reductions, for what soma's handles do not describe: CUDA tensors (CUDA IPC
              handles: the producer keeps the block alive until consumers release it), sparse ones
