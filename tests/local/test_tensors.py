@@ -295,7 +295,7 @@ def test_a_torch_multiprocessing_queue_hands_a_result_on_without_a_copy_and_the_
         later = [local.run(Graph.somatize(MakeTensor(LARGE, value=float(i))), None) for i in range(4)]
         del later  # the pool made and dropped values of its size: had it reused the segment, the child would
         local.run(Graph.somatize(Identity()), 0)  # see them (the frees reach the owners with this run)
-        wait_for(lambda: segment not in shm_names(local._pool.prefix), what="the handed-on segment unlinked")
+        wait_for(lambda: segment not in shm_names(local._pool.prefix), 30, "the handed-on segment unlinked")
         go_on.put(None)
         assert answers.get(timeout=60) == (3.0, 3.0)
     finally:
