@@ -24,8 +24,8 @@ import threading
 import time
 import weakref
 
-from ..errors import RunTimeout
-from .base import RunnerBase, as_graph, checked_retries
+from ..errors import RunTimeout, SomaError
+from .base import RunnerBase, checked_retries, closed_message
 from .batching import max_batch_of
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
@@ -51,8 +51,9 @@ class Executor(RunnerBase):
         self._pool_lock = threading.Lock()
 
     def close(self) -> None:
-        """Let go of the threads (inputs already running finish; none queued starts)."""
+        """Let go of the threads (inputs already running finish; none queued starts) and take no new work."""
         with self._pool_lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -66,20 +67,20 @@ class Executor(RunnerBase):
         `retries` is accepted and changes nothing: there is no worker to lose here.
         """
         checked_retries(retries)
-        g = as_graph(g, "Executor.run")
+        g = self.accepting(g, "Executor.run")
         return self._run(g, g.devices(), x, timeout, index=None)
 
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> cf.Future:
         """`run(g, x)` on one of the Executor's threads: a `concurrent.futures.Future` at once."""
         checked_retries(retries)
-        g = as_graph(g, "Executor.submit")
+        g = self.accepting(g, "Executor.submit")
         return self._threads().submit(self._run, g, g.devices(), x, timeout, None, thread_modes())
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
         (docs/design.md, "Many inputs")."""
         checked_retries(retries)
-        g = as_graph(g, "Executor.map")
+        g = self.accepting(g, "Executor.map")
         return map_outputs(self._inflight(g, timeout), xs, window=window, ordered=ordered, progress=progress,
                            timeout=timeout, errors=errors)
 
@@ -88,11 +89,13 @@ class Executor(RunnerBase):
 
     def _async_inflight(self, g, timeout, retries):
         checked_retries(retries)
-        g = as_graph(g, "Executor.amap")
+        g = self.accepting(g, "Executor.amap")
         return self._inflight(g, timeout)
 
     def _threads(self) -> cf.ThreadPoolExecutor:
         with self._pool_lock:
+            if self._closed:  # (closed since its caller was accepted: as a pool refuses a submit after shutdown)
+                raise SomaError(closed_message("Executor"))
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input")
             return self._pool

@@ -38,14 +38,20 @@ NOT_A_NODE = [  # (what the user wrote, the exact message)
      "cannot compose function <lambda> | tokenize: both sides of `|` must be soma nodes or expressions "
      "(wrap a plain function with soma.fn: `soma.fn(f, name=\"...\")`)"),
     (lambda: Tokenize >> Tokenize(),
-     "cannot compose class Tokenize >> tokenize: `Tokenize` is a Node class, not a node: did you mean `Tokenize()`?"),
+     "cannot compose class Tokenize >> tokenize: both sides of `>>` must be soma nodes or expressions (`Tokenize` "
+     "is a Node class, not a node: did you mean `Tokenize()`?)"),
     (lambda: Tokenize() >> Tokenize,
-     "cannot compose tokenize >> class Tokenize: `Tokenize` is a Node class, not a node: did you mean `Tokenize()`?"),
+     "cannot compose tokenize >> class Tokenize: both sides of `>>` must be soma nodes or expressions (`Tokenize` "
+     "is a Node class, not a node: did you mean `Tokenize()`?)"),
     (lambda: Tokenize | Tokenize(),
-     "cannot compose class Tokenize | tokenize: `Tokenize` is a Node class, not a node: did you mean `Tokenize()`?"),
+     "cannot compose class Tokenize | tokenize: both sides of `|` must be soma nodes or expressions (`Tokenize` "
+     "is a Node class, not a node: did you mean `Tokenize()`?)"),
     (lambda: Graph.somatize(Tokenize),
-     "Graph.somatize needs a soma Node or an expression built with >> and |, got type: "
-     "`Tokenize` is a Node class, not a node: did you mean `Tokenize()`?"),
+     "Graph.somatize needs a soma Node or an expression built with >> and |; got class Tokenize (`Tokenize` is a "
+     "Node class, not a node: did you mean `Tokenize()`?)"),
+    (lambda: Graph.somatize(upper),  # the same words as every runner's run and map (SPEC 7)
+     "Graph.somatize needs a soma Node or an expression built with >> and |; got function upper (wrap a plain "
+     "function with soma.fn: `soma.fn(upper)`)"),
 ]
 
 
