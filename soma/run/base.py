@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 from ..errors import SomaError
 from .aio import AsyncRunner
+from .registry import warn_if_changed
 from .trace import Traced
 
 
@@ -21,6 +22,7 @@ class RunnerBase(AsyncRunner, Traced):
     holds and sets `_closed`; from then on `accepting` refuses every new input (SPEC 7)."""
 
     _closed = False  # set by close(): no run, map, submit, arun or amap is taken after it
+    copies_nodes = True  # nodes run as copies made from them (Local, Ray; not the Executor): see `accepting`
 
     def start(self):
         return self
@@ -32,11 +34,16 @@ class RunnerBase(AsyncRunner, Traced):
         """The graph to run for `g` (`as_graph`), once this runner is known to take new work.
 
         After `close()` every way in (`run`, `map`, `submit`, `arun`, `amap`) is a `SomaError` saying so,
-        as `concurrent.futures` refuses a submit after shutdown; checked before `g`, as it does.
+        as `concurrent.futures` refuses a submit after shutdown; checked before `g`, as it does. On a runner
+        that copies nodes, a node whose code reads a global or closure variable rebound since the node was
+        sent is warned about (soma.run.registry).
         """
         if self._closed:
             raise SomaError(closed_message(type(self).__name__))
-        return as_graph(g, where)
+        graph = as_graph(g, where)
+        if self.copies_nodes:  # a node's copies keep what its code read when it was sent: say when that changed
+            warn_if_changed(graph)
+        return graph
 
     async def arun(self, g, x, *, timeout: float | None = None, retries: int = 0):
         """`run(g, x)` without blocking the event loop; cancelling the awaiting task cancels the input."""

@@ -42,6 +42,8 @@ class Executor(RunnerBase):
     (default 64, two batches of a batching node's default size); they are kept until `close()`.
     """
 
+    copies_nodes = False  # it runs the node objects themselves
+
     def __init__(self, threads: int = THREADS):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"Executor's threads= is how many inputs run at once, a positive int; got {threads!r}")

@@ -244,3 +244,41 @@ def test_a_node_module_that_reads_the_command_line_as_it_is_imported_says_so_fro
         r"node `echoes` failed: its code could not be loaded in worker w0: SystemExit: 2 \(importing module "
         r"`parses_args` here ran its top-level code, which raised at " + re.escape(str(tmp_path / "parses_args.py"))
         + r", line 7: " + advice, echoes), echoes
+
+
+OFFSET = 10  # read by add_offset; the test below rebinds it
+
+
+def add_offset(x):
+    return x + OFFSET
+
+
+def test_a_value_a_node_reads_rebound_after_it_was_sent_is_warned_about_once(runner, monkeypatch):
+    """A node's copies keep what its code read when it was sent (docs/api.md, "Copies"): the Executor runs the
+    node itself and sees a rebound global at once, Local and Ray do not, and say so once, naming the node and
+    the name, instead of giving other answers without a word."""
+    import warnings
+
+    def closing_over(k):
+        def add_k(x):
+            return x + k
+        return add_k
+
+    by_global, by_closure = soma.fn(add_offset), soma.fn(closing_over(10), name="add_k")
+    assert runner.run(by_global, 1) == 11 and runner.run(by_closure, 1) == 11
+    monkeypatch.setattr(__import__(__name__, fromlist=["OFFSET"]), "OFFSET", 100)
+    by_closure.func.__closure__[0].cell_contents = 100
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [runner.run(by_global, 1), list(runner.map(by_closure, [1, 2])), runner.run(by_global, 1),
+               runner.run(by_closure, 1)]
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if isinstance(runner, soma.Executor):
+        assert got == [101, [101, 102], 101, 101] and said == []
+        return
+    assert got == [11, [11, 12], 11, 11]  # the copies' values, as sent
+    tail = (", which now names another value than when the node was sent to its copies on worker processes: they "
+            "still see the old one, where the in-process Executor sees the new (docs/api.md, \"Copies\"); to use "
+            "the new value, give it to a new node as its attribute, or pass it in the input")
+    assert said == [f"node `add_offset` reads `OFFSET`{tail}", f"node `add_k` reads `k`{tail}"]  # once each
+    assert {w.filename for w in caught} == {__file__}  # pointing at the run or map that was given the node
