@@ -25,6 +25,8 @@ class RunnerBase(AsyncRunner, Traced):
     copies_nodes = True  # nodes run as copies made from them (Local, Ray; not the Executor): see `accepting`
 
     def start(self):
+        if self._closed:
+            raise SomaError(closed_message(type(self).__name__))
         return self
 
     def close(self) -> None:

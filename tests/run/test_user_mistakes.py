@@ -107,6 +107,8 @@ def test_a_closed_runner_refuses_new_work_the_same_way_on_every_runner(runner):
             "arun": lambda: asyncio.run(closed.arun(AddOne(), 1)),
             "amap": lambda: closed.amap(AddOne(), [1]),
             "run of what is not a graph": lambda: closed.run(upper, 1),
+            "start": closed.start,
+            "with": lambda: closed.__enter__(),
         }
         for way, call in ways.items():
             with pytest.raises(soma.SomaError) as info:
