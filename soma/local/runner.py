@@ -18,7 +18,7 @@ import weakref
 from ..device import Device
 from ..errors import DeviceError, SomaError
 from ..run.aio import FutureSink, InputFuture, LoopSink
-from ..run.base import RunnerBase, as_graph, checked_retries
+from ..run.base import RunnerBase, checked_retries, closed_message
 from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
 from ..run.trace import Trace
@@ -89,7 +89,7 @@ class Local(RunnerBase):
         self._check_process()
         with self._start_lock:
             if self._closed:
-                raise SomaError("this soma.Local is closed; make a new one")
+                raise SomaError(closed_message("Local"))
             if self._pool is None:
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
                                   preload_torch=self.preload_torch, registry=self._registry,
@@ -211,11 +211,11 @@ class Local(RunnerBase):
 
     def _ready(self, g, where: str, whole: bool = False):
         self._check_process()
-        g = as_graph(g, where)
+        g = self.accepting(g, where)
         if self._pool is None:
             self.start()
-        if self._closed:
-            raise SomaError("this soma.Local is closed; make a new one")
+        if self._closed:  # (closed since it was accepted)
+            raise SomaError(closed_message("Local"))
         program = self._program(g, whole)
         if self._registry.has_dead:
             dead = self._registry.take_dead()

@@ -40,7 +40,7 @@ import time
 
 from ..errors import NodeError, SomaError
 from ..run.aio import InputFuture, amap_outputs
-from ..run.base import RunnerBase, as_graph, checked_retries
+from ..run.base import RunnerBase, checked_retries
 from ..run.mapping import default_window, map_outputs
 from ..run.trace import Trace
 from . import tracing
@@ -228,7 +228,7 @@ class Ray(RunnerBase):
 
     def _compiled(self, g, where: str):
         """The driver, the graph of `g` (a Graph, a Node or an expression) and its ActorGraph."""
-        g = as_graph(g, where)
+        g = self.accepting(g, where)
         if self._driver is None:
             self.start()
         return self._driver, g, self._driver.actor_graph(g)

@@ -29,8 +29,8 @@ import threading
 import time
 import weakref
 
-from ..errors import RunTimeout
-from .base import RunnerBase, as_graph, checked_retries
+from ..errors import RunTimeout, SomaError
+from .base import RunnerBase, checked_retries, closed_message
 from .batching import max_batch_of
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
@@ -47,6 +47,8 @@ class Executor(RunnerBase):
     (default 64, two batches of a batching node's default size); they are kept until `close()`.
     """
 
+    copies_nodes = False  # it runs the node objects themselves
+
     def __init__(self, threads: int = THREADS):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"Executor's threads= is how many inputs run at once, a positive int; got {threads!r}")
@@ -58,8 +60,9 @@ class Executor(RunnerBase):
         self._busy_lock = threading.Lock()
 
     def close(self) -> None:
-        """Let go of the threads (inputs already running finish; none queued starts)."""
+        """Let go of the threads (inputs already running finish; none queued starts) and take no new work."""
         with self._pool_lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -73,13 +76,13 @@ class Executor(RunnerBase):
         `retries` is accepted and changes nothing: there is no worker to lose here.
         """
         checked_retries(retries)
-        g = as_graph(g, "Executor.run")
+        g = self.accepting(g, "Executor.run")
         return self._run(g, g.devices(), x, timeout, index=None)
 
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> cf.Future:
         """`run(g, x)` on one of the Executor's threads: a `concurrent.futures.Future` at once."""
         checked_retries(retries)
-        g = as_graph(g, "Executor.submit")
+        g = self.accepting(g, "Executor.submit")
         devices = g.devices()
         interpreter = self._interpreter(g, devices)
         return self._submit_inputs(interpreter, [(self._run, g, devices, x, timeout, None, thread_modes(), None,
@@ -89,7 +92,7 @@ class Executor(RunnerBase):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
         (docs/design.md, "Many inputs")."""
         checked_retries(retries)
-        g = as_graph(g, "Executor.map")
+        g = self.accepting(g, "Executor.map")
         return map_outputs(self._inflight(g, timeout), xs, window=window, ordered=ordered, progress=progress,
                            timeout=timeout, errors=errors)
 
@@ -98,11 +101,13 @@ class Executor(RunnerBase):
 
     def _async_inflight(self, g, timeout, retries):
         checked_retries(retries)
-        g = as_graph(g, "Executor.amap")
+        g = self.accepting(g, "Executor.amap")
         return self._inflight(g, timeout)
 
     def _threads(self) -> cf.ThreadPoolExecutor:
         with self._pool_lock:
+            if self._closed:  # (closed since its caller was accepted: as a pool refuses a submit after shutdown)
+                raise SomaError(closed_message("Executor"))
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input")
             return self._pool
