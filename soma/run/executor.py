@@ -29,6 +29,7 @@ from .base import RunnerBase, as_graph, checked_retries
 from .batching import max_batch_of
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
+from .resuming import DEFAULT_EVERY_S
 from .threads import thread_modes
 from .trace import Trace
 
@@ -75,13 +76,15 @@ class Executor(RunnerBase):
         g = as_graph(g, "Executor.submit")
         return self._threads().submit(self._run, g, g.devices(), x, timeout, None, thread_modes())
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+            resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
         (docs/design.md, "Many inputs")."""
         checked_retries(retries)
         g = as_graph(g, "Executor.map")
-        return map_outputs(self._inflight(g, timeout), xs, window=window, ordered=ordered, progress=progress,
-                           timeout=timeout, errors=errors)
+        return map_outputs(self._inflight(g, timeout), xs, graph=g, window=window, ordered=ordered,
+                           progress=progress, timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                           checkpoint_every=checkpoint_every)
 
     def _inflight(self, g, timeout) -> "ExecutorInflight":
         return ExecutorInflight(self, g, g.devices(), timeout)
@@ -89,7 +92,7 @@ class Executor(RunnerBase):
     def _async_inflight(self, g, timeout, retries):
         checked_retries(retries)
         g = as_graph(g, "Executor.amap")
-        return self._inflight(g, timeout)
+        return self._inflight(g, timeout), g
 
     def _threads(self) -> cf.ThreadPoolExecutor:
         with self._pool_lock:

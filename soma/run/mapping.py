@@ -13,15 +13,36 @@ cleanly when the caller leaves the loop.
 `MapLoop` keeps the books of those three steps (the window, the order, the
 deadlines); `map_outputs` drives it with a plain iterator. Each step is a method
 of its own, so another driver (an async one) walks the same loop.
+
+The books also say which outputs the caller consumed: `state_dict()`, `resume=` and
+`checkpoint=` (soma.run.resuming) are the loop's, so every runner resumes the same way.
+
+    loop.outputs() ──yield──▶ caller (holds it: `out`) ──next()──▶ consumed for a checkpoint too
+                                                                    (its loop body ran)
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 
+from .._log import warn
 from ..errors import SomaError
 from .progress import reporter
+from .resuming import (
+    DEFAULT_EVERY_S,
+    Checkpoint,
+    Consumed,
+    checked,
+    consumed_count,
+    fingerprint,
+    length_of,
+    positions,
+    remaining,
+    state_of,
+    without,
+)
 
 ERRORS = ("raise", "yield")
 
@@ -52,14 +73,50 @@ class Inflight:
         """The map is over: cancel what has not started, let the rest finish, release everything."""
 
 
-def map_outputs(inflight: Inflight, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
-    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs")."""
-    loop = MapLoop(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors)
-    source = iter(xs)  # a TypeError for something that is not iterable, here, before anything starts
-    return _drive(loop, source)
+def map_outputs(inflight: Inflight, xs, *, graph, window=None, ordered=True, progress=False, timeout=None,
+                errors="raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
+    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs"); `graph` is the Graph
+    it runs (what a state is checked against)."""
+    try:
+        loop = MapLoop(inflight, xs, graph=graph, window=window, ordered=ordered, progress=progress,
+                       timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                       checkpoint_every=checkpoint_every)
+        # (a TypeError for something that is not iterable, here, before anything starts)
+        source = remaining(xs, loop.next_index, loop.after_start)
+    except BaseException:
+        inflight.close()  # nothing was started: the runner's in-flight set is given back at once
+        raise
+    return MapIterator(_drive(loop, source), loop)
+
+
+class MapIterator:
+    """What `runner.map` returns: the outputs, one `next()` at a time, and `state_dict()`."""
+
+    __slots__ = ("_outputs", "_loop")
+
+    def __init__(self, outputs, loop: "MapLoop"):
+        self._outputs, self._loop = outputs, loop
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._outputs.__next__()
+
+    def state_dict(self) -> dict:
+        """Which outputs were consumed so far, as plain data (JSON-able): pass it as `resume=` to a map of
+        the same graph and `xs` to get only the others. The output last handed out counts as consumed
+        (call it after handling that output, as torchdata's StatefulDataLoader counts)."""
+        return self._loop.state(held=True)
+
+    def close(self) -> None:
+        """Leave the map early (as `break` does): no more inputs are taken, nothing leaks."""
+        self._outputs.close()
+        self._loop.close()  # (a map never iterated has no generator frame to close it)
 
 
 def _drive(loop: "MapLoop", source):
+    loop.began = True
     try:
         while True:
             wanted = loop.wanted()
@@ -103,7 +160,8 @@ class MapLoop:
     place (`.index` set) and the map goes on. The iterable's own exception is raised either way.
     """
 
-    def __init__(self, inflight: Inflight, xs, *, window, ordered: bool, progress, timeout, errors: str):
+    def __init__(self, inflight: Inflight, xs, *, graph, window, ordered: bool, progress, timeout, errors: str,
+                 resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         if errors not in ERRORS:
             raise ValueError(f"map's errors must be 'raise' or 'yield', got {errors!r}")
         self.inflight = inflight
@@ -111,8 +169,20 @@ class MapLoop:
         self.ordered = ordered
         self.timeout = timeout
         self.yield_errors = errors == "yield"
-        self.report = reporter(progress, _length(xs), "soma map")
-        self.taken = self.yielded = 0
+        self.graph = graph
+        self.length = length_of(xs)
+        self._graph_print = None  # fingerprint(graph), made when a state is first wanted
+        self.checkpoint = Checkpoint(checkpoint, checkpoint_every) if checkpoint is not None else None
+        self.next_index, self.after_start = self._starting_point(resume)  # (next_index: see below)
+        # Inputs are numbered by their position in xs: on resuming, only those not consumed are taken.
+        self.positions = positions(self.next_index, self.after_start)
+        self.consumed = None if ordered else Consumed(self.next_index, self.after_start)
+        self.taken = self.yielded = consumed_count(self.next_index, self.after_start)
+        self.out = None  # the index of the output the caller holds, until it asks for the next one
+        self.saved = self.yielded  # how many were consumed in the checkpoint's file (or at the start)
+        self.save_at = time.monotonic() + (self.checkpoint.every if self.checkpoint is not None else 0.0)
+        self.began = self.completed = self.closed = False
+        self.report = reporter(progress, self.length, "soma map", start=self.yielded)
         self.exhausted = False
         self.source_error = None  # xs itself raised: the caller gets it after every earlier output
         self.failure = None  # (index, error) of the earliest input known to have failed (errors="raise")
@@ -120,9 +190,58 @@ class MapLoop:
         self.done: dict = {}  # index → (ok, value): finished and not yet handed out
         self.arrived: deque = deque()  # ordered=False: finished indices in arrival order
         self.deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
-        self.next_index = 0  # ordered=True: the index to hand out next
+        # ordered=True: the index to hand out next (set above: where the map starts)
         self._default = 0  # the default window, as last looked at (`_limit`)
         self._look_at = 0.0  # when to look again
+
+    # -- 0. where it starts, and what was consumed ------------------------------------------------------------
+    def _starting_point(self, resume) -> tuple[int, list]:
+        """`(next, after)`: the consumed inputs of `resume=` or of the checkpoint's file; (0, []) for none."""
+        if resume is not None and self.checkpoint is not None:
+            raise ValueError("map takes resume= or checkpoint=, not both: with checkpoint= the state to resume "
+                             "is the file's")
+        if resume is not None:
+            return checked(resume, graph_print=self.graph_print(), length=self.length, ordered=self.ordered,
+                           source="map's resume= state")
+        state = self.checkpoint.load() if self.checkpoint is not None else None
+        if state is None:
+            return 0, []
+        next_index, after = checked(state, graph_print=self.graph_print(), length=self.length,
+                                    ordered=self.ordered, source=f"the checkpoint {self.checkpoint.path}")
+        done = consumed_count(next_index, after)
+        warn("soma.map", "soma map: resumed at input %d from the checkpoint %s (%d outputs consumed before)",
+             next_index, self.checkpoint.path, done)
+        return next_index, after
+
+    def graph_print(self) -> str:
+        if self._graph_print is None:
+            self._graph_print = fingerprint(self.graph)
+        return self._graph_print
+
+    def state(self, held: bool) -> dict:
+        """The consumed inputs, as `state_dict()` gives them. `held=False`: without the output the caller
+        holds (its loop body may not have run: what a checkpoint saves)."""
+        if self.ordered:
+            next_index, after = self.next_index, []
+            if not held and self.out is not None:
+                next_index = self.out
+        else:
+            next_index, after = self.consumed.next, self.consumed.runs()
+            if not held and self.out is not None:
+                next_index, after = without(next_index, after, self.out)
+        return state_of(self.graph_print(), self.length, self.ordered, next_index, after)
+
+    def save(self) -> None:
+        """Write the checkpoint if what was consumed changed since it was last written."""
+        consumed = self.yielded - (self.out is not None)
+        if consumed != self.saved:
+            self.checkpoint.write(self.state(held=False))
+            self.saved = consumed
+        self.save_at = time.monotonic() + self.checkpoint.every
+
+    def _save_if_due(self) -> None:
+        if time.monotonic() >= self.save_at:
+            self.save()
 
     # -- 1. taking inputs ----------------------------------------------------------------------------------
     def _limit(self) -> int:
@@ -154,7 +273,7 @@ class MapLoop:
         """Start inputs just taken from the source."""
         if not xs:
             return
-        items = [(self.taken + i, x) for i, x in enumerate(xs)]
+        items = list(zip(islice(self.positions, len(xs)), xs))
         self.taken += len(items)
         if self.timeout is not None and not self.inflight.enforces_timeout:
             deadline = time.monotonic() + self.timeout
@@ -169,21 +288,29 @@ class MapLoop:
             while self.next_index in self.done:
                 ok, value = self.done.pop(self.next_index)
                 index = self.next_index
-                self.next_index += 1
                 if not ok and not self.yield_errors:
-                    raise _indexed(value, index)
-                yield self._handed(value if ok else _indexed(value, index))
+                    raise _indexed(value, index)  # (not consumed: a state says to run it again)
+                self.next_index += 1
+                yield self._handed(value if ok else _indexed(value, index), index)
+                self.out = None  # the caller asked for the next one: its loop body ran
+                if self.checkpoint is not None:
+                    self._save_if_due()
             return
         while self.arrived:
             index = self.arrived.popleft()
             ok, value = self.done.pop(index)
             if self.failure is not None and index > self.failure[0]:
                 continue  # after a failure: cancelled with the rest
-            yield self._handed(value if ok else _indexed(value, index))
+            self.consumed.add(index)
+            yield self._handed(value if ok else _indexed(value, index), index)
+            self.out = None
+            if self.checkpoint is not None:
+                self._save_if_due()
         if self.failure is not None and not any(i < self.failure[0] for i in self.pending):
             raise _indexed(self.failure[1], self.failure[0])
 
-    def _handed(self, value):
+    def _handed(self, value, index: int):
+        self.out = index
         self.yielded += 1
         self.report(self.yielded)
         return value
@@ -194,6 +321,7 @@ class MapLoop:
             return False
         if self.source_error is not None:
             raise self.source_error
+        self.completed = True
         return True
 
     # -- 3. waiting for the runner ---------------------------------------------------------------------------
@@ -208,9 +336,13 @@ class MapLoop:
 
     def wait_s(self) -> float | None:
         """How long to wait at most: until the oldest input's deadline (None: as long as it takes)."""
-        if not self.deadlines:
-            return None
-        return max(0.0, self.deadlines[next(iter(self.deadlines))] - time.monotonic())
+        wait = None
+        if self.deadlines:
+            wait = max(0.0, self.deadlines[next(iter(self.deadlines))] - time.monotonic())
+        if self.checkpoint is not None and self.yielded - (self.out is not None) != self.saved:
+            due = max(0.0, self.save_at - time.monotonic())  # (what the caller consumed is written in time)
+            wait = due if wait is None else min(wait, due)
+        return wait
 
     def finished(self, results: list) -> None:
         """What the runner reports finished, and inputs whose time ran out meanwhile."""
@@ -236,10 +368,24 @@ class MapLoop:
             self.done[index] = (ok, value)
             if not self.ordered:
                 self.arrived.append(index)
+        if self.checkpoint is not None:
+            self._save_if_due()
 
     def close(self) -> None:
-        self.inflight.close()
-        self.report(None)
+        """The map is over: the checkpoint removed (all yielded) or written (ended early), the runner's
+        in-flight set closed."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.checkpoint is not None and not self.checkpoint.failed:
+                if self.completed:
+                    self.checkpoint.remove()
+                else:
+                    self.save()
+        finally:
+            self.inflight.close()
+            self.report(None)
 
 
 def default_window(parallelism: int) -> int:
@@ -260,9 +406,3 @@ def _checked_window(window):
         raise ValueError(f"map's window must be a positive number of inputs, got {window!r}")
     return window
 
-
-def _length(xs):
-    try:
-        return len(xs)
-    except TypeError:
-        return None
