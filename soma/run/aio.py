@@ -202,7 +202,6 @@ class AsyncMapIterator:
 
 
 async def _adrive(loop: MapLoop, source):
-    loop.began = True
     try:
         while True:
             wanted = loop.wanted()

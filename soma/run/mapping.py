@@ -110,13 +110,13 @@ class MapIterator:
         return self._loop.state(held=True)
 
     def close(self) -> None:
-        """Leave the map early (as `break` does): no more inputs are taken, nothing leaks."""
+        """Leave the map early: no more inputs are taken, nothing leaks, and `checkpoint=`'s file is written
+        (a `break` does the same once the iterator is let go of)."""
         self._outputs.close()
         self._loop.close()  # (a map never iterated has no generator frame to close it)
 
 
 def _drive(loop: "MapLoop", source):
-    loop.began = True
     try:
         while True:
             wanted = loop.wanted()
@@ -181,7 +181,7 @@ class MapLoop:
         self.out = None  # the index of the output the caller holds, until it asks for the next one
         self.saved = self.yielded  # how many were consumed in the checkpoint's file (or at the start)
         self.save_at = time.monotonic() + (self.checkpoint.every if self.checkpoint is not None else 0.0)
-        self.began = self.completed = self.closed = False
+        self.completed = self.closed = False
         self.report = reporter(progress, self.length, "soma map", start=self.yielded)
         self.exhausted = False
         self.source_error = None  # xs itself raised: the caller gets it after every earlier output

@@ -77,6 +77,9 @@ def checked(state, *, graph_print: str, length, ordered: bool, source: str) -> t
     if not _is_count(next_index) or not _are_runs(after, next_index):
         raise SomaError(f"{source} is not the state of a soma map: 'next' must be an int >= 0 and 'after' sorted "
                         f"[start, stop) runs above it; got next={next_index!r}, after={_short(after)}")
+    if ordered and after:  # (an ordered map hands out in order: nothing above `next` can have been consumed)
+        raise SomaError(f"{source} is not the state of a soma map: an ordered map's state has no 'after' runs; "
+                        f"got after={_short(after)}")
     end = after[-1][1] if after else next_index
     if length is not None and end > length:
         raise SomaError(f"{source} says inputs up to {end} were consumed, and this map's xs has {length} "

@@ -195,6 +195,9 @@ def a_state(**changes):
     (a_state(next=-1),
      "map's resume= state is not the state of a soma map: 'next' must be an int >= 0 and 'after' sorted "
      "[start, stop) runs above it; got next=-1, after=[]"),
+    (a_state(after=[[5, 6]]),
+     "map's resume= state is not the state of a soma map: an ordered map's state has no 'after' runs; got "
+     "after=[[5, 6]]"),
     (a_state(inputs=None, next=11),
      "map's resume= state says inputs up to 11 were consumed, and this map's xs has 10 (len(xs)): resume with "
      "the same xs"),
@@ -393,3 +396,15 @@ def test_a_job_saving_state_dict_with_its_outputs_is_exactly_once(runner_name, o
     else:
         assert sorted(saved) == list(range(COUNT)), Counter(saved).most_common(3)
     assert not os.listdir(tmp_path / "tmp")
+
+
+def test_the_example_job_is_killed_and_finishes_when_run_again(tmp_path):
+    example = [sys.executable, str(ROOT / "examples" / "resumable_job.py"), str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    killed = subprocess.run(example + ["--die-after", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert len(list((tmp_path / "out").glob("shard-*.json"))) == 3
+    finished = subprocess.run(example, env=env, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    assert "resuming after shard 2: 600 of 2000 documents done" in finished.stdout
+    assert "done: 2000 documents, each in exactly one shard, in order" in finished.stdout
