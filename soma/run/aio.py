@@ -207,8 +207,12 @@ async def _adrive(loop: MapLoop, source):
             wanted = loop.wanted()
             if wanted:
                 loop.start(await _atake(source, wanted, loop))
-            for value in loop.outputs():
-                yield value
+            outputs = loop.outputs()
+            try:
+                for value in outputs:
+                    yield value
+            finally:
+                outputs.close()  # left at a yield: the output held there is marked so (see MapLoop.outputs)
             if loop.over():
                 return
             if not loop.must_wait():

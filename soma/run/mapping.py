@@ -98,7 +98,9 @@ class MapIterator:
         self._outputs, self._loop = outputs, loop
 
     def __iter__(self):
-        return self
+        # The generator itself: a `for` loop then steps it from C, with no Python call of ours per output
+        # (a tiny map's loop is a few microseconds an output; a method here was a twentieth of it).
+        return self._outputs
 
     def __next__(self):
         return self._outputs.__next__()
@@ -178,7 +180,7 @@ class MapLoop:
         self.positions = positions(self.next_index, self.after_start)
         self.consumed = None if ordered else Consumed(self.next_index, self.after_start)
         self.taken = self.yielded = consumed_count(self.next_index, self.after_start)
-        self.out = None  # the index of the output the caller holds, until it asks for the next one
+        self.out = None  # the index of the output the caller held when the map ended (see outputs())
         self.saved = self.yielded  # how many were consumed in the checkpoint's file (or at the start)
         self.save_at = time.monotonic() + (self.checkpoint.every if self.checkpoint is not None else 0.0)
         self.completed = self.closed = False
@@ -233,15 +235,11 @@ class MapLoop:
 
     def save(self) -> None:
         """Write the checkpoint if what was consumed changed since it was last written."""
-        consumed = self.yielded - (self.out is not None)
+        consumed = self.yielded - (self.out is not None)  # (at an ask, or while waiting: the caller holds none)
         if consumed != self.saved:
             self.checkpoint.write(self.state(held=False))
             self.saved = consumed
         self.save_at = time.monotonic() + self.checkpoint.every
-
-    def _save_if_due(self) -> None:
-        if time.monotonic() >= self.save_at:
-            self.save()
 
     # -- 1. taking inputs ----------------------------------------------------------------------------------
     def _limit(self) -> int:
@@ -283,7 +281,11 @@ class MapLoop:
 
     # -- 2. handing outputs out ----------------------------------------------------------------------------
     def outputs(self):
-        """Every output that may be handed out now, in its turn; a failure is raised in its place."""
+        """Every output that may be handed out now, in its turn; a failure is raised in its place.
+
+        Each `yield` returns when the caller asks for the next output (its loop body ran); an exception
+        there (`close()`, a `break` or an error let go of the iterator, Ctrl-C) means it never asked:
+        the output it held is then `out`, which a checkpoint does not count."""
         if self.ordered:
             while self.next_index in self.done:
                 ok, value = self.done.pop(self.next_index)
@@ -291,26 +293,35 @@ class MapLoop:
                 if not ok and not self.yield_errors:
                     raise _indexed(value, index)  # (not consumed: a state says to run it again)
                 self.next_index += 1
-                yield self._handed(value if ok else _indexed(value, index), index)
-                self.out = None  # the caller asked for the next one: its loop body ran
-                if self.checkpoint is not None:
-                    self._save_if_due()
+                try:
+                    yield self._handed(value if ok else _indexed(value, index))
+                except BaseException:
+                    self.out = index
+                    raise
+                if self.checkpoint is not None and time.monotonic() >= self.save_at:
+                    self.save()
             return
         while self.arrived:
             index = self.arrived.popleft()
             ok, value = self.done.pop(index)
             if self.failure is not None and index > self.failure[0]:
                 continue  # after a failure: cancelled with the rest
-            self.consumed.add(index)
-            yield self._handed(value if ok else _indexed(value, index), index)
-            self.out = None
-            if self.checkpoint is not None:
-                self._save_if_due()
+            consumed = self.consumed
+            if index == consumed.next and not consumed.stops:
+                consumed.next = index + 1  # in order, no run above: Consumed.add's answer, without its call
+            else:
+                consumed.add(index)
+            try:
+                yield self._handed(value if ok else _indexed(value, index))
+            except BaseException:
+                self.out = index
+                raise
+            if self.checkpoint is not None and time.monotonic() >= self.save_at:
+                self.save()
         if self.failure is not None and not any(i < self.failure[0] for i in self.pending):
             raise _indexed(self.failure[1], self.failure[0])
 
-    def _handed(self, value, index: int):
-        self.out = index
+    def _handed(self, value):
         self.yielded += 1
         self.report(self.yielded)
         return value
@@ -339,7 +350,7 @@ class MapLoop:
         wait = None
         if self.deadlines:
             wait = max(0.0, self.deadlines[next(iter(self.deadlines))] - time.monotonic())
-        if self.checkpoint is not None and self.yielded - (self.out is not None) != self.saved:
+        if self.checkpoint is not None and self.yielded != self.saved:
             due = max(0.0, self.save_at - time.monotonic())  # (what the caller consumed is written in time)
             wait = due if wait is None else min(wait, due)
         return wait
@@ -368,8 +379,8 @@ class MapLoop:
             self.done[index] = (ok, value)
             if not self.ordered:
                 self.arrived.append(index)
-        if self.checkpoint is not None:
-            self._save_if_due()
+        if self.checkpoint is not None and time.monotonic() >= self.save_at:
+            self.save()
 
     def close(self) -> None:
         """The map is over: the checkpoint removed (all yielded) or written (ended early), the runner's
