@@ -286,31 +286,28 @@ class MapLoop:
         Each `yield` returns when the caller asks for the next output (its loop body ran); an exception
         there (`close()`, a `break` or an error let go of the iterator, Ctrl-C) means it never asked:
         the output it held is then `out`, which a checkpoint does not count."""
-        if self.ordered:
-            while self.next_index in self.done:
-                ok, value = self.done.pop(self.next_index)
+        done = self.done
+        while True:
+            if self.ordered:
                 index = self.next_index
+                if index not in done:
+                    break
+                ok, value = done.pop(index)
                 if not ok and not self.yield_errors:
                     raise _indexed(value, index)  # (not consumed: a state says to run it again)
-                self.next_index += 1
-                try:
-                    yield self._handed(value if ok else _indexed(value, index))
-                except BaseException:
-                    self.out = index
-                    raise
-                if self.checkpoint is not None and time.monotonic() >= self.save_at:
-                    self.save()
-            return
-        while self.arrived:
-            index = self.arrived.popleft()
-            ok, value = self.done.pop(index)
-            if self.failure is not None and index > self.failure[0]:
-                continue  # after a failure: cancelled with the rest
-            consumed = self.consumed
-            if index == consumed.next and not consumed.stops:
-                consumed.next = index + 1  # in order, no run above: Consumed.add's answer, without its call
+                self.next_index = index + 1
             else:
-                consumed.add(index)
+                if not self.arrived:
+                    break
+                index = self.arrived.popleft()
+                ok, value = done.pop(index)
+                if self.failure is not None and index > self.failure[0]:
+                    continue  # after a failure: cancelled with the rest
+                consumed = self.consumed
+                if index == consumed.next and not consumed.stops:
+                    consumed.next = index + 1  # in order, no run above: Consumed.add's answer, without its call
+                else:
+                    consumed.add(index)
             try:
                 yield self._handed(value if ok else _indexed(value, index))
             except BaseException:
@@ -318,7 +315,7 @@ class MapLoop:
                 raise
             if self.checkpoint is not None and time.monotonic() >= self.save_at:
                 self.save()
-        if self.failure is not None and not any(i < self.failure[0] for i in self.pending):
+        if not self.ordered and self.failure is not None and not any(i < self.failure[0] for i in self.pending):
             raise _indexed(self.failure[1], self.failure[0])
 
     def _handed(self, value):
