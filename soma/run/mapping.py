@@ -37,10 +37,10 @@ from .resuming import (
     checked,
     consumed_count,
     fingerprint,
+    identity,
     length_of,
     positions,
     remaining,
-    state_of,
     without,
 )
 
@@ -174,8 +174,10 @@ class MapLoop:
         self.graph = graph
         self.length = length_of(xs)
         self._graph_print = None  # fingerprint(graph), made when a state is first wanted
+        self._identity = None  # resuming.identity(...), the same
         self.checkpoint = Checkpoint(checkpoint, checkpoint_every) if checkpoint is not None else None
-        self.next_index, self.after_start = self._starting_point(resume)  # (next_index: see below)
+        # next_index: where the map starts; with ordered=True, the index to hand out next.
+        self.next_index, self.after_start = self._starting_point(resume)
         # Inputs are numbered by their position in xs: on resuming, only those not consumed are taken.
         self.positions = positions(self.next_index, self.after_start)
         self.consumed = None if ordered else Consumed(self.next_index, self.after_start)
@@ -192,7 +194,6 @@ class MapLoop:
         self.done: dict = {}  # index → (ok, value): finished and not yet handed out
         self.arrived: deque = deque()  # ordered=False: finished indices in arrival order
         self.deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
-        # ordered=True: the index to hand out next (set above: where the map starts)
         self._default = 0  # the default window, as last looked at (`_limit`)
         self._look_at = 0.0  # when to look again
 
@@ -223,6 +224,8 @@ class MapLoop:
     def state(self, held: bool) -> dict:
         """The consumed inputs, as `state_dict()` gives them. `held=False`: without the output the caller
         holds (its loop body may not have run: what a checkpoint saves)."""
+        if self._identity is None:
+            self._identity = identity(self.graph_print(), self.length, self.ordered)
         if self.ordered:
             next_index, after = self.next_index, []
             if not held and self.out is not None:
@@ -231,7 +234,7 @@ class MapLoop:
             next_index, after = self.consumed.next, self.consumed.runs()
             if not held and self.out is not None:
                 next_index, after = without(next_index, after, self.out)
-        return state_of(self.graph_print(), self.length, self.ordered, next_index, after)
+        return {**self._identity, "next": next_index, "after": after}
 
     def save(self) -> None:
         """Write the checkpoint if what was consumed changed since it was last written."""

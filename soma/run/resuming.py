@@ -47,9 +47,9 @@ def length_of(xs):
         return None
 
 
-def state_of(graph_print: str, length, ordered: bool, next_index: int, after: list) -> dict:
-    return {"format": FORMAT, "graph": graph_print, "inputs": length, "ordered": ordered, "next": next_index,
-            "after": after}
+def identity(graph_print: str, length, ordered: bool) -> dict:
+    """What identifies a map in its state (the rest is `next` and `after`)."""
+    return {"format": FORMAT, "graph": graph_print, "inputs": length, "ordered": ordered}
 
 
 # -- refusing a state that is not this map's ---------------------------------------------------------
