@@ -327,17 +327,21 @@ def job(runner_name, ordered, mode, folder, ray_address):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(folder / "tmp")}
     argv = [sys.executable, "-m", "tests.run.resume_job", runner_name, "1" if ordered else "0", mode, str(COUNT),
             str(folder)] + ([ray_address] if ray_address else [])
-    return subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    with open(folder / "stderr.txt", "a") as stderr:  # (a file, not a pipe nobody reads while it runs)
+        return subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True, stderr=stderr)
 
 
-def kill_when(process, progressed, what: str) -> int:
+def kill_when(process, folder, progressed, what: str) -> int:
     """SIGKILL the job's process group once `progressed()` holds; returns the killed job's pid."""
     wait_for(lambda: progressed() or process.poll() is not None, 90, what)
-    assert process.poll() is None, f"the job ended before it was killed ({what}): {process.stderr.read()}"
+    assert process.poll() is None, f"the job ended before it was killed ({what}): {stderr_of(folder)}"
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(10)
-    process.stderr.close()
     return process.pid
+
+
+def stderr_of(folder) -> str:
+    return (folder / "stderr.txt").read_text()[-3000:]
 
 
 def after_the_kill(folder, runner_name: str, host_pid: int) -> None:
@@ -351,9 +355,8 @@ def after_the_kill(folder, runner_name: str, host_pid: int) -> None:
         wait_for(lambda: not os.listdir(folder / "tmp"), 10, "the killed host's socket folder to go")
 
 
-def run_to_the_end(process) -> None:
-    _, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err
+def run_to_the_end(process, folder) -> None:
+    assert process.wait(120) == 0, stderr_of(folder)
 
 
 @pytest.fixture
@@ -382,15 +385,19 @@ def test_a_job_with_checkpoint_survives_sigkill_at_least_once(runner_name, order
     again = Counter()  # outputs written after the last state a killed run saved: they must come once more
     rng = random.Random()
     kills = KILLS[runner_name]
+    resumed = 0  # runs started with a checkpoint there: each says so, once
     for kill in range(kills):
+        resumed += checkpoint.exists()
         process = job(runner_name, ordered, "checkpoint", tmp_path, ray_address)
         before = len(lines())
         goal = before + rng.randrange(50, COUNT // (kills + 2))
-        after_the_kill(tmp_path, runner_name, kill_when(process, lambda: len(lines()) >= goal,
+        after_the_kill(tmp_path, runner_name, kill_when(process, tmp_path, lambda: len(lines()) >= goal,
                                                         f"kill {kill + 1}: {goal} outputs written"))
         saved = consumed(json.loads(checkpoint.read_text())) if checkpoint.exists() else set()
         again.update(y for y in lines()[before:] if y not in saved)
-    run_to_the_end(job(runner_name, ordered, "checkpoint", tmp_path, ray_address))
+    resumed += checkpoint.exists()
+    run_to_the_end(job(runner_name, ordered, "checkpoint", tmp_path, ray_address), tmp_path)
+    assert (tmp_path / "stderr.txt").read_text().count("soma map: resumed at input ") == resumed
     written = Counter(lines())
     assert set(written) == set(range(COUNT)), f"missing: {sorted(set(range(COUNT)) - set(written))[:10]}"
     # Every output once, and once more for each kill it was written after its run's last saved state: repeats
@@ -410,9 +417,9 @@ def test_a_job_saving_state_dict_with_its_outputs_is_exactly_once(runner_name, o
     for kill in range(max(1, KILLS[runner_name] - 1)):
         process = job(runner_name, ordered, "exactly", tmp_path, ray_address)
         goal = len(shards()) + rng.randrange(2, 12)
-        after_the_kill(tmp_path, runner_name, kill_when(process, lambda: len(shards()) >= goal,
+        after_the_kill(tmp_path, runner_name, kill_when(process, tmp_path, lambda: len(shards()) >= goal,
                                                         f"kill {kill + 1}: {goal} shards written"))
-    run_to_the_end(job(runner_name, ordered, "exactly", tmp_path, ray_address))
+    run_to_the_end(job(runner_name, ordered, "exactly", tmp_path, ray_address), tmp_path)
     saved = [y for path in shards() for y in json.loads(path.read_text())["outputs"]]
     if ordered:
         assert saved == list(range(COUNT))
