@@ -21,6 +21,7 @@ from ..run.aio import FutureSink, InputFuture, LoopSink
 from ..run.base import RunnerBase, checked_retries, closed_message
 from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
+from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
 from .host.pool import WorkerPool
 from .host.program import compile_program, pieces
@@ -194,9 +195,10 @@ class Local(RunnerBase):
     def _async_inflight(self, g, timeout, retries):
         retries = checked_retries(retries)
         scheduler, g, program = self._ready(g, "Local.amap")
-        return LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries, asynchronous=True)
+        return LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries, asynchronous=True), g
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+            resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool.
 
         docs/design.md ("Many inputs") says what each option does. With at least as many inputs
@@ -206,8 +208,9 @@ class Local(RunnerBase):
         retries = checked_retries(retries)
         scheduler, g, program = self._ready(g, "Local.map", whole=window is None or window >= self.n_workers)
         inflight = LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries)
-        return map_outputs(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout,
-                           errors=errors)
+        return map_outputs(inflight, xs, graph=g, window=window, ordered=ordered, progress=progress,
+                           timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                           checkpoint_every=checkpoint_every)
 
     def _ready(self, g, where: str, whole: bool = False):
         self._check_process()

@@ -42,6 +42,7 @@ from ..errors import NodeError, SomaError
 from ..run.aio import InputFuture, amap_outputs
 from ..run.base import RunnerBase, checked_retries
 from ..run.mapping import default_window, map_outputs
+from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
 from . import tracing
 from .devices import checked_options
@@ -157,10 +158,13 @@ class Ray(RunnerBase):
                 driver.release(tries.submission)
                 driver.run_over(graph, timed)
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+            resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (docs/api.md, "map")."""
-        return map_outputs(self._inflight(g, "Ray.map", window, ordered, timeout, retries), xs, window=window,
-                           ordered=ordered, progress=progress, timeout=timeout, errors=errors)
+        g = self.accepting(g, "Ray.map")
+        return map_outputs(self._inflight(g, "Ray.map", window, ordered, timeout, retries), xs, graph=g,
+                           window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors,
+                           resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
 
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> InputFuture:
         """`run(g, x)` without waiting: a `concurrent.futures.Future` at once, set by the driver's one settler
@@ -215,10 +219,13 @@ class Ray(RunnerBase):
             driver.release(tries.submission)
             driver.run_over(graph, timed)
 
-    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+             resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """`map` as an async iterator: `async for y in cluster.amap(g, xs)`; `xs` may be an async iterable."""
-        return amap_outputs(self._inflight(g, "Ray.amap", window, ordered, timeout, retries), xs, window=window,
-                            ordered=ordered, progress=progress, timeout=timeout, errors=errors)
+        g = self.accepting(g, "Ray.amap")
+        return amap_outputs(self._inflight(g, "Ray.amap", window, ordered, timeout, retries), xs, graph=g,
+                            window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors,
+                            resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
 
     def _inflight(self, g, where: str, window, ordered: bool, timeout, retries) -> RayInflight:
         retries = checked_retries(retries)

@@ -34,6 +34,7 @@ from .base import RunnerBase, checked_retries, closed_message
 from .batching import max_batch_of
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
+from .resuming import DEFAULT_EVERY_S
 from .threads import thread_modes
 from .trace import Trace
 
@@ -88,13 +89,15 @@ class Executor(RunnerBase):
         return self._submit_inputs(interpreter, [(self._run, g, devices, x, timeout, None, thread_modes(), None,
                                                   interpreter)])[0]
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+            resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
         (docs/design.md, "Many inputs")."""
         checked_retries(retries)
         g = self.accepting(g, "Executor.map")
-        return map_outputs(self._inflight(g, timeout), xs, window=window, ordered=ordered, progress=progress,
-                           timeout=timeout, errors=errors)
+        return map_outputs(self._inflight(g, timeout), xs, graph=g, window=window, ordered=ordered,
+                           progress=progress, timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                           checkpoint_every=checkpoint_every)
 
     def _inflight(self, g, timeout) -> "ExecutorInflight":
         return ExecutorInflight(self, g, g.devices(), timeout)
@@ -102,7 +105,7 @@ class Executor(RunnerBase):
     def _async_inflight(self, g, timeout, retries):
         checked_retries(retries)
         g = self.accepting(g, "Executor.amap")
-        return self._inflight(g, timeout)
+        return self._inflight(g, timeout), g
 
     def _threads(self) -> cf.ThreadPoolExecutor:
         with self._pool_lock:

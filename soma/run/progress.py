@@ -15,12 +15,13 @@ import sys
 import time
 
 
-def reporter(progress, total, label: str):
-    """A callable taking the number of outputs so far (None once the map is over)."""
+def reporter(progress, total, label: str, start: int = 0):
+    """A callable taking the number of outputs so far (None once the map is over); `start` of them were
+    there before this run (a resumed map): they count in `done`, not in the rate."""
     if progress is False or progress is None:
         return _silent
     if progress is True:
-        return _Line(total, label, terminal=_isatty(sys.stderr))
+        return _Line(total, label, terminal=_isatty(sys.stderr), start=start)
     if callable(progress):
         return lambda done: None if done is None else progress(done, total)
     raise TypeError(f"map's progress must be True, False or a callable progress(done, total), got {progress!r}")
@@ -51,14 +52,15 @@ class _Line:
     LOG_EVERY_S = 5.0
     RATE_AFTER = 3  # outputs after the first before a rate is shown (one interval alone says little)
 
-    def __init__(self, total, label: str, terminal: bool):
+    def __init__(self, total, label: str, terminal: bool, start: int = 0):
         self.total = total
+        self.start_done = start
         self.label = label
         self.terminal = terminal
         self.every = self.DRAW_EVERY_S if terminal else self.LOG_EVERY_S
         self.start = time.monotonic()
         self.last = self.start if not terminal else 0.0  # a log's first line comes after LOG_EVERY_S
-        self.done = 0
+        self.done = start
         self.first = None  # (time, done) at the first output: the rate counts from there
         self.drawn = None  # `done` on the last line drawn
 
