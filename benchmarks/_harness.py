@@ -42,8 +42,9 @@ MiB = 1 << 20
 
 # -- arguments -----------------------------------------------------------------------------------
 
-def parse_args(argv, description: str) -> argparse.Namespace:
-    """`--quick` (under a minute), `--smoke` (seconds: the test suite's mode), `--json FILE`."""
+def parse_args(argv, description: str, plot: bool = False) -> argparse.Namespace:
+    """`--quick` (under a minute), `--smoke` (seconds: the test suite's mode), `--json FILE`; with `plot`,
+    `--plot FILE.png` (for the benchmarks that draw their figures: matplotlib, the `plot` extra)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and inputs (under a minute)")
     parser.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path (tests)")
@@ -51,6 +52,8 @@ def parse_args(argv, description: str) -> argparse.Namespace:
     parser.add_argument("--ray", action="store_true",
                         help="add Ray rows (a fresh local Ray instance, never an existing cluster; also "
                              "SOMA_BENCH_RAY=1)")
+    if plot:
+        parser.add_argument("--plot", metavar="FILE.png", help="draw the figures into FILE.png (needs matplotlib)")
     return parser.parse_args(argv)
 
 
@@ -460,6 +463,26 @@ def local_ray(args: argparse.Namespace):
         return None
     ray.init(address="local", num_cpus=CORES, include_dashboard=False, log_to_driver=False)
     return ray
+
+
+IN_NAMESPACE = "SOMA_BENCH_LOOPBACK"  # set for a benchmark re-run in a loopback-only network namespace
+
+
+def rerun_on_loopback(name: str, script: str, argv: list[str]) -> None:
+    """Replace this process with `script argv` inside a network namespace that has only `lo`, when allowed,
+    so a Ray it starts never binds the machine's address (/work/shared/notes/ray.md); once (IN_NAMESPACE)."""
+    import shutil
+    import subprocess
+
+    if os.environ.get(IN_NAMESPACE) or shutil.which("unshare") is None or shutil.which("ip") is None:
+        return
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        print(f"{name}: no network namespace here (unshare -n refused): Ray binds this machine's address")
+        return
+    os.environ[IN_NAMESPACE] = "1"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.execvp("unshare", ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
+                          script, *argv])
 
 
 def versions() -> str:

@@ -2,7 +2,8 @@
 benchmarks' small nodes.
 
 In an importable module, so worker processes load the nodes by name. Two models with random weights
-(seeded: every process builds the same one), on the CPU:
+(seeded: every process builds the same one), on the CPU, per item (`PerItem`), batched as a user would batch
+them (`batched`: `soma.torch.Batched`) and on inputs grouped by the caller (`HandBatched`):
 
 * "mlp": a small MLP over a 256-value input; an item costs about as much as soma's own work for it (43 µs
   alone, 9 µs in a batch of 64, measured on this machine on Dec 2);
@@ -29,26 +30,38 @@ def model(name: str = MLP):
                                   torch.nn.ReLU(), torch.nn.Linear(512, OUT[MLP]))
     elif name == TRANSFORMER:
         layer = torch.nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True)
-        net = _mean_pooled(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+        net = _then(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), _mean_of_tokens)
     else:
         raise ValueError(f"no model named {name!r}: {MLP!r} or {TRANSFORMER!r}")
     return net.eval().requires_grad_(False)
 
 
-def _mean_pooled(encoder):
-    import torch  # (made here, not at import: this module imports without torch, for benchmarks with no model)
+def _then(net, after):
+    """`net`, then `after` on its output, as one module (its class made here, not at import: this module imports
+    without torch, for benchmarks with no model)."""
+    import torch
 
-    class MeanPooled(torch.nn.Module):
-        """(batch, tokens, width) → (batch, width): the encoder's tokens averaged."""
-
+    class Then(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.encoder = encoder
+            self.net = net
 
         def forward(self, x):
-            return self.encoder(x).mean(1)
+            return after(self.net(x))
 
-    return MeanPooled()
+    return Then()
+
+
+def _mean_of_tokens(out):
+    """(batch, tokens, width) → (batch, width): the encoder's tokens averaged."""
+    return out.mean(1)
+
+
+def _with_batch_size(out):
+    """(batch, out) → (batch, out + 1): each row ending in how many rows the batch had."""
+    import torch
+
+    return torch.cat([out, out.new_full((len(out), 1), float(len(out)))], 1)
 
 
 def inputs(n: int, name: str = MLP) -> list:
@@ -74,16 +87,31 @@ class PerItem(_ModelNode):
         return Done((self.model(x.unsqueeze(0))[0], 1))
 
 
-class Batched(_ModelNode):
-    """The same model on the inputs at it at once: `(each one's output row, how many shared the call)`."""
+BATCH = 64  # the batching nodes' max_batch, and the hand-batched inputs' size
 
-    max_batch = 64
 
-    def forward_batch(self, xs, ctx):
-        import torch
+def batched(name: str = MLP):
+    """The same model as what users write: `soma.torch.Batched` (max_batch 64) over it, with a last column
+    that says how many shared the call (`counted`): each input's `[output row..., batch size]`."""
+    from soma.torch import Batched
 
-        out = self.model(torch.stack(xs))
-        return Done([(row, len(xs)) for row in out])
+    return Batched(_then(model(name), _with_batch_size), name=f"batched_{name}", max_batch=BATCH)
+
+
+def counted(name: str, out) -> tuple:
+    """`(the model's output rows, each one's batch size)` from `batched`'s outputs, the sizes checked: 1 to
+    max_batch, and a call of k inputs gives k outputs that say k (so k of them, or a multiple of k)."""
+    from collections import Counter
+
+    from _harness import WrongValue
+
+    rows, sizes = [row[:-1] for row in out], [int(row[-1]) for row in out]
+    if any(not 1 <= size <= BATCH for size in sizes):
+        raise WrongValue(f"{name} says a call held {sorted(set(sizes))} inputs: 1 to {BATCH} can share one")
+    odd = {size: count for size, count in Counter(sizes).items() if count % size}
+    if odd:
+        raise WrongValue(f"{name}: calls of these sizes gave these many outputs, not a multiple of the size: {odd}")
+    return rows, sizes
 
 
 class NoModel(Node):
@@ -91,7 +119,7 @@ class NoModel(Node):
     bytes cross), and how many shared the call. What batching from 64 threads reaches when the model costs
     nothing: the most any batching node could gain over the per-item one on this machine."""
 
-    max_batch = 64
+    max_batch = BATCH
 
     def __init__(self, name: str = MLP):
         self.out = OUT[name]
@@ -102,7 +130,7 @@ class NoModel(Node):
 
 class HandBatched(_ModelNode):
     """The same model on an input that is already a list of 64 items (pre-grouped by the caller): each item's
-    `(output row, how many shared the call)`, what `Batched` gives each input (the same values cross)."""
+    `(output row, how many shared the call)`: what `batched` gives each input, in one row."""
 
     def forward(self, xs, ctx):
         import torch

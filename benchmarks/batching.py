@@ -7,7 +7,8 @@ cost more than moving them, and a small MLP, whose items cost about as much as s
 work for them) over per-item inputs (4,096 full), on the Executor and on Local (2 workers),
 rounds alternated, every output checked against the model run in-process; for each model:
 
-* `forward_batch` (max_batch 64) against the same model's per-item `forward`, items/s;
+* the model as `soma.torch.Batched` (max_batch 64: a batching node, `forward_batch`) against the same
+  model per item (`forward`), items/s;
 * against a hand-batched map (the inputs grouped 64 per input by the caller, the same
   model on each group), items/s: what keeping per-item inputs costs;
 * 64 threads calling `Local.run` at once, batching node against per-item node, items/s,
@@ -50,19 +51,21 @@ def maps(suite: h.Suite, local, model: str) -> None:
     n = {"full": 4096, "quick": 1024, "smoke": 128}[suite.mode]
     xs = m.inputs(n, model)
     expected = m.model(model)(torch.stack(xs))
-    groups = [xs[i:i + 64] for i in range(0, n, 64)]
+    groups = [xs[i:i + m.BATCH] for i in range(0, n, m.BATCH)]
     executor = soma.Executor()
-    graphs = {"per_item": Graph.somatize(m.PerItem(model)), "batched": Graph.somatize(m.Batched(model)),
+    graphs = {"per_item": Graph.somatize(m.PerItem(model)), "batched": Graph.somatize(m.batched(model)),
               "hand": Graph.somatize(m.HandBatched(model))}
     sizes: dict = {}
 
     def rate(name, runner, kind):
         source = groups if kind == "hand" else xs
         elapsed, out = h.timed(lambda: list(runner.map(graphs[kind], source)))
-        rows = [row for group in out for row, _ in group] if kind == "hand" else [row for row, _ in out]
-        check(name, rows, expected)
         if kind == "batched":
-            sizes.setdefault(name, []).append(statistics.mean(size for _, size in out))
+            rows, batch = m.counted(name, out)
+            sizes.setdefault(name, []).append(statistics.mean(batch))
+        else:
+            rows = [row for group in out for row, _ in group] if kind == "hand" else [row for row, _ in out]
+        check(name, rows, expected)
         return n / elapsed
 
     contenders = {f"{where}/{kind}": (lambda w=where, k=kind, r=runner: rate(f"{w}/{k}", r, k))
@@ -127,7 +130,7 @@ def threads(suite: h.Suite, local, model: str) -> None:
     expected = {"per_item": m.model(model)(torch.stack(xs))}
     expected["batched"] = expected["per_item"]
     expected["no_model"] = torch.stack(xs).reshape(n, -1)[:, :m.OUT[model]]
-    nodes = {"per_item": m.PerItem(model), "batched": m.Batched(model), "no_model": m.NoModel(model)}
+    nodes = {"per_item": m.PerItem(model), "batched": m.batched(model), "no_model": m.NoModel(model)}
     callers = cf.ThreadPoolExecutor(64)
     dispatcher = Dispatcher()
     sizes = []
@@ -136,9 +139,13 @@ def threads(suite: h.Suite, local, model: str) -> None:
         g = Graph.somatize(nodes[kind])
         list(callers.map(lambda x: local.run(g, x), xs[:64]))  # warm
         elapsed, out = h.timed(lambda: list(callers.map(lambda x: local.run(g, x), xs)))
-        check(f"local/{kind} from 64 threads", [row for row, _ in out], expected[kind])
+        name = f"local/{kind} from 64 threads"
         if kind == "batched":
-            sizes.append(statistics.mean(size for _, size in out))
+            rows, batch = m.counted(name, out)
+            sizes.append(statistics.mean(batch))
+        else:
+            rows = [row for row, _ in out]
+        check(name, rows, expected[kind])
         return n / elapsed
 
     def floor():
@@ -169,14 +176,18 @@ def threads(suite: h.Suite, local, model: str) -> None:
 def lone_run(suite: h.Suite, local) -> None:
     x = m.inputs(1)[0]
     trips = {"full": 200, "quick": 100, "smoke": 10}[suite.mode]
-    graphs = {"per_item": Graph.somatize(m.PerItem()), "batched": Graph.somatize(m.Batched())}
+    graphs = {"per_item": Graph.somatize(m.PerItem()), "batched": Graph.somatize(m.batched())}
+    expected = m.model()(x.unsqueeze(0))
     for g in graphs.values():
         local.run(g, x)
 
     def per_run(kind):
         elapsed, out = h.timed(lambda: [local.run(graphs[kind], x) for _ in range(trips)])
-        if any(size != 1 for _, size in out):
+        rows, sizes = m.counted(f"local/{kind}", out) if kind == "batched" else ([row for row, _ in out],
+                                                                              [size for _, size in out])
+        if any(size != 1 for size in sizes):
             raise h.WrongValue(f"local/{kind}: a lone run was not a batch of one")
+        check(f"local/{kind}, a lone run", rows, expected.expand(trips, -1))
         return elapsed / trips
 
     samples = h.alternate({kind: (lambda k=kind: per_run(k)) for kind in graphs},

@@ -17,6 +17,11 @@ not here (benchmarks/soma_ray.py measures soma.Ray against hand-written Ray).
 
 * tiny: N small ints through an identity node (`echo` for the pools): the cost
   of map's machinery per input. Target: local >= 1.0x mp_imap (aim 2x).
+* resumable: the tiny map again, Executor and Local each plain, with `state_dict()`
+  called after every output (the exactly-once pattern, at its most frequent), and
+  with `checkpoint=` writing every 50 ms (a write a fifth of the default's
+  rounds would never see: at 10 s a tiny map never writes at all). Target: each
+  within noise of plain (ratio ~1.0x).
 * gil: 8 inputs of 50 ms pure-Python work each (`burn`, tagged with the input):
   Target: local >= 1.9x executor (the limit is 2x on 2 cores).
 * pipeline: examples/text_pipeline.py, `(word_piece | ngram_hash) >> encoder`
@@ -105,6 +110,43 @@ def tiny(suite: h.Suite, pools: Pools) -> None:
     samples = h.alternate(pools.maps(Graph.somatize(Echo()), echo, xs), repeat=suite.repeat(full=7, quick=3),
                           check=lambda name, out: h.expect(name, out, xs, "identity"))
     rates(suite, "tiny", samples, count, "inputs/s", {"inputs": count})
+
+
+def resumable(suite: h.Suite, pools: Pools) -> None:
+    """What `state_dict()` and `checkpoint=` cost a tiny map (issue 34): the same map with and without them."""
+    import tempfile
+
+    count = {"full": 20_000, "quick": 5_000, "smoke": 300}[suite.mode]
+    xs = list(range(count))
+    g = Graph.somatize(Echo())
+    folder = tempfile.mkdtemp(prefix="soma-bench-resume-")
+
+    def with_state(runner):
+        outputs, got = runner.map(g, xs), []
+        for y in outputs:
+            got.append(y)
+            outputs.state_dict()
+        return got
+
+    def checkpointed(runner):
+        return list(runner.map(g, xs, checkpoint=os.path.join(folder, "map.ckpt"), checkpoint_every=0.05))
+
+    contenders = {}
+    for name, runner in (("executor", pools.executor), ("local", pools.local)):
+        contenders[name] = functools.partial(lambda r: list(r.map(g, xs)), runner)
+        contenders[f"{name}_state_dict"] = functools.partial(with_state, runner)
+        contenders[f"{name}_checkpoint"] = functools.partial(checkpointed, runner)
+    try:
+        samples = h.alternate(contenders, repeat=suite.repeat(full=7, quick=5),
+                              check=lambda name, out: h.expect(name, out, xs, "identity"))
+    finally:
+        os.rmdir(folder)  # (each map removed its checkpoint when it yielded everything: a leftover fails here)
+    params = {"case": "resumable", "workers": WORKERS, "inputs": count}
+    for name, seconds in samples.items():
+        suite.add(name, params, [count / s for s in seconds], "inputs/s")
+    for base in ("executor", "local"):
+        for variant in ("state_dict", "checkpoint"):
+            suite.add_ratio(f"{base}_{variant}", params, samples[base], samples[f"{base}_{variant}"], vs=base)
 
 
 def gil(suite: h.Suite, pools: Pools) -> None:
@@ -302,6 +344,8 @@ def main(argv=None) -> list[dict]:
     try:
         tiny(suite, pools)
         print("  tiny done", flush=True)
+        resumable(suite, pools)
+        print("  resumable done", flush=True)
         gil(suite, pools)
         print("  gil done", flush=True)
         pipeline(suite, pools)
@@ -354,6 +398,12 @@ def print_summary(suite: h.Suite) -> None:
                 for name in ("local", "dataloader", "procpool", "serial")]
         h.print_table(f"{NAME}: examples/image_pipeline.py, median images/s (in brackets: local's speed-up over it, "
                       f"per round; target ≥ 1.1× dataloader)", ["contender", "images/s"], rows)
+
+    rows = [[f"{base}_{variant}", h.cell(suite.find(f"{base}_{variant}", "inputs/s", case="resumable"),
+                                         suite.find(f"{base}_{variant}", "x", case="resumable", vs=base)), base]
+            for base in ("executor", "local") for variant in ("state_dict", "checkpoint")]
+    h.print_table(f"{NAME}: what resuming costs the tiny map, median inputs/s (in brackets: its speed against the "
+                  f"plain map's, per round; ~1.0x is free)", ["contender", "inputs/s", "against"], rows)
 
     inputs = next(r.params["inputs"] for r in suite.records if r.params.get("case") == "flat")
     print_series(suite, f"{NAME}: {inputs:,} inputs through Local.map (add_one; every {FLAT_EVERY}th a 64 KiB "

@@ -29,6 +29,12 @@ Contenders alternate round by round (benchmarks/README.md).
   every output must come, in input order, none twice. The ratio: how much longer the map took with the
   death than without it, round by round (off the clock after a death: the node's second copy is up again).
     no death  the same map, nobody dies        death  the actor dies mid-map
+* heavy: a fresh node that sleeps 0.5 s (copies = 4), warmed by one run (off the clock), then four inputs
+  (docs/ray.md, "Copies": a copy starts only when the queue it saves is longer than the measured start-up).
+    alone    four `cluster.run`s one after another: the warm actor alone
+    map      list(cluster.map(g, range(4))): may start copies, must never be slower than `alone`
+  Target: map / alone <= 1.0 (each round on a node of its own, so its one warm actor is the only one).
+  Full mode also maps six 2 s inputs on a fresh node and reports how many actors ran them (must be > 1).
 * gil_wave: a wave of 4 branches of 50 ms pure-Python work (`burn`), per run.
     executor soma.Executor() (threads: one GIL)     ray  soma.Ray (an actor per branch)
 * concurrent_runs: 64 threads calling `cluster.run` at once, the batching MLP of benchmarks/_models.py
@@ -45,7 +51,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,25 +58,10 @@ import time
 import _harness as h
 from _work import AddOne, Double, chain3
 
+from soma import Done, Node
+
 NAME = "soma_ray"
-IN_NAMESPACE = "SOMA_BENCH_LOOPBACK"
 WINDOW = 4
-
-
-# -- keeping Ray on loopback ---------------------------------------------------------------------------
-
-def rerun_on_loopback(argv: list[str]) -> None:
-    """Replace this process with itself inside a network namespace that has only `lo`, when allowed."""
-    if os.environ.get(IN_NAMESPACE) or shutil.which("unshare") is None or shutil.which("ip") is None:
-        return
-    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
-        print(f"{NAME}: no network namespace here (unshare -n refused): Ray binds this machine's address")
-        return
-    os.environ[IN_NAMESPACE] = "1"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    script = os.path.abspath(__file__)
-    os.execvp("unshare", ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
-                          script, *argv])
 
 
 # -- what the actors run (plain functions and nodes; by value from __main__ is fine for both) -------------
@@ -250,6 +240,55 @@ def retries_death(suite, cluster, soma):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+class Sleeper(Node):
+    """Sleeps `seconds`, then returns (its input, the pid that ran it); up to four copies, as on
+    soma.Ray(num_cpus=4)."""
+
+    copies = 4
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def forward(self, x, ctx):
+        time.sleep(self.seconds)
+        return Done((x, os.getpid()))
+
+
+def heavy(suite, cluster, soma):
+    seconds = 0.05 if suite.mode == "smoke" else 0.5
+    xs = list(range(4))
+
+    rounds_done = []
+
+    def one_round():
+        g = soma.Graph.somatize(Sleeper(seconds))  # a node of its own: one warm actor, no other copy yet
+        h.expect("warm-up", cluster.run(g, -1)[0], -1, "the warm-up run")  # its first actor up, off the clock
+        out = {}
+        for name in (["alone", "map"] if len(rounds_done) % 2 == 0 else ["map", "alone"]):
+            start = time.perf_counter()
+            got = [cluster.run(g, x) for x in xs] if name == "alone" else list(cluster.map(g, xs))
+            out[name] = time.perf_counter() - start
+            h.expect(name, [x for x, _ in got], xs, "every output, in order")
+            if name == "map":
+                out["actors"] = len({pid for _, pid in got})
+        rounds_done.append(out)
+        return out
+
+    rounds = h.alternate({"round": one_round}, repeat=suite.repeat(full=5, quick=3), warmup=0, self_timed=True)
+    params = {"question": "heavy", "inputs": len(xs), "seconds": seconds}
+    alone, mapped = [r["alone"] for r in rounds["round"]], [r["map"] for r in rounds["round"]]
+    suite.add("alone", params, h.ms(alone), "ms")
+    suite.add("map", params, h.ms(mapped), "ms")
+    suite.add_ratio("map", params, mapped, alone, vs="alone")
+    suite.add("map", {**params, "what": "actors"}, [r["actors"] for r in rounds["round"]], "actors")
+    if suite.mode == "full":
+        g = soma.Graph.somatize(Sleeper(2.0))
+        got = list(cluster.map(g, range(6)))
+        h.expect("six", [x for x, _ in got], list(range(6)), "every output, in order")
+        suite.add("map", {"question": "heavy", "inputs": 6, "seconds": 2.0, "what": "actors"},
+                  [len({pid for _, pid in got})], "actors")
+
+
 def gil_wave(suite, cluster, soma):
     from _work import Burn
 
@@ -333,18 +372,20 @@ def concurrent_runs(suite, cluster, soma):
     n = {"full": 1024, "quick": 512, "smoke": 64}[suite.mode]
     xs = m.inputs(n)
     expected = m.model()(torch.stack(xs))
-    graphs = {"per_item": soma.Graph.somatize(m.PerItem()), "batched": soma.Graph.somatize(m.Batched())}
+    graphs = {"per_item": soma.Graph.somatize(m.PerItem()), "batched": soma.Graph.somatize(m.batched())}
     callers = cf.ThreadPoolExecutor(64)
     sizes: list = []
 
     def rate(kind):
         g = graphs[kind]
         elapsed, out = h.timed(lambda: list(callers.map(lambda x: cluster.run(g, x), xs)))
-        got = torch.stack([row for row, _ in out])
-        if not torch.allclose(got, expected, atol=1e-4):
+        if kind == "batched":  # (soma.torch.Batched: each row ends in its call's size)
+            rows, batch = m.counted(f"ray/{kind} from 64 threads", out)
+            sizes.append(statistics.mean(batch))
+        else:
+            rows = [row for row, _ in out]
+        if not torch.allclose(torch.stack(rows), expected, atol=1e-4):
             raise h.WrongValue(f"ray/{kind} from 64 threads returned outputs that are not the model's")
-        if kind == "batched":
-            sizes.append(statistics.mean(size for _, size in out))
         return n / elapsed
 
     try:
@@ -363,7 +404,7 @@ def concurrent_runs(suite, cluster, soma):
 
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
-    rerun_on_loopback(argv)
+    h.rerun_on_loopback(NAME, os.path.abspath(__file__), argv)
     args = h.parse_args(argv, __doc__)
     suite = h.Suite(NAME, args)
     ray = h.optional_ray()
@@ -373,7 +414,7 @@ def main(argv=None) -> list[dict]:
     import soma
 
     print(f"{NAME}: {h.versions()}, ray {ray.__version__}; mode {suite.mode}; "
-          f"{'loopback only' if os.environ.get(IN_NAMESPACE) else 'on the machine address'}")
+          f"{'loopback only' if os.environ.get(h.IN_NAMESPACE) else 'on the machine address'}")
     folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")  # Ray's temp dir: nothing left for the next init
     try:
         # address="local": always a new instance of our own, never another program's cluster on this machine
@@ -386,6 +427,8 @@ def main(argv=None) -> list[dict]:
             print("  map done", flush=True)
             retries_death(suite, cluster, soma)
             print("  retries done", flush=True)
+            heavy(suite, cluster, soma)
+            print("  heavy done", flush=True)
             gil_wave(suite, cluster, soma)
             print("  gil_wave done", flush=True)
             tensor(suite, ray, cluster, soma)
@@ -415,6 +458,15 @@ def print_summary(suite: h.Suite) -> None:
               h.cell(suite.find("death", "x", question="retries")) + "×"]]
     h.print_table(f"{NAME}: an actor os._exit's mid-map (every output once, in order), ms per map",
                   ["map", "no death", "death", "ratio"], death)
+    heavy_rows = [["4 × 0.5 s after a warm-up run", h.cell(suite.find("alone", "ms", question="heavy")),
+                   h.cell(suite.find("map", "ms", question="heavy")),
+                   h.cell(suite.find("map", "x", question="heavy")) + "×",
+                   h.cell(suite.find("map", "actors", question="heavy", inputs=4)), "≤ 1.0×"]]
+    six = suite.find("map", "actors", question="heavy", inputs=6)
+    if six is not None:
+        heavy_rows.append(["6 × 2 s, fresh node: actors", "", "", "", h.cell(six), "> 1"])
+    h.print_table(f"{NAME}: a few heavy inputs, ms (one warm actor alone, one after another; a map that may start "
+                  f"copies)", ["inputs", "warm actor alone", "map", "ratio", "actors", "target"], heavy_rows)
     wave = [["4 × W ms GIL-bound branches", h.cell(suite.find("executor", "ms")), h.cell(suite.find("ray", "ms")),
              h.cell(suite.find("ray", "x", question="gil_wave")) + "×"]]
     h.print_table(f"{NAME}: the GIL-bound wave, ms per run", ["wave", "Executor", "soma.Ray", "speed-up"], wave)

@@ -2,11 +2,13 @@
 
     python benchmarks/tensor.py [--quick] [--smoke] [--json out.json]   (or: soma bench tensor)
 
-float32 tensors of 4 KiB, 1 MiB, 16 MiB and 256 MiB, on warm pools of 2 workers
+float32 tensors of 4 KiB, 1 MiB, 6 MB (a 1080x1920x3 image's bytes), 16 MiB and 256 MiB, on warm pools of 2 workers
 (each call keeps one worker busy; 2 is the pool one would start on this machine).
 Contenders, alternated round by round in this one process:
 
     local/heap    soma.Local: the node makes it with torch.empty + fill and returns it
+    local/numpy   soma.Local: the same bytes as a numpy array (numpy.empty + fill), the tensor's twin:
+                  a tensor must cross at least as fast as an array of its bytes (ratio `vs local/numpy`)
     local/ctx     soma.Local: the node makes it with ctx.empty + fill (the worker's arena)
     procpool      ProcessPoolExecutor(spawn); with torch imported, tensors travel through
                   torch's shared memory (torch registers its reductions with that pickler)
@@ -45,9 +47,11 @@ from _work import (
     Echo,
     Last,
     MakeTimed,
+    MakeTimedBy,
     echo,
     import_torch,
     last,
+    make_array_timed,
     make_tensor,
     make_timed,
     queue_server,
@@ -58,8 +62,8 @@ from soma import Graph
 
 NAME = "tensor"
 WORKERS = 2
-SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "256MiB": 256 << 20}
-TRANSPORTS = ["local/heap", "local/ctx", "procpool", "torch_queue", "ray"]
+SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "6MB": 1080 * 1920 * 3, "16MiB": 16 << 20, "256MiB": 256 << 20}
+TRANSPORTS = ["local/heap", "local/numpy", "local/ctx", "procpool", "torch_queue", "ray"]
 HOLD = 3  # results of each contender the caller keeps across repetitions, each checked again when let go of
 
 
@@ -106,12 +110,15 @@ def returning(c: Contenders, numel: int, held: h.Held) -> dict:
     """Callables returning `(wall seconds, creation seconds in the producer)`; every tensor checked, off the clock."""
     torch = c.torch
     heap, arena = Graph.somatize(MakeTimed(numel)), Graph.somatize(MakeTimed(numel, through_ctx=True))
+    array = Graph.somatize(MakeTimedBy(make_array_timed, (numel,), "float32"))
     src = torch.ones(numel)
     dst = torch.empty(numel).fill_(0.0)  # pre-faulted
 
     def received(name, call):
         fill = h.next_fill()
         wall, (t, created) = h.timed(call, fill)
+        if not isinstance(t, torch.Tensor):
+            t = torch.from_numpy(t)  # (an array, checked through a tensor over its very memory)
         held.filled(name, t, fill, numel, "just received")
         return wall, created
 
@@ -122,6 +129,7 @@ def returning(c: Contenders, numel: int, held: h.Held) -> dict:
 
     calls = {
         "local/heap": lambda: received("local/heap", lambda f: c.local.run(heap, f)),
+        "local/numpy": lambda: received("local/numpy", lambda f: c.local.run(array, f)),
         "local/ctx": lambda: received("local/ctx", lambda f: c.local.run(arena, f)),
         "procpool": lambda: received("procpool", lambda f: c.procpool.submit(make_timed, numel, None, f).result()),
         "torch_queue": lambda: received("torch_queue", lambda f: c.ask_queue("make", (numel, f))),
@@ -152,8 +160,11 @@ def measure_return(suite: h.Suite, c: Contenders, size: str, nbytes: int) -> Non
         suite.add(name, {**params, "what": "made_and_returned" if name in TRANSPORTS else "reference"},
                   h.ms(walls[name]), "ms")
     suite.add("memcpy", {**params, "what": "reference"}, [nbytes / 1e9 / w for w in walls["memcpy"]], "GB/s")
+    for name in ("local/heap", "local/numpy"):
+        suite.add_ratio(name, {**params, "what": "return_beyond_creation"}, beyond[name], beyond["procpool"],
+                        vs="procpool")
     suite.add_ratio("local/heap", {**params, "what": "return_beyond_creation"}, beyond["local/heap"],
-                    beyond["procpool"], vs="procpool")
+                    beyond["local/numpy"], vs="local/numpy")
     suite.add_ratio("local/ctx", {**params, "what": "made_and_returned"}, walls["local/ctx"], walls["host/heap"],
                     vs="host/heap")
 
@@ -269,6 +280,13 @@ def main(argv=None) -> list[dict]:
     return suite.finish(lambda: print_summary(suite, sizes))
 
 
+def ratio_cell(record) -> str:
+    """A per-round ratio: its median, and its range in brackets."""
+    if record is None:
+        return "—"
+    return f"{h.fmt(record.median)}× ({h.fmt(min(record.values))}-{h.fmt(max(record.values))})"
+
+
 def print_summary(suite: h.Suite, sizes: dict) -> None:
     transports = [t for t in TRANSPORTS if suite.find(t)]
 
@@ -287,6 +305,18 @@ def print_summary(suite: h.Suite, sizes: dict) -> None:
         rows.append(row)
     h.print_table(f"{NAME}: returned to the host, median ms beyond creation (in memcpys of the same bytes; GB/s)",
                   ["size"] + transports + ["memcpy", "clone"], rows)
+
+    rows = []
+    for size in sizes:
+        row = [size, h.cell(find("local/heap", "ms", "return_beyond_creation", size)),
+               h.cell(find("local/numpy", "ms", "return_beyond_creation", size))]
+        row.append(ratio_cell(find("local/heap", "x", "return_beyond_creation", size, vs="local/numpy")))
+        row += [ratio_cell(find(n, "x", "return_beyond_creation", size, vs="procpool"))
+                for n in ("local/heap", "local/numpy")]
+        rows.append(row)
+    h.print_table(f"{NAME}: a heap-born tensor and its numpy twin (the same bytes) returned, median ms beyond creation; "
+                  f"ratios per round (target: tensor / array <= 1)",
+                  ["size", "tensor", "array", "tensor / array", "tensor / procpool", "array / procpool"], rows)
 
     rows = []
     for size in sizes:

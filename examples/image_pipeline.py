@@ -17,7 +17,7 @@ never leave it). The same work as plain functions (`decode_augment`, `classify`,
 `process`) is what `benchmarks/map.py` races against
 `torch.utils.data.DataLoader(num_workers=2)` (decode and augment in its workers,
 the CNN in the caller, as one writes it) and `ProcessPoolExecutor.map`.
-Pillow is an extra of the examples and benchmarks (`pip install pillow`), not of soma.
+Pillow is an extra of the examples and benchmarks, not of soma: `pip install -e '.[bench]'`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import threading
 
 from soma import Done, Graph, Node
 
-NEEDS = "examples/image_pipeline.py needs Pillow and torch: pip install pillow torch==2.13.0 numpy"
+NEEDS = ("examples/image_pipeline.py needs Pillow and torch: pip install torch==2.13.0 numpy && pip install -e '.[bench]' "
+         "(soma's bench extra is Pillow)")
 SIZE = (640, 480)  # width, height of the JPEGs
 CROP = 224
 SEED = 1234

@@ -56,14 +56,16 @@ def _benchmark_summary(name: str) -> str:
     return first.split(":", 1)[1].strip() if first.startswith(f"{name}:") else first
 
 
-def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None) -> int:
+def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None,
+               plot_path: str | None = None) -> int:
     names = _benchmark_names()
     if not names:
         print(f"soma: the benchmarks folder {_beside_package('benchmarks')} is not there (benchmarks/ ships with the source "
               f"checkout)", file=sys.stderr)
         return 2
     flags = (["--quick"] if quick else []) + (["--smoke"] if smoke else [])
-    given = " ".join(flags + (["--json", json_path] if json_path else []))
+    given = " ".join(flags + (["--json", json_path] if json_path else []) +
+                     (["--plot", plot_path] if plot_path else []))
     if name is None and given:
         # A flag is an order to run something: never ignore it by listing (docs/design.md says why not run all).
         print(f"soma: `soma bench {given}` names no benchmark: write `soma bench NAME {given}` or "
@@ -77,10 +79,15 @@ def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None
         width = max(map(len, names))
         for each in names:
             print(f"  {each:{width}}  {_benchmark_summary(each)}", file=out)
-        print("usage: soma bench NAME [--quick] [--smoke] [--json FILE]", file=out)
+        print("usage: soma bench NAME [--quick] [--smoke] [--json FILE] [--plot FILE.png]", file=out)
         return 0 if name is None else 2
     if name != "all":
-        return _run_one_benchmark(name, flags + (["--json", json_path] if json_path else []))
+        return _run_one_benchmark(name, flags + (["--json", json_path] if json_path else []) +
+                                  (["--plot", plot_path] if plot_path else []))
+    if plot_path:
+        print("soma: --plot draws one benchmark's figures: name it (`soma bench serve --plot serve.png`)",
+              file=sys.stderr)
+        return 2
     return _run_all_benchmarks(names, flags, json_path)
 
 
@@ -105,7 +112,10 @@ def _run_all_benchmarks(names: list[str], flags: list[str], json_path: str | Non
                 failed.append(name)
                 continue
             with open(part) as f:
-                records.extend(json.load(f))
+                part_records = json.load(f)
+            # (a benchmark whose --json is a summary of its own, such as serve's, joins as one entry)
+            records.extend(part_records if isinstance(part_records, list) else [{"benchmark": name,
+                                                                                 "summary": part_records}])
     print("\n" + ", ".join(f"{n} {s:.0f} s" for n, s in took.items()) + f"; all {sum(took.values()):.0f} s")
     if json_path:
         with open(json_path, "w") as f:
@@ -130,13 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute each)")
     bench.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path")
     bench.add_argument("--json", metavar="FILE", help="write one record per measurement to FILE")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw the benchmark's figures (serve; needs matplotlib)")
     args = parser.parse_args(argv)
     if args.command == "example":
         return _run_example("pipeline")
     if args.command == "demo":
         return _run_example("gil_demo", ["--trace", args.trace] if args.trace else [])
     if args.command == "bench":
-        return _run_bench(args.name, args.quick, args.smoke, args.json)
+        return _run_bench(args.name, args.quick, args.smoke, args.json, args.plot)
     parser.print_help()
     return 0
 

@@ -2,7 +2,7 @@
 
 The node's fault: `NodeError`, its `PostconditionError` and `SharedMemoryFull`.
 The circumstances' fault: `WorkerDied`, `RunTimeout`.
-The declaration's fault: `DeviceError`, `GraphError`, `PlacementError`.
+The declaration's fault: `DeviceError`, `GraphError` (its `NotANodeError`), `PlacementError`.
 
 Each message names the node, worker or device it is about. Errors of one input
 of a `map` carry that input's position as `.index` (None elsewhere). Every
@@ -28,6 +28,12 @@ class DeviceError(SomaError, ValueError):
 
 class GraphError(SomaError, ValueError):
     """An expression cannot become a graph, or a graph is asked about a node it lacks."""
+
+
+class NotANodeError(GraphError, TypeError):
+    """Something that is not a soma node, expression or graph where one is expected (`>>`, `|`, `Graph.somatize`,
+    a runner's `run`, `map`, `submit`, `arun`, `amap`): a GraphError, and a TypeError as Python's own operators
+    raise for an operand of the wrong type. For a plain function it says to wrap it with `soma.fn`."""
 
 
 class PlacementError(SomaError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .device import Device
 from .errors import DeviceError, GraphError
-from .node import Expr, Leaf, Node, check_id
+from .node import Expr, Leaf, Node, check_id, not_a_node, operand
 from .placement import Placement
 from .plan import Plan, Step, fold, render
 
@@ -30,12 +30,8 @@ class Graph:
         if isinstance(expr, Node):
             expr = Leaf(expr)
         if not isinstance(expr, Expr):
-            hint = (f": `{expr.__name__}` is a Node class, not a node: did you mean `{expr.__name__}()`?"
-                    if isinstance(expr, type) and issubclass(expr, Node) else "")
-            raise GraphError(
-                f"Graph.somatize needs a soma Node or an expression built with >> and |, got {type(expr).__name__}"
-                f"{hint}"
-            )
+            raise not_a_node(expr, f"Graph.somatize needs a soma Node or an expression built with >> and |; got "
+                                   f"{operand(expr)}")
         leaves = list(expr.leaves())
         ids = _assign_ids(leaves)
         for leaf in leaves:

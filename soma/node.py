@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from .device import Device
-from .errors import DeviceError, GraphError
+from .errors import DeviceError, GraphError, NotANodeError
 from .plan import Seq, Step, Wave
 from .values import Done
 
@@ -45,7 +45,7 @@ def check_id(name, what: str = "a node id") -> str:
 
 
 def as_expr(value, op: str, other, value_on_left: bool = False) -> "Expr":
-    """`value` as an expression, or a GraphError that shows both operands in the order they were written.
+    """`value` as an expression, or the not-a-node error, showing both operands in the order they were written.
 
     `other` is the operand that is already an expression; `value_on_left` says that
     `value` was written on the left of `op` (Python called the right operand's
@@ -55,16 +55,27 @@ def as_expr(value, op: str, other, value_on_left: bool = False) -> "Expr":
         return value
     if isinstance(value, Node):
         return Leaf(value)
-    left, right = (_operand(value), other.render()) if value_on_left else (other.render(), _operand(value))
+    left, right = (operand(value), other.render()) if value_on_left else (other.render(), operand(value))
+    raise not_a_node(value, f"cannot compose {left} {op} {right}: both sides of `{op}` must be soma nodes or "
+                            f"expressions")
+
+
+def not_a_node(value, said: str) -> NotANodeError:
+    """The one error for `value` given where a node, an expression or a graph was expected (`>>`, `|`,
+    `Graph.somatize`, every runner's run, map, submit, arun and amap): `said`, then what to write instead
+    when it can be told: `Tokenize()` for a Node class, `soma.fn(upper)` for a plain function (SPEC 7)."""
     if isinstance(value, type) and issubclass(value, Node):
-        raise GraphError(f"cannot compose {left} {op} {right}: `{value.__name__}` is a Node class, not a node: "
-                         f"did you mean `{value.__name__}()`?")
-    raise GraphError(f"cannot compose {left} {op} {right}: both sides of `{op}` must be soma nodes or "
-                     f"expressions{_hint(value)}")
+        return NotANodeError(f"{said} (`{value.__name__}` is a Node class, not a node: did you mean "
+                             f"`{value.__name__}()`?)")
+    if callable(value):
+        name = getattr(value, "__name__", None)
+        example = f"soma.fn({name})" if isinstance(name, str) and name.isidentifier() else 'soma.fn(f, name="...")'
+        return NotANodeError(f"{said} (wrap a plain function with soma.fn: `{example}`)")
+    return NotANodeError(said)
 
 
-def _operand(value) -> str:
-    """What a non-node operand is, in a few words: `function upper`, `class Tokenize`, `int 3`."""
+def operand(value) -> str:
+    """What a value that is not a node is, in a few words: `function upper`, `class Tokenize`, `int 3`."""
     if isinstance(value, type):
         return f"class {value.__name__}"
     name = getattr(value, "__name__", None)
@@ -72,15 +83,6 @@ def _operand(value) -> str:
         return f"function {name}"
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-def _hint(value) -> str:
-    """How to turn a callable into a node; nothing for other values."""
-    if not callable(value):
-        return ""
-    name = getattr(value, "__name__", None)
-    example = f"soma.fn({name})" if isinstance(name, str) and name.isidentifier() else 'soma.fn(f, name="...")'
-    return f" (wrap a plain function with soma.fn: `{example}`)"
 
 
 class Expr:

@@ -52,6 +52,15 @@ Measured here (2 cores, shared): the session's Ray starts in 8-15 s, and in
 18-33 s with a CI run and two CPU burners beside it, once; the namespace costs
 one more interpreter start (<1 s).
 
+Nothing left behind
+-------------------
+The suite cleans up after itself, as soma does: `LeftBehind` gives the session a
+TMPDIR of its own (every temp folder of the session, its subprocesses, soma's
+workers and Ray's processes goes there), and at the end fails the session,
+naming each, when soma-* entries are left there, in /tmp (the session's Ray
+folders) or in /dev/shm (segments of pools this process hosted, soma.Ray's
+start-record folder).
+
 Known bugs
 ----------
 `@pytest.mark.xfail_on("ray", reason=...)` marks a contract test that one
@@ -91,10 +100,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "own_ray: starts a Ray of its own (runs last, with the session's Ray down)")
     config.addinivalue_line("markers", "xfail_on(runner, reason): a known bug of that runner: the test's "
                                        "runner[<runner>] is xfail(strict=True), so its fix is noticed")
-    global _why_no_ray
+    global _why_no_ray, _left_behind
     _why_no_ray = why_ray_cannot_run_here(config)
     if _why_no_ray == _REPLACING:
         _replace_session_in_a_loopback_namespace(config)
+    _left_behind = LeftBehind()  # (in the session that runs the tests: the one replaced never gets here)
 
 
 _REPLACING = "replacing the session"
@@ -238,6 +248,7 @@ class SessionRay:
         self.folder = None  # Ray's temp dir for this session (short: Ray's socket paths must fit)
         self.start_s = None  # how long the start took
         self.failed = None  # why it did not start: the next test that needs it fails at once, saying so
+        self.made: list[str] = []  # every folder it made (LeftBehind looks for them at the end)
 
     def start(self):
         if self.owner is None:
@@ -250,7 +261,8 @@ class SessionRay:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             started = time.monotonic()
             for attempt in range(1, START_ATTEMPTS + 1):
-                self.folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")
+                self.folder = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")  # (not in TMPDIR: Ray's paths are short)
+                self.made.append(self.folder)
                 try:
                     # address="local": always a new instance of our own, never another program's cluster here
                     self.owner = soma.Ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -295,6 +307,83 @@ def ray_runner(ray_session):
     cluster = soma.Ray().start()
     yield cluster
     cluster.close()
+
+
+# -- what the suite leaves behind -----------------------------------------------------------------------------
+
+class LeftBehind:
+    """The suite cleans up after itself, as soma does: what it leaves in /tmp and /dev/shm fails the session.
+
+    Other programs use this machine's /tmp at the same time (other test sessions, soma's or not), so
+    what is this session's must be told apart: for the session's duration TMPDIR (and `tempfile.tempdir`)
+    is a folder of its own, `soma-tests-*`, which every temp file of the session, its subprocesses, soma's
+    worker processes and Ray's processes goes into. At the end:
+
+        /tmp/soma-tests-*/soma*             a soma run dir, a test's folder, ...: left by the suite or soma
+        /tmp/soma-ray-* of SessionRay       the session's Ray's own folder, not removed at its close
+        /dev/shm/soma-<this pid>-*          a segment of a pool this process hosted
+        /dev/shm/soma_ray_<uid>             soma.Ray's start records' folder, made during the session and
+                                            left (another Ray program on this machine at the same time
+                                            may have made it: the message says so)
+
+    Anything found fails the session, naming each; the folder of its own is removed either way (pytest's
+    tmp_path folders stay where pytest keeps them: PYTEST_DEBUG_TEMPROOT is the machine's temp dir).
+    """
+
+    def __init__(self):
+        self.root = tempfile.gettempdir()
+        self.folder = tempfile.mkdtemp(prefix="soma-tests-", dir=self.root)
+        self.saved = {name: os.environ.get(name) for name in ("TMPDIR", "PYTEST_DEBUG_TEMPROOT")}
+        os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", self.root)
+        os.environ["TMPDIR"] = tempfile.tempdir = self.folder
+        self.shm_before = self._shm()
+
+    @staticmethod
+    def _shm() -> set:
+        return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+    def found(self) -> list[str]:
+        """What the session left, a line each."""
+        left = [os.path.join(self.folder, name) for name in sorted(os.listdir(self.folder)) if name.startswith("soma")]
+        left += [folder for folder in _session_ray.made if os.path.exists(folder)]
+        new = self._shm() - self.shm_before
+        left += [f"/dev/shm/{name}" for name in sorted(new) if name.startswith(f"soma-{os.getpid()}-")]
+        records = f"soma_ray_{os.getuid()}"
+        if records in new:
+            left.append(f"/dev/shm/{records} (soma.Ray's start records: made during the session and left; another "
+                        f"Ray program on this machine at the same time would have made it too)")
+        return left
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        tempfile.tempdir = None
+
+
+_left_behind: LeftBehind | None = None
+
+
+@pytest.hookimpl(trylast=True)  # after pytest has torn the session's fixtures down
+def pytest_sessionfinish(session, exitstatus):
+    if _left_behind is None:
+        return
+    _session_ray.close()  # (normally closed already, by the last test that needed it)
+    left = _left_behind.found()
+    _left_behind.close()
+    if left:
+        reporter = session.config.pluginmanager.getplugin("terminalreporter")
+        text = "the suite left these behind (a suite cleans up after itself, as soma does):\n  " + "\n  ".join(left)
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_sep("=", "left behind", red=True, bold=True)
+            reporter.write_line(text)
+        else:
+            print(text, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_report_header(config):

@@ -19,9 +19,10 @@ import weakref
 from ..device import Device
 from ..errors import DeviceError, SomaError
 from ..run.aio import FutureSink, InputFuture, LoopSink
-from ..run.base import RunnerBase, as_graph, checked_retries
+from ..run.base import RunnerBase, checked_retries, closed_message
 from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
+from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
 from .host.loop import HostLoop
 from .host.pool import WorkerPool
@@ -88,7 +89,7 @@ class Local(RunnerBase):
         self._check_process()
         with self._start_lock:
             if self._closed:
-                raise SomaError("this soma.Local is closed; make a new one")
+                raise SomaError(closed_message("Local"))
             if self._pool is None:
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
                                   preload_torch=self.preload_torch, registry=self._registry,
@@ -190,9 +191,10 @@ class Local(RunnerBase):
     def _async_inflight(self, g, timeout, retries):
         retries = checked_retries(retries)
         loop, g, program = self._ready(g, "Local.amap")
-        return LocalInflight(loop, g, program, self, timeout, retries, asynchronous=True)
+        return LocalInflight(loop, g, program, self, timeout, retries, asynchronous=True), g
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+            resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """The outputs for the inputs of `xs`, lazily, several inputs at once over the pool.
 
         docs/design.md ("Many inputs") says what each option does. With at least as many inputs
@@ -202,16 +204,17 @@ class Local(RunnerBase):
         retries = checked_retries(retries)
         loop, g, program = self._ready(g, "Local.map", whole=window is None or window >= self.n_workers)
         inflight = LocalInflight(loop, g, program, self, timeout, retries)
-        return map_outputs(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout,
-                           errors=errors)
+        return map_outputs(inflight, xs, graph=g, window=window, ordered=ordered, progress=progress,
+                           timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                           checkpoint_every=checkpoint_every)
 
     def _ready(self, g, where: str, whole: bool = False):
         self._check_process()
-        g = as_graph(g, where)
+        g = self.accepting(g, where)
         if self._pool is None:
             self.start()
-        if self._closed:
-            raise SomaError("this soma.Local is closed; make a new one")
+        if self._closed:  # (closed since it was accepted)
+            raise SomaError(closed_message("Local"))
         program = self._program(g, whole)
         if self._registry.has_dead:
             self._loop.forget(self._registry.take_dead())

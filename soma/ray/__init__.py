@@ -1,18 +1,27 @@
 """`soma.Ray`: the same graphs, `run` and `map`, on a Ray cluster. How an input flows is drawn in
 `soma.ray.runner`; see docs/ray.md.
 
-    runner.py      the public face: life, run, map, trace (`Ray`)
+Each module imports only those below it (calls go down, answers come back up):
+
+    runner.py      the public face: life, run, arun, submit, map, trace (`Ray`)
+    inflight.py    map's in-flight set (`RayInflight`): cheap inputs in batches that share one call per
+                   node; heavy ones held until a copy is free, one more copy when it pays (spreading.py)
     driver.py      the driver's side once connected (`Driver`): compiles a graph into an `ActorGraph`,
-                   submits inputs, fetches their outputs, ends them; the one interface runner and
-                   inflight call
-    submission.py  one input (or a map's batch) through the plan (`Submission`, its `Call`s): every
-                   call submitted at once, the plan walked by `soma.plan.fold`
-    inflight.py    map's in-flight set (`RayInflight`): inputs in batches that share one call per node
-    copies.py      the book of actors (`ActorBook`, `NodeActors`, `CopyActor`): which actor takes an input
-    faults.py      Ray's errors as soma's, timeouts, abandoned inputs
+                   submits inputs, fetches their outputs, ends them; the one interface runner, inflight,
+                   the settler and tracing call (those two get it handed, never import it)
+    settler.py     submit's one thread: every submitted input's Future settled
+    gathering.py   concurrent runs of a batching graph submitted together
+    tries.py       the retry-or-finish step, written once (`Tries`): sent again, or finished
     tracing.py     a trace block: the actors' records collected onto the driver's clock
-    devices.py     pure: a node's actor options, the CUDA order, which machines can host it
+    faults.py      Ray's errors as soma's, timeouts, abandoned inputs
+    copies.py      the book of actors (`ActorBook`, `NodeActors`, `CopyActor`): which actor takes an
+                   input; the only module that takes the book's lock
+    submission.py  one input (or a map's batch) through the plan (`Submission`, its `Call`s): every call
+                   submitted at once, the plan walked by `soma.plan.fold`
     actor.py       the only module that runs inside Ray actors: one copy of one node (`NodeCopy`)
+    records.py     which call a dead actor had started (a start record per actor, on its machine)
+    devices.py     pure: a node's actor options, the CUDA order, which machines can host it
+    spreading.py   pure: the cost model (an input's cost against a copy's measured start-up)
 
 `import soma` never imports Ray: this package imports it only once `soma.Ray` is used.
 """

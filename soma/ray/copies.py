@@ -1,10 +1,14 @@
 """The driver's book of actors: which Ray actors hold copies of which node, and which one takes an input.
 
-    ActorBook (under its lock)
+    ActorBook (the one owner of its lock: every other module calls its methods)
       (node key, id, device) → NodeActors("encoder", cuda:0, code in the object store, options, limit)
           actors: [CopyActor(handle, load=2, up), CopyActor(handle, load=1, up), CopyActor(starting)]
           pick() → the actor that is up with the fewest inputs in flight; when every actor is up and
                    busy and the node's `copies` (limit) allow, start one more (used once it says hello)
+          pick(held=True) → a map's held input (soma.ray.spreading): a copy that is up, never a new one
+      submit / release      an input's calls picked and sent (soma.ray.submission) / its loads given back
+      has_room / add_copy   a map's held inputs: may one go now? / one more copy (the cost model said so)
+      startup               how long a copy takes to start: measured from creation to hello, per node
 
 "Copies" is the node's number (`limit`, from its `copies` attribute or the
 cluster's CPUs); the actors are what holds them: one `CopyActor` per copy.
@@ -20,8 +24,14 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
+from ..errors import SomaError
 from . import records
+from .spreading import startup_estimate
+from .submission import release, submit
+
+CLOSED = "this soma.Ray is closed; make a new one"
 
 
 def _private_id(handle) -> str | None:
@@ -35,7 +45,7 @@ class CopyActor:
     """One Ray actor holding one copy of a node; `load` counts the inputs routed to it and not yet finished."""
 
     __slots__ = ("handle", "actor_id", "hello", "pid", "ray_node", "load", "ready", "offset_ns", "owner", "stopped",
-                 "methods", "death", "dead")
+                 "methods", "death", "dead", "started_at", "up_at")
 
     def __init__(self, handle, hello_ref, owner: "NodeActors"):
         self.handle = handle  # the Ray actor handle
@@ -55,6 +65,8 @@ class CopyActor:
         self.methods: dict = {}  # (method, k) → that method with `num_returns=k`: a batch's call
         self.death = None  # once dead: what its record said (soma.ray.records.at_death)
         self.dead = False  # dropped: dead, or stopped by soma
+        self.started_at = time.monotonic()  # when it was created (its start-up: until its hello came)
+        self.up_at: float | None = None  # when its hello came (set on Ray's thread: one store, no lock)
 
     def batched(self, method: str, k: int):
         """`method` of this actor returning `k` values, one ref each (made once per size: Ray's `options`)."""
@@ -85,34 +97,46 @@ class NodeActors:
         self.limit = limit
         self.max_batch = 0  # a batching node's max_batch (its calls may carry that many inputs); 0: not batching
         self.actors: list[CopyActor] = []
+        self.startups: list[float] = []  # seconds from an actor's creation to its hello (appended on Ray's thread)
 
-    def pick(self, inputs: int = 1, spread: bool = False) -> CopyActor:
+    def pick(self, inputs: int = 1, held: bool = False) -> CopyActor:
         """The actor that takes the next input, or batch of `inputs` (see the module's drawing); its load is
         counted.
 
-        `spread` (inputs not known to be cheap, soma.ray.inflight.HEAVY_S): while every actor has inputs
-        and the limit allows, a new actor takes this one, even if others are still starting; otherwise
-        the least loaded, started or not. Heavy inputs then run side by side from the first, instead of
-        queueing at the one actor that was starting when they came."""
+        `held`: a map's held input (soma.ray.spreading), sent because `has_room` said a copy is free: the least
+        loaded copy that is up (while none is, the least loaded one starting); it never starts a copy but the
+        node's first (the cost model starts them: `ActorBook.add_copy`)."""
         live = self.actors
         if not live:
             best = self.start_actor()
-        elif spread:
-            best = min(live, key=_load)
-            if best.load > 0 and len(live) < self.limit:
-                best = self.start_actor()
         else:
             ready = [a for a in live if a.ready or self.has_said_hello(a)]
-            best = min(ready or live[:1], key=_load)
-            if best.load > 0 and len(live) < self.limit and len(ready) == len(live):
+            best = min(ready or (live if held else live[:1]), key=_load)
+            if not held and best.load > 0 and len(live) < self.limit and len(ready) == len(live):
                 self.start_actor()  # every actor is busy: one more, for the inputs after this one
         best.load += inputs
         return best
+
+    def has_room(self) -> bool:
+        """Whether a held input may go now: a copy that is up has no input (while none is up, a starting one has
+        none; or the node has no copy yet, and its first starts with it)."""
+        if not self.actors:
+            return True
+        ready = [a for a in self.actors if a.ready or self.has_said_hello(a)]
+        return any(a.load == 0 for a in ready or self.actors)
 
     def start_actor(self) -> CopyActor:
         handle = self.actor_class.remote(self.node_id, self.device, self.code_ref, list(sys.path))
         actor = CopyActor(handle, control(handle, "hello"), self)
         self.actors.append(actor)
+        startups = self.startups
+
+        def said_hello(future) -> None:  # (on Ray's thread: two stores, no lock, no Ray call)
+            if future.exception() is None:
+                actor.up_at = time.monotonic()
+                startups.append(actor.up_at - actor.started_at)
+
+        actor.hello.future().add_done_callback(said_hello)
         return actor
 
     def has_said_hello(self, actor: CopyActor) -> bool:
@@ -121,6 +145,15 @@ class NodeActors:
         if ready:
             self.learn(actor)
         return actor.ready
+
+    def still_starting(self, actor: CopyActor) -> bool:
+        """Whether its hello has not come yet (never blocks; a hello that came is read: up, or dead)."""
+        if actor.ready:
+            return False
+        ready, _ = self.ray.wait([actor.hello], timeout=0)
+        if ready:
+            self.learn(actor)
+        return not ready
 
     def learn(self, actor: CopyActor) -> None:
         """Read an actor's hello once it has come (its pid and machine)."""
@@ -154,34 +187,96 @@ FORGET_S = 2.0  # how long stopping actors waits for them to remove their start 
 
 
 class ActorBook:
-    """Every node's actors, keyed by (node key, node id, device); `lock` guards them and their loads."""
+    """Every node's actors, keyed by (node key, node id, device). Its lock guards them and their loads, and
+    only this class takes it: the other modules call its methods."""
 
     def __init__(self):
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
         self._nodes: dict = {}  # (node key, node id, device) → NodeActors
+        self._closed = False
 
     def get(self, key) -> NodeActors | None:
-        return self._nodes.get(key)
+        with self._lock:
+            return self._nodes.get(key)
 
     def add(self, key, node_actors: NodeActors) -> None:
-        self._nodes[key] = node_actors
+        with self._lock:
+            self._nodes[key] = node_actors
+
+    # -- inputs --------------------------------------------------------------------------------
+    def submit(self, graph, xs: list, submissions: list, put) -> None:
+        """Pick the actors of these inputs and send every call (soma.ray.submission.submit); nothing stays
+        counted when Ray refuses them. A SomaError once the book is closed."""
+        with self._lock:
+            if self._closed:
+                raise SomaError(CLOSED)
+            try:
+                submit(graph, xs, submissions, put)
+            except BaseException:
+                for submission in submissions:
+                    release(submission)
+                raise
+
+    def release(self, submission, how: str = "ok") -> None:
+        """The try is over (soma.ray.submission.release): its actors may take other inputs."""
+        with self._lock:
+            release(submission, how)
+
+    def up_now(self, actors: list) -> list:
+        """Those of `actors` that are up (their hello came; never waits)."""
+        with self._lock:
+            return [actor for actor in actors if actor.ready or actor.owner.has_said_hello(actor)]
+
+    # -- a map's held inputs (soma.ray.spreading) ----------------------------------------------
+    def has_room(self, nodes) -> bool:
+        """Whether every one of these NodeActors can take a held input now (`NodeActors.has_room`)."""
+        with self._lock:
+            return all(node_actors.has_room() for node_actors in nodes)
+
+    def copies(self, nodes) -> int:
+        """The copies (up or starting) of the node among these that has the fewest."""
+        with self._lock:
+            return min(len(node_actors.actors) for node_actors in nodes)
+
+    def add_copy(self, nodes) -> bool:
+        """One more copy of each of these nodes that has the fewest and may have another; whether any started."""
+        with self._lock:
+            fewest = min(len(node_actors.actors) for node_actors in nodes)
+            more = [n for n in nodes if len(n.actors) == fewest and len(n.actors) < n.limit]
+            for node_actors in more:
+                node_actors.start_actor()
+            return bool(more)
+
+    def starting(self, nodes) -> list:
+        """The hello refs of these nodes' copies still starting (a wait wakes when one is up)."""
+        with self._lock:
+            return [a.hello for node_actors in nodes for a in list(node_actors.actors)
+                    if node_actors.still_starting(a)]
+
+    def startup(self, nodes) -> tuple[float, str]:
+        """How long a copy of these nodes takes to start, and where that figure comes from
+        (soma.ray.spreading.startup_estimate)."""
+        with self._lock:
+            own = [s for node_actors in nodes for s in node_actors.startups]
+            others = [s for node_actors in self._nodes.values() for s in node_actors.startups]
+        return startup_estimate(own, others)
 
     def actors(self, node_keys: set | None = None) -> list[CopyActor]:
         """Every actor of every node now (of the nodes whose key is in `node_keys`, when given)."""
-        with self.lock:
+        with self._lock:
             return [actor for key, node_actors in self._nodes.items()
                     if node_keys is None or key[0] in node_keys for actor in node_actors.actors]
 
     def learn(self, actor: CopyActor) -> None:
         """Read an actor's hello (its pid and machine) if it has not been read yet."""
-        with self.lock:
+        with self._lock:
             if not actor.ready:
                 actor.owner.learn(actor)
 
     def drop(self, actor: CopyActor) -> None:
         """An actor that died, or that soma stops (a timeout): forget it (the next input that needs its node
         starts another). Its start record is read first (what it had started, once; soma.ray.records)."""
-        with self.lock:
+        with self._lock:
             if not actor.ready:
                 actor.owner.learn(actor)  # (its pid, machine and id, if its hello came)
             actor.owner.remove(actor)
@@ -191,12 +286,14 @@ class ActorBook:
 
     def forget(self, node_keys: set) -> None:
         """Stop the actors of these nodes (the caller let them go: they can never run again)."""
-        with self.lock:
+        with self._lock:
             gone = [self._nodes.pop(key) for key in [k for k in self._nodes if k[0] in node_keys]]
         self._stop(gone)
 
     def close(self) -> None:
-        with self.lock:
+        """Stop every actor; the book takes no input any more."""
+        with self._lock:
+            self._closed = True
             nodes, self._nodes = list(self._nodes.values()), {}
         self._stop(nodes)
 

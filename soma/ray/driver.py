@@ -11,19 +11,23 @@
     outcomes(batch, graph, t) ──▶  [(ok, value)] per input of a batch, one ray.get (None: not yet);
                                    Ray's errors as soma's           ──▶ faults
     settled(s, graph, values) ──▶  (ok, value) from values already fetched (Ray's futures, `await`)
-    next_try(graph, s, ok, v) ──▶  the input sent again (a Submission), or its outcome  ──▶ tries
+    tries(graph, s)           ──▶  a Tries: after each try, sent again or finished (one place) ──▶ tries
+    resubmit(graph, old, new) ◀──  (from Tries: the next try, or the same one sent elsewhere)
     first_ready(refs, t)      ──▶  the first ref to be ready (ray.wait)
+    has_room / add_copy / ... ──▶  a map's held inputs (soma.ray.spreading) ──▶ copies.ActorBook
     release / expire / abandon──▶  the try is over: loads given back; RunTimeout; cancelled
 
 Every call goes down and its answer comes back up: the runner, the map's in-flight
 set, the settler and tracing use these methods and attributes (`cpus`, `book`,
-`ray_node`, `closed`), never a private; the book's lock guards the actors, their
-loads and what was compiled.
+`ray_node`, `closed`), never a private. The book's lock (soma.ray.copies, its only
+user) guards the actors and their loads; the driver's own lock what was compiled,
+`closed` and the settler.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 
 from ..errors import RunTimeout, SomaError
@@ -31,15 +35,14 @@ from ..run.aio import InputFuture
 from ..run.batching import batch_wait_of, is_batching, max_batch_of
 from ..run.registry import NodeRegistry
 from . import records, tracing
-from .copies import ActorBook, NodeActors
+from .copies import CLOSED, ActorBook, NodeActors
 from .devices import actor_options, demand_error, hosting_error, requested_resources
 from .faults import abandon, expire, translate
 from .gathering import Gathering
 from .settler import Settler
-from .submission import ActorGraph, Submission, outcome, release, submit
-from .tries import next_try
+from .submission import ActorGraph, Submission, outcome
+from .tries import Tries
 
-CLOSED = "this soma.Ray is closed; make a new one"
 CLOSED_IN_FLIGHT = "this soma.Ray was closed while this run was in flight"
 
 
@@ -53,6 +56,7 @@ class Driver:
         self.ray_node = ray.get_runtime_context().get_node_id()
         self.book = ActorBook()
         self.closed = False
+        self._lock = threading.RLock()  # what was compiled, `closed`, the settler (the book has its own)
         self._actor_class = actor_class
         self._options = options
         self._registry = NodeRegistry()
@@ -63,7 +67,7 @@ class Driver:
     # -- compiling -----------------------------------------------------------------------------
     def actor_graph(self, g) -> ActorGraph:
         """`g` under its placement, ready to submit (compiled again after a `place`)."""
-        with self.book.lock:
+        with self._lock:
             if self.closed:
                 raise SomaError(CLOSED)
             if self._registry.has_dead:
@@ -126,11 +130,15 @@ class Driver:
         return ActorGraph(g.plan(), actors, devices, gathering)
 
     # -- submitting and fetching ---------------------------------------------------------------
-    def submit(self, graph: ActorGraph, items: list, timed: bool, trace=None, retries: int = 0) -> list[Submission]:
+    def submit(self, graph: ActorGraph, items: list, timed: bool, trace=None, retries: int = 0,
+               held: bool = False) -> list[Submission]:
         """Submit the inputs `items` ((index, x) pairs) together: one call per node for all of them, traced
         in the block `trace` when one is open (all of them in that block). `retries`: how many more tries
-        each gets when an actor dies while running it (soma.ray.tries)."""
+        each gets when an actor dies while running it (soma.ray.tries). `held`: a map held them until a copy
+        was free (they go to copies that are up: soma.ray.spreading)."""
         submissions = [Submission(index, next(self._tokens), timed, trace, x, retries) for index, x in items]
+        for submission in submissions:
+            submission.held = held
         self._submit(graph, [x for _, x in items], submissions)
         return submissions
 
@@ -161,23 +169,34 @@ class Driver:
         self._submit(graph, [again.x], [again])
 
     def _submit(self, graph: ActorGraph, xs: list, submissions: list) -> None:
-        with self.book.lock:
-            if self.closed:
-                raise SomaError(CLOSED)
-            try:
-                submit(graph, xs, submissions, self.ray.put)
-            except BaseException:
-                for submission in submissions:
-                    release(submission)
-                raise
+        if self.closed:
+            raise SomaError(CLOSED)
+        self.book.submit(graph, xs, submissions, self.ray.put)  # (closed meanwhile: the book refuses too)
 
-    def next_try(self, graph: ActorGraph, submission: Submission, ok: bool, value):
-        """After a try's outcome: the input's next Submission, or the `(ok, value)` that is its outcome."""
-        return next_try(self, graph, submission, ok, value)
+    def tries(self, graph: ActorGraph, submission: Submission) -> Tries:
+        """The input's tries (soma.ray.tries): after each try's outcome, sent again or finished."""
+        return Tries(self, graph, submission)
 
-    def settle(self, graph: ActorGraph, submission: Submission, values: list):
-        """`next_try` after the outcome of a try whose refs' values were fetched already (see `settled`)."""
-        return next_try(self, graph, submission, *self.settled(submission, graph, values))
+    # -- a map's held inputs (soma.ray.spreading) ----------------------------------------------
+    def has_room(self, graph: ActorGraph) -> bool:
+        """Whether a held input of `graph` may go now: every node has a free copy that is up."""
+        return self.book.has_room(graph.actors.values())
+
+    def copies(self, graph: ActorGraph) -> int:
+        """The copies of the node of `graph` that has the fewest."""
+        return self.book.copies(graph.actors.values())
+
+    def add_copy(self, graph: ActorGraph) -> bool:
+        """Start one more copy of the nodes of `graph` that have the fewest (and may have more)."""
+        return self.book.add_copy(graph.actors.values())
+
+    def starting(self, graph: ActorGraph) -> list:
+        """The hello refs of the copies of `graph`'s nodes that are still starting."""
+        return self.book.starting(graph.actors.values())
+
+    def startup(self, graph: ActorGraph) -> tuple[float, str]:
+        """How long a copy of `graph`'s nodes takes to start (seconds, where the figure comes from)."""
+        return self.book.startup(graph.actors.values())
 
     def unstarted_on(self, submission: Submission, actor) -> bool:
         """Whether the input's call at the dead `actor` had not finished and never started: then its try is
@@ -214,6 +233,13 @@ class Driver:
         """The first of `refs` to be ready (a list of one), or [] when `timeout` passed first."""
         ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
         return ready
+
+    def ready_now(self, refs: list) -> set:
+        """Those of `refs` that are ready now (never waits, fetches nothing)."""
+        if not refs:
+            return set()
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        return set(ready)
 
     def settled(self, submission: Submission, graph: ActorGraph, values: list) -> tuple:
         """(ok, value) for one input from its refs' values as Ray's futures (or `await`) gave them: an
@@ -253,8 +279,7 @@ class Driver:
     # -- the end of an input -------------------------------------------------------------------
     def release(self, submission: Submission, how: str = "ok") -> None:
         """The input is over: its actors may take other inputs."""
-        with self.book.lock:
-            release(submission, how)
+        self.book.release(submission, how)
 
     def expire(self, submission: Submission, timeout: float) -> RunTimeout:
         """Its time is up: stop what runs it, cancel what waits; the error that says which."""
@@ -267,7 +292,7 @@ class Driver:
     def submitted(self, graph: ActorGraph, submission: Submission, timeout, source=None) -> InputFuture:
         """The future of a submitted input, set by the settler thread (soma.ray.settler); `source`: what must
         live while it is in flight (the Graph that holds its nodes)."""
-        with self.book.lock:
+        with self._lock:
             if self._settler is None:
                 self._settler = Settler(self)
             settler = self._settler
@@ -275,7 +300,7 @@ class Driver:
 
     def close(self) -> None:
         """Stop every actor soma made (the session itself is the runner's to end)."""
-        with self.book.lock:
+        with self._lock:
             self.closed = True
             self._graphs = weakref.WeakKeyDictionary()
             settler = self._settler

@@ -19,7 +19,7 @@ import re
 from ..errors import NodeError, RunTimeout, SomaError, WorkerDied
 from . import records
 from .copies import ActorBook, control
-from .submission import Submission, first_line, release
+from .submission import Submission, first_line
 
 CONTROL_ANSWER_S = 2.0  # how long a timeout waits for the late actors to say what they run
 UNANSWERED = "soma: no answer"  # what `ask` reports for an actor that did not answer in time
@@ -102,11 +102,7 @@ def expire(ray, submission: Submission, timeout: float, book: ActorBook) -> RunT
     """
     done = _finished(ray, submission)
     late = [call for call in submission.calls if call.ref not in done]
-    asked: dict = {}  # actor id → CopyActor: the late calls' actors that are up
-    with book.lock:
-        for call in late:
-            if call.actor.ready or call.actor.owner.has_said_hello(call.actor):
-                asked[call.actor.actor_id] = call.actor
+    asked = {actor.actor_id: actor for actor in book.up_now([call.actor for call in late])}  # (those up)
     answer_of = dict(zip(asked, ask(ray, [actor.handle for actor in asked.values()], "running_token",
                                     CONTROL_ANSWER_S)))
     running, waiting, stop = {}, [], {}
@@ -127,8 +123,7 @@ def expire(ray, submission: Submission, timeout: float, book: ActorBook) -> RunT
     for actor in stop.values():
         actor.stopped = f"another input timed out while it ran node `{actor.owner.node_id}` there"
         book.drop(actor)
-    with book.lock:
-        release(submission, "RunTimeout")
+    book.release(submission, "RunTimeout")
     then = "the actors running them were stopped; new copies start for the next input" if stop else None
     return RunTimeout.after(timeout, {node: f"Ray actor {actor}" for node, actor in running.items()}, waiting, then)
 
@@ -155,8 +150,7 @@ def abandon(ray, submission: Submission, book: ActorBook, how: str = "cancelled"
         if call.ref not in done:
             with contextlib.suppress(Exception):
                 ray.cancel(call.ref)
-    with book.lock:
-        release(submission, how)
+    book.release(submission, how)
 
 
 def _finished(ray, submission: Submission) -> set:

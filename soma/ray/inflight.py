@@ -1,12 +1,16 @@
 """`map` and `amap` on Ray: the in-flight set `soma.run.mapping` drives (docs/api.md, "map"), in batches.
 
-    map_outputs ──start([(i, x), ...])──▶ RayInflight: batches of `batch_size` inputs,
-    amap_outputs                            driver.submit: one call per node for each batch
+    map_outputs ──start([(i, x), ...])──▶ RayInflight: cheap inputs in batches of `batch_size`,
+    amap_outputs                            driver.submit: one call per node for each batch;
+                                            heavy ones (or not measured yet) held, one per call
+                                            as copies are free (soma.ray.spreading)
                 ◀──wait(timeout)─────────  ordered: the oldest input's batch, one ray.get (driver.outcomes)
                 ◀──await_wait(timeout)───   unordered: the first batch whose refs are all ready
-                   [(index, ok, value)]     (await_wait: the same, awaiting the refs on the event loop)
-                                            each input's own outcome: its value, or its error; or, lost to a
-                                            dead actor, the input sent again (driver.next_try): not reported
+                   [(index, ok, value)]     held inputs: any that finished, a copy's hello, or a tick
+                                            (await_wait: the same, awaiting the refs on the event loop)
+                                            each input's own outcome (Tries.after): its value, or its
+                                            error; or, lost to a dead actor, the input sent again:
+                                            not reported
 
 A batch's inputs share every call, so they finish together: a batch is waited
 for through the refs of its first input (`lead`), and concluded as a whole. An
@@ -18,10 +22,12 @@ at once (`_send_again`), not when their turn to be waited for comes.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from ..errors import NodeError
 from ..run.mapping import Inflight
 from .driver import Driver
+from .spreading import TICK_S, copy_pays, input_cost, measured
 from .submission import ActorGraph, Submission, value_of
 
 MAX_BATCH = 8  # the most inputs of a map that share one call per node (a batching node's max_batch if larger)
@@ -51,14 +57,6 @@ def parallelism(graph: ActorGraph, cpus: int) -> int:
     return cpus * batch
 
 
-def measured(graph: ActorGraph, seconds: float) -> None:
-    """Learn what one input costs (actor-seconds): falls at once, rises by a tenth of the gap, since a slow
-    consumer or a busy machine makes inputs look dearer than they are, and the quickest say best what the
-    nodes cost."""
-    cost = graph.cost
-    graph.cost = seconds if cost is None or seconds < cost else cost + 0.1 * (seconds - cost)
-
-
 class RayInflight(Inflight):
     """Ray's in-flight set for map: inputs submitted in batches (every node's call shared by a batch, one
     ref per input), a batch's outputs fetched together, each input's outcome its own; an input lost to a
@@ -71,8 +69,10 @@ class RayInflight(Inflight):
         self.source = source  # the Graph: its nodes must live while the map does (a node let go stops its actors)
         self.batch = batch  # inputs per batch (at most)
         # by_cost: batches only once inputs are known to be cheap (graph.spreads()): until then, and for
-        # heavy inputs, one input per call, so that they spread over the copies instead of queueing in one
+        # heavy inputs, one input per call, held here until a copy is free (soma.ray.spreading)
         self.by_cost = by_cost
+        self.held: deque = deque()  # (index, x) taken, waiting for a free copy (oldest first)
+        self.waiting_since: float | None = None  # since when inputs have been held without a break
         self.last_outcome: float | None = None  # when the last batch concluded (by_cost)
         self.retries = retries
         self.tracer = tracer
@@ -86,16 +86,64 @@ class RayInflight(Inflight):
 
     # -- starting ------------------------------------------------------------------------------
     def start(self, items: list) -> None:
-        size = self.batch
-        if self.by_cost and self.graph.spreads():
-            size = 1
-        for first in range(0, len(items), size):
-            self._start(items[first:first + size])
+        self.held.extend(items)
+        self._send_held()
 
-    def _start(self, items: list) -> None:
+    def _holds(self) -> bool:
+        """Whether inputs wait here for a free copy: a map's untimed inputs while they are heavy or not measured
+        yet (a timed input goes at once: its time runs from its start)."""
+        return self.by_cost and self.timeout is None and self.graph.spreads()
+
+    def _send_held(self) -> None:
+        """Send the held inputs: cheap ones in batches; heavy ones oldest first, one per copy that is free,
+        then one more copy if it pays for its start-up (soma.ray.spreading)."""
+        if not self._holds():
+            items, size = list(self.held), self.batch
+            self.held.clear()
+            for first in range(0, len(items), size):
+                self._start(items[first:first + size])
+            return
+        while self.held and self.driver.has_room(self.graph):
+            self._start([self.held.popleft()], held=True)
+        if not self.held:
+            self.waiting_since = None
+            return
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        self._spread()
+
+    def _spread(self) -> None:
+        """Start one more copy when the last held input would wait longer for one of the copies there than a
+        new copy takes to start."""
+        now = time.monotonic()
+        startup, _ = self.driver.startup(self.graph)
+        inputs = list(self.submissions.values())
+        cost = input_cost(self.graph.cost, [self._running_since(s) for s in inputs], now)
+        busy = [self._busy(s, cost, startup, now) for s in inputs]
+        if copy_pays(len(self.held), cost, busy, self.driver.copies(self.graph), startup, now - self.waiting_since):
+            self.driver.add_copy(self.graph)
+
+    @staticmethod
+    def _running_since(submission: Submission) -> float | None:
+        """When the input started running: sent, and every copy it went to up; None while one is starting."""
+        ups = [call.actor.up_at for call in submission.calls]
+        return None if None in ups else max([submission.sent_at] + ups)
+
+    @classmethod
+    def _busy(cls, submission: Submission, cost: float, startup: float, now: float) -> float:
+        """How long the copy of an input in flight still needs for it: what is left of its cost, after what
+        is left of its copy's start-up if that copy is still starting."""
+        since = cls._running_since(submission)
+        if since is not None:
+            return max(0.0, cost - (now - since))
+        started = min(call.actor.started_at for call in submission.calls if call.actor.up_at is None)
+        return max(0.0, startup - (now - started)) + cost
+
+    def _start(self, items: list, held: bool = False) -> None:
         trace = self.tracer.current_trace if self.tracer is not None else None
         try:
-            submissions = self.driver.submit(self.graph, items, self.timeout is not None, trace, self.retries)
+            submissions = self.driver.submit(self.graph, items, self.timeout is not None, trace, self.retries,
+                                             held=held)
         except NodeError as err:  # an input that cannot travel (autograd): its own error, in its place
             if len(items) > 1:  # nothing of the batch was submitted: each on its own, so only that one fails
                 for item in items:
@@ -116,16 +164,18 @@ class RayInflight(Inflight):
     # -- waiting -------------------------------------------------------------------------------
     def _nothing_to_wait_for(self):
         """What `wait` hands out without waiting: the inputs refused at submission, or [] when none is in
-        flight; None when there is something to wait for."""
+        flight or held; None when there is something to wait for."""
         if self.refused:
             refused, self.refused = self.refused, []
             return refused
-        return None if self.submissions else []
+        return None if self.submissions or self.held else []
 
     def wait(self, timeout):
         at_once = self._nothing_to_wait_for()
         if at_once is not None:
             return at_once
+        if self.held:
+            return self._wait_held(timeout)
         if self.ordered:
             # In order, only the oldest input can be handed out next, and map takes no new input before it
             # is (its window counts what is not handed out yet): wait for that one's batch alone, one ray.get.
@@ -140,6 +190,24 @@ class RayInflight(Inflight):
                 finished += self._over(batch, self.driver.outcomes(batch, self.graph, None))
         return finished
 
+    def _wait_held(self, timeout) -> list:
+        """While inputs are held: until any input in flight finishes, a copy says hello, or a tick passes (the
+        cost model asks again); then every batch that finished is concluded, and held inputs sent."""
+        refs = self._refs()
+        wake = refs + self.driver.starting(self.graph)
+        limit = TICK_S if timeout is None else min(timeout, TICK_S)
+        if wake:
+            self.driver.first_ready(wake, limit)
+        else:
+            time.sleep(limit)  # (the copies are busy with other maps' or runs' inputs: they free them)
+        done = self.driver.ready_now(refs)
+        finished = []
+        for batch in self._batches():
+            if all(ref in done for submission in batch for ref in submission.refs):
+                finished += self._over(batch, self.driver.outcomes(batch, self.graph, None))
+        self._send_held()
+        return finished
+
     async def await_wait(self, timeout):
         """`wait` for amap: the refs awaited on the event loop (Ray sets their futures; no thread waits)."""
         import asyncio
@@ -147,6 +215,8 @@ class RayInflight(Inflight):
         at_once = self._nothing_to_wait_for()
         if at_once is not None:
             return at_once
+        if self.held:
+            return await self._await_held(timeout)
         if self.ordered:
             batch = self._current(next(iter(self.submissions.values())).batch)
             futures = [self._future(ref) for submission in batch for ref in submission.refs]
@@ -161,6 +231,38 @@ class RayInflight(Inflight):
                 await asyncio.wait([self._future(ref) for submission in batch for ref in submission.refs])
                 finished += await self._aconclude(batch)
         return finished
+
+    async def _await_held(self, timeout) -> list:
+        """`_wait_held` on the event loop."""
+        import asyncio
+
+        futures = [self._future(ref) for ref in self._refs()]
+        hellos = [asyncio.wrap_future(ref.future()) for ref in self.driver.starting(self.graph)]
+        limit = TICK_S if timeout is None else min(timeout, TICK_S)
+        if futures or hellos:
+            await asyncio.wait(futures + hellos, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.sleep(limit)
+        for hello in hellos:
+            hello.cancel()
+        finished = []
+        for batch in self._batches():
+            if all(self._future(ref).done() for submission in batch for ref in submission.refs):
+                finished += await self._aconclude(batch)
+        self._send_held()
+        return finished
+
+    def _refs(self) -> list:
+        return [ref for submission in self.submissions.values() for ref in submission.refs]
+
+    def _batches(self) -> list:
+        """The batches in flight, oldest first (each as its inputs not concluded and not sent again since)."""
+        batches, seen = [], set()
+        for submission in list(self.submissions.values()):
+            if id(submission.batch) not in seen:
+                seen.add(id(submission.batch))
+                batches.append(self._current(submission.batch))
+        return batches
 
     async def _aconclude(self, batch: list) -> list:
         """Conclude a batch whose futures are done, from their values (nothing fetched again). A Ray error
@@ -202,7 +304,11 @@ class RayInflight(Inflight):
         the wait's time passed first); those lost to a dead actor are sent again and stay in flight."""
         if settled is None:
             return []
-        if self.by_cost and all(ok for ok, _ in settled):
+        for submission in batch:
+            for ref in submission.refs:
+                self.by_ref.pop(ref, None)
+        measured_alone = len(batch) == 1 and batch[0].alone  # (Tries.after measures it: its time is its cost)
+        if self.by_cost and all(ok for ok, _ in settled) and not measured_alone:
             self._measure(len(batch))
         finished, deaths = [], []
         for submission, (ok, value) in zip(batch, settled):
@@ -225,14 +331,13 @@ class RayInflight(Inflight):
         measured(self.graph, (now - last) / inputs * max(1, side_by_side))
 
     def _next(self, submission: Submission, ok: bool, value) -> list:
-        after = self.driver.next_try(self.graph, submission, ok, value)
-        if isinstance(after, Submission):
-            self._track([after])
+        tries = self.driver.tries(self.graph, submission)
+        done = tries.after(ok, value)
+        if done is None:
+            self._track([tries.submission])  # sent again
             return []
-        ok, value = after
         del self.submissions[submission.index]
-        self.driver.release(submission, "ok" if ok else type(value).__name__)
-        return [(submission.index, ok, value)]
+        return [(submission.index, *done)]
 
     def _send_again(self, actor) -> list:
         """The inputs the dead `actor` had been sent and never started: sent again now (no try counted)."""
@@ -253,6 +358,7 @@ class RayInflight(Inflight):
         return self.driver.expire(submission, self.timeout)
 
     def close(self) -> None:
+        self.held.clear()  # (never sent)
         submissions, self.submissions = list(self.submissions.values()), {}
         self.by_ref.clear()
         for ref in list(self.futures):

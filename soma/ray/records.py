@@ -31,7 +31,8 @@ record exists only once the actor is made, so a death while it is being made is
 UNKNOWN too.
 
 Records of actors soma stops itself (close, nodes let go) are removed by the actors
-when asked and by the driver on its own machine (`forget`); a record nobody removed
+when asked and by the driver on its own machine (`forget`), and the folder with the
+last of them, so a closed soma.Ray leaves nothing in /dev/shm; a record nobody removed
 (its driver died) is swept by the next actor that starts on its machine once its
 process is gone and it is an hour old.
 """
@@ -63,11 +64,17 @@ class StartRecord:
 
     def __init__(self, actor_id: str):
         where = folder()
-        os.makedirs(where, mode=0o700, exist_ok=True)
-        _sweep(where)
         self.path = os.path.join(where, actor_id)  # (named by the actor id alone: the driver needs no hello)
         self.prefix = b"%10d " % os.getpid()
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        for attempt in range(3):
+            os.makedirs(where, mode=0o700, exist_ok=True)
+            try:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                break
+            except FileNotFoundError:  # a driver removed the folder, empty, in between (remove_all): again
+                if attempt == 2:
+                    raise
+        _sweep(where)
         os.pwrite(self.fd, self.prefix + NONE + b" --------\n", 0)
 
     @classmethod
@@ -125,10 +132,15 @@ def remove(path: str) -> None:
 
 
 def remove_all(actor_ids: list) -> None:
-    """Remove these actors' records (on their machine)."""
+    """Remove these actors' records (on their machine), and the folder once it holds none: soma leaves nothing
+    in /dev/shm after close (an actor making its record meanwhile makes the folder again)."""
     where = folder()
     for actor_id in actor_ids:
         remove(os.path.join(where, actor_id))
+    try:
+        os.rmdir(where)
+    except OSError:  # records of live actors (this driver's or another's) are in it, or it is gone
+        pass
 
 
 def _sweep(where: str) -> None:

@@ -19,12 +19,16 @@ How one input flows (on the right of each step, the module of soma/ray/ that doe
       ▼  the output, or soma's error  faults.py: Ray's errors as soma's (WorkerDied, NodeError), timeouts
 
     Ray.map(g, xs)           map_outputs (soma.run.mapping) over inflight.RayInflight: batches of
-                             inputs share one call per node (call_many: one return per input)
+                             cheap inputs share one call per node (call_many: one return per input);
+                             heavy ones wait at the driver for a free copy, and a copy starts when the
+                             queue it saves is longer than its measured start-up (spreading.py)
     Ray.submit(g, x)         a Future at once; settler.py: one thread settles every submitted input
     await Ray.arun(g, x)     the output refs awaited on the event loop (Ray sets their futures)
     Ray.amap(g, xs)          amap_outputs (soma.run.aio) over RayInflight.await_wait
-    retries=N                tries.py: an input lost to a dead actor is sent again (records.py: what the
-                             actor had started), or tried again from the graph's start, or its WorkerDied
+    after every try          tries.Tries.after, the one retry-or-finish step of run, arun, map and
+                             submit: an input lost to a dead actor is sent again (records.py: what the
+                             actor had started), or tried again from the graph's start, or its WorkerDied;
+                             a finished one is released (and measured: its cost, spreading.py)
     Ray.trace(path)          tracing.py: the actors keep their records; the block's end collects them
 """
 
@@ -36,14 +40,15 @@ import time
 
 from ..errors import NodeError, SomaError
 from ..run.aio import InputFuture, amap_outputs
-from ..run.base import RunnerBase, as_graph, checked_retries
+from ..run.base import RunnerBase, checked_retries
 from ..run.mapping import default_window, map_outputs
+from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
 from . import tracing
 from .devices import checked_options
 from .driver import CLOSED, Driver
 from .inflight import RayInflight, batch_size, parallelism
-from .submission import Submission, value_of
+from .submission import value_of
 
 
 def _import_ray():
@@ -140,23 +145,26 @@ class Ray(RunnerBase):
         timed = timeout is not None
         with trace.host_step("run", input=None) if trace is not None else contextlib.nullcontext():
             [submission] = driver.submit_run(graph, x, timed, trace, retries)  # (with concurrent runs: batching)
+            tries = driver.tries(graph, submission)
             try:
                 while True:
-                    settled = driver.outcomes([submission], graph, _left(deadline))
+                    settled = driver.outcomes([tries.submission], graph, _left(deadline))
                     if settled is None:
-                        raise driver.expire(submission, timeout) from None
-                    after = driver.next_try(graph, submission, *settled[0])
-                    if not isinstance(after, Submission):
-                        return _outcome(after)
-                    submission = after
+                        raise driver.expire(tries.submission, timeout) from None
+                    done = tries.after(*settled[0])
+                    if done is not None:
+                        return _outcome(done)
             finally:
-                driver.release(submission)
+                driver.release(tries.submission)
                 driver.run_over(graph, timed)
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+            resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (docs/api.md, "map")."""
-        return map_outputs(self._inflight(g, "Ray.map", window, ordered, timeout, retries), xs, window=window,
-                           ordered=ordered, progress=progress, timeout=timeout, errors=errors)
+        g = self.accepting(g, "Ray.map")
+        return map_outputs(self._inflight(g, "Ray.map", window, ordered, timeout, retries), xs, graph=g,
+                           window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors,
+                           resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
 
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> InputFuture:
         """`run(g, x)` without waiting: a `concurrent.futures.Future` at once, set by the driver's one settler
@@ -187,34 +195,37 @@ class Ray(RunnerBase):
             [submission] = await asyncio.to_thread(driver.submit_run, graph, x, timed, self._trace, retries)
         else:
             [submission] = driver.submit_run(graph, x, timed, self._trace, retries)
+        tries = driver.tries(graph, submission)
         futures: list = []
         try:
             while True:
-                futures = [asyncio.wrap_future(ref.future()) for ref in submission.refs]
+                futures = [asyncio.wrap_future(ref.future()) for ref in tries.submission.refs]
                 _, pending = await asyncio.wait(futures, timeout=_left(deadline))
                 if pending:
-                    raise await asyncio.to_thread(driver.expire, submission, timeout) from None
+                    raise await asyncio.to_thread(driver.expire, tries.submission, timeout) from None
                 values = [value_of(future) for future in futures]
                 if any(isinstance(v, BaseException) for v in values):  # (a dead actor's record may take a Ray task)
-                    after = await asyncio.to_thread(driver.settle, graph, submission, values)
+                    done = await asyncio.to_thread(tries.after_values, values)
                 else:
-                    after = driver.settle(graph, submission, values)
-                if not isinstance(after, Submission):
-                    return _outcome(after)
-                submission = after
+                    done = tries.after_values(values)
+                if done is not None:
+                    return _outcome(done)
         except asyncio.CancelledError:
-            driver.abandon(submission)  # what has not started never starts; its result is dropped
+            driver.abandon(tries.submission)  # what has not started never starts; its result is dropped
             raise
         finally:
             for future in futures:
                 future.cancel()  # (done ones stay as they are)
-            driver.release(submission)
+            driver.release(tries.submission)
             driver.run_over(graph, timed)
 
-    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+             resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """`map` as an async iterator: `async for y in cluster.amap(g, xs)`; `xs` may be an async iterable."""
-        return amap_outputs(self._inflight(g, "Ray.amap", window, ordered, timeout, retries), xs, window=window,
-                            ordered=ordered, progress=progress, timeout=timeout, errors=errors)
+        g = self.accepting(g, "Ray.amap")
+        return amap_outputs(self._inflight(g, "Ray.amap", window, ordered, timeout, retries), xs, graph=g,
+                            window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors,
+                            resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
 
     def _inflight(self, g, where: str, window, ordered: bool, timeout, retries) -> RayInflight:
         retries = checked_retries(retries)
@@ -224,7 +235,7 @@ class Ray(RunnerBase):
 
     def _compiled(self, g, where: str):
         """The driver, the graph of `g` (a Graph, a Node or an expression) and its ActorGraph."""
-        g = as_graph(g, where)
+        g = self.accepting(g, where)
         if self._driver is None:
             self.start()
         return self._driver, g, self._driver.actor_graph(g)

@@ -4,8 +4,8 @@
                      each output ref: ref.future()   Ray's own callback, on Ray's thread, only says so:
                                                      ("ready", input) into the settler's queue
     settler thread   (one per driver, whatever the number of inputs in flight)
-      ready    ──▶ the values Ray's futures hold → driver.settled → driver.next_try:
-                   the input's outcome into its InputFuture, or the input sent again (watched again)
+      ready    ──▶ the values Ray's futures hold → Tries.after_values (soma.ray.tries): the input's
+                   outcome into its InputFuture, or the input sent again (watched again)
       deadline ──▶ one heap of the inputs' deadlines (timeout counts from the input's start, tries
                    included): RunTimeout, its running nodes' actors stopped (driver.expire)
       cancel   ──▶ future.cancel(): the input's calls not started are cancelled, its result dropped
@@ -29,15 +29,19 @@ from .submission import ActorGraph, Submission, value_of
 
 
 class Submitted:
-    """One input given by `submit`: its graph, its Submission now, its future and deadline."""
+    """One input given by `submit`: its tries (its Submission now), its future and deadline."""
 
-    __slots__ = ("graph", "submission", "future", "deadline", "timeout", "ray_futures", "source")
+    __slots__ = ("tries", "future", "deadline", "timeout", "ray_futures", "source")
 
-    def __init__(self, graph: ActorGraph, submission: Submission, future: InputFuture, timeout, source):
-        self.graph, self.submission, self.future, self.timeout = graph, submission, future, timeout
+    def __init__(self, tries, future: InputFuture, timeout, source):
+        self.tries, self.future, self.timeout = tries, future, timeout
         self.source = source  # the Graph: its nodes must live while the input is in flight
         self.deadline = time.monotonic() + timeout if timeout is not None else None
         self.ray_futures: list = []  # Ray's futures of the submission's output refs
+
+    @property
+    def submission(self) -> Submission:
+        return self.tries.submission
 
 
 class Settler:
@@ -54,7 +58,7 @@ class Settler:
     def add(self, graph: ActorGraph, submission: Submission, timeout, source=None) -> InputFuture:
         """The future of a submitted input (its outcome set by the settler)."""
         future = InputFuture()
-        one = Submitted(graph, submission, future, timeout, source)
+        one = Submitted(self.driver.tries(graph, submission), future, timeout, source)
         future.on_cancel = lambda: self.events.put(("cancel", one, None))
         with self._lock:
             if self._thread is None:
@@ -119,16 +123,15 @@ class Settler:
             ray_future.add_done_callback(done)
 
     def _ready(self, one: Submitted) -> None:
-        after = self.driver.settle(one.graph, one.submission, [value_of(f) for f in one.ray_futures])
-        if isinstance(after, Submission):
-            one.submission = after
-            self._watch(one)
+        done = one.tries.after_values([value_of(f) for f in one.ray_futures])
+        if done is None:
+            self._watch(one)  # sent again: its new try's refs
             return
-        self._end(one, *after)
+        self._end(one, *done)
 
     def _end(self, one: Submitted, ok: bool, value, release: bool = True) -> None:
         self.inputs.discard(one)
-        if release:
+        if release:  # (Tries.after released it already when it finished there; again costs nothing)
             self.driver.release(one.submission, "ok" if ok else type(value).__name__)
         FutureSink(one.future).put((None, ok, value))
 

@@ -44,11 +44,8 @@ from .actor import (
     tensors_out_of_band,
     writable,
 )
+from .spreading import HEAVY_S
 
-# An input this slow goes alone in its calls: sharing one would save it < 2 % (a call costs Ray ~0.75 ms), and
-# would serialize it behind its batch-mates. (Measured with the driver's clock, a tiny input on a busy 2-core
-# machine looks like 4-8 ms: the threshold stays well above that.)
-HEAVY_S = 0.050
 
 class Out:
     """A value the walk has produced: a ref to a node's output (`producer` its id), or the run's own input."""
@@ -91,13 +88,15 @@ class ActorGraph:
         # node id → the nodes whose outputs its call takes (none for an entry node)
         self.upstream: dict = {}
         fold(plan, self._producers, _in_sequence, _every_output)(frozenset(), self.upstream)
-        # Actor-seconds one input takes, as maps measure it (soma.ray.inflight.measured); None: not seen yet
+        # Actor-seconds one input takes, as runs and maps measure it (soma.ray.spreading.measured); None: not
+        # seen yet
         self.cost: float | None = None
 
     def spreads(self) -> bool:
-        """Whether inputs go one per call and each to a copy of its own while copies can be added: until
-        they are known to be cheap (a heavy input gains little from sharing a call, and waits for the
-        others of its call, or behind them in one actor)."""
+        """Whether a map's inputs go one per call, held at the driver until a copy is free, and copies are
+        added when they pay for their start-up (soma.ray.spreading): until they are known to be cheap (a
+        heavy input gains little from sharing a call, and waits for the others of its call, or behind them
+        in one actor)."""
         if any(node_actors.max_batch for node_actors in self.actors.values()):
             return False  # a batching node asked for batches: its calls carry as many inputs as the window gives
         return self.cost is None or self.cost >= HEAVY_S
@@ -146,7 +145,7 @@ class Submission:
     """One input on its way: its calls (in submission order, which is a topological order) and its output refs."""
 
     __slots__ = ("index", "token", "timed", "trace", "trace_tag", "started_ns", "calls", "out", "leaves", "refs",
-                 "pending", "over", "batch", "x", "tries", "retries", "keep", "lost")
+                 "pending", "over", "batch", "x", "tries", "retries", "keep", "lost", "held", "sent_at", "alone")
 
     def __init__(self, index, token: int, timed: bool, trace, x=None, retries: int = 0, tries: int = 1):
         self.index = index  # its position in a map; None for run
@@ -170,18 +169,22 @@ class Submission:
         self.tries = tries  # this is its try number `tries` (each earlier one lost to a dead actor)
         self.keep: dict = {}  # node id → a Call of its last try to take over (it never reached the dead actor)
         self.lost = None  # (its call there, whether it had started) once this try was lost to a dead actor
+        self.held = False  # a map held it until a copy was free: it goes to a copy that is up (soma.ray.spreading)
+        self.sent_at = 0.0  # when its calls were sent (time.monotonic)
+        self.alone = True  # every call went alone to a copy that was up and idle: its time is its cost
 
     def again(self, counted: bool) -> "Submission":
         """The same input, to be submitted again: another try (`counted`), or the same one sent elsewhere."""
         again = Submission(self.index, self.token, self.timed, self.trace, self.x, self.retries,
                            self.tries + (1 if counted else 0))
         again.trace_tag, again.started_ns = self.trace_tag, self.started_ns  # (one input, one trace interval)
+        again.held, again.alone = self.held, False  # (its time would count the try before: not its cost)
         return again
 
 
 def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
     """Submit every call of one input, or of a map's batch of inputs: one Ray call per node for all of them
-    (under the book's lock: actors are picked here). One input: `call` (exactly the one arg a hand-written
+    (called by the book, under its lock: actors are picked here; soma.ray.copies.ActorBook.submit). One input: `call` (exactly the one arg a hand-written
     actor takes). Several: `call_many`, one return per input, so each input still has its own ref at every
     node, and downstream calls, failures, checks and spans stay per input.
     """
@@ -197,6 +200,9 @@ def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
             raise unsendable(entry, err) from None
     else:
         first = [Out(x, None) for x in xs]  # sent with the entry node's call (see `_call`)
+    now = time.monotonic()
+    for submission in submissions:
+        submission.sent_at = now
     outs = graph.walk(first, submissions)
     for submission, out in zip(submissions, outs):
         submission.batch = submissions
@@ -219,8 +225,10 @@ def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> l
         shape = _flatten(value, args, checks, graph.devices, start)
         metas.append((len(args) - start, shape, tuple(checks), submission.trace_tag))
         simple = simple and shape == 0 and not checks and submission.trace_tag is None and not submission.timed
-    # (a timed input goes to a copy that is up when one is: a starting one would spend its time budget)
-    actor = graph.actors[node_id].pick(len(submissions), spread=graph.spreads() and not submissions[0].timed)
+    actor = graph.actors[node_id].pick(len(submissions), held=submissions[0].held)
+    if len(submissions) > 1 or not actor.ready or actor.load > 1:
+        for submission in submissions:
+            submission.alone = False  # it shares the call, or waits for the copy or behind other inputs
     try:
         if len(submissions) == 1:
             if simple:
@@ -311,7 +319,7 @@ def _rebuild(tree, values):
 
 def release(submission: Submission, outcome: str = "ok") -> None:
     """The try is over (done, failed, expired, abandoned, or `again`: the input goes on in another try): its
-    actors may take other inputs (under the book's lock). A traced input of a map becomes an interval on the
+    actors may take other inputs (called by the book, under its lock: soma.ray.copies.ActorBook.release). A traced input of a map becomes an interval on the
     driver's track once it is over (a run's is its caller's span).
     """
     if submission.over:

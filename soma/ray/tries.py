@@ -10,15 +10,54 @@
     any other outcome                     → the input's outcome (a node's own exception, a
                                             PostconditionError and a RunTimeout are never retried)
 
-Every caller (run, map's in-flight set, submit's settler, arun) asks `next_try` after each try and
-waits for the submission it returns, if any. An input the record cannot clear counts a try, so an
-input that kills every actor it meets ends after `retries` more tries.
+The retry-or-finish step is written once, `Tries.after`, and every caller (run, arun, map's
+in-flight set, submit's settler) waits for a try its own way and then asks it:
+
+    tries = Tries(driver, graph, submission)       one input, from its first try to its outcome
+    wait for tries.submission's refs                (ray.get, await, ray.wait, Ray's futures)
+    tries.after(ok, value) / after_values(values)   → None: sent again, wait for tries.submission
+                                                    → (ok, value): its outcome; the try released, and
+                                                      an input that ran alone on idle copies measured
+                                                      (its time is the graph's cost: soma.ray.spreading)
+
+An input the record cannot clear counts a try, so an input that kills every actor
+it meets ends after `retries` more tries.
 """
 
 from __future__ import annotations
 
+import time
+
 from ..errors import SomaError
+from .spreading import measured
 from .submission import ActorGraph, Submission
+
+
+class Tries:
+    """One input's tries: after each, `after` sends it again (`submission` is then the new try) or finishes it."""
+
+    __slots__ = ("driver", "graph", "submission")
+
+    def __init__(self, driver, graph: ActorGraph, submission: Submission):
+        self.driver, self.graph, self.submission = driver, graph, submission
+
+    def after(self, ok: bool, value):
+        """After a try's outcome: None when the input was sent again (wait for `submission`), else its outcome
+        `(ok, value)`, the try released (its actors take other inputs)."""
+        submission = self.submission
+        after = next_try(self.driver, self.graph, submission, ok, value)
+        if isinstance(after, Submission):
+            self.submission = after
+            return None
+        ok, value = after
+        if ok and submission.alone:
+            measured(self.graph, time.monotonic() - submission.sent_at)
+        self.driver.release(submission, "ok" if ok else type(value).__name__)
+        return after
+
+    def after_values(self, values: list):
+        """`after`, from the values of the try's refs as Ray's futures (or `await`) gave them."""
+        return self.after(*self.driver.settled(self.submission, self.graph, values))
 
 
 def next_try(driver, graph: ActorGraph, submission: Submission, ok: bool, value):

@@ -25,6 +25,7 @@ import threading
 import weakref
 
 from .mapping import MapLoop
+from .resuming import DEFAULT_EVERY_S, aremaining, remaining
 
 
 class InputFuture(cf.Future):
@@ -157,11 +158,47 @@ def _waker_of(loop) -> _LoopWaker:
         return waker
 
 
-def amap_outputs(inflight, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
+def amap_outputs(inflight, xs, *, graph, window=None, ordered=True, progress=False, timeout=None, errors="raise",
+                 resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
     """The async iterator behind every runner's `amap`; `inflight` has an `await_wait(timeout)`."""
-    loop = MapLoop(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors)
-    source = xs.__aiter__() if hasattr(xs, "__aiter__") else iter(xs)  # (a TypeError now, not at the first turn)
-    return _adrive(loop, source)
+    try:
+        loop = MapLoop(inflight, xs, graph=graph, window=window, ordered=ordered, progress=progress,
+                       timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                       checkpoint_every=checkpoint_every)
+        if hasattr(xs, "__aiter__"):  # (a TypeError now, not at the first turn)
+            source = xs.__aiter__()
+            if loop.next_index or loop.after_start:
+                source = aremaining(source, loop.next_index, loop.after_start)
+        else:
+            source = remaining(xs, loop.next_index, loop.after_start)
+    except BaseException:
+        inflight.close()  # nothing was started: the runner's in-flight set is given back at once
+        raise
+    return AsyncMapIterator(_adrive(loop, source), loop)
+
+
+class AsyncMapIterator:
+    """What `runner.amap` returns: `async for` over the outputs, and `state_dict()` as `map`'s."""
+
+    __slots__ = ("_outputs", "_loop")
+
+    def __init__(self, outputs, loop: MapLoop):
+        self._outputs, self._loop = outputs, loop
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self._outputs.__anext__()
+
+    def state_dict(self) -> dict:
+        """As `map(...).state_dict()`: the outputs consumed so far, as plain data, for `resume=`."""
+        return self._loop.state(held=True)
+
+    async def aclose(self) -> None:
+        """Leave the map early (as `break` out of `async for` and dropping it do)."""
+        await self._outputs.aclose()
+        self._loop.close()  # (a map never iterated has no frame to close it)
 
 
 async def _adrive(loop: MapLoop, source):
@@ -170,8 +207,12 @@ async def _adrive(loop: MapLoop, source):
             wanted = loop.wanted()
             if wanted:
                 loop.start(await _atake(source, wanted, loop))
-            for value in loop.outputs():
-                yield value
+            outputs = loop.outputs()
+            try:
+                for value in outputs:
+                    yield value
+            finally:
+                outputs.close()  # left at a yield: the output held there is marked so (see MapLoop.outputs)
             if loop.over():
                 return
             if not loop.must_wait():
@@ -205,12 +246,16 @@ class AsyncRunner:
         """`run(g, x)` without blocking the event loop; cancelling the awaiting task cancels the input."""
         return await arun(self, g, x, timeout, retries)
 
-    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+             resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """`map` as an async iterator: `async for y in runner.amap(g, xs)`; `xs` may be an async iterable."""
-        return amap_outputs(self._async_inflight(g, timeout, retries), xs, window=window, ordered=ordered,
-                            progress=progress, timeout=timeout, errors=errors)
+        inflight, graph = self._async_inflight(g, timeout, retries)
+        return amap_outputs(inflight, xs, graph=graph, window=window, ordered=ordered, progress=progress,
+                            timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                            checkpoint_every=checkpoint_every)
 
     def _async_inflight(self, g, timeout, retries):
+        """`(the in-flight set for an amap of g, the Graph of g)`."""
         raise NotImplementedError
 
     async def __aenter__(self):

@@ -1,18 +1,23 @@
 """Batching nodes: the inputs at one node at the same time, handed to one `forward_batch(xs, ctx)` call.
 
-    thread of input 1 ──▶ Batcher.call(x1) ── nobody leads: leads ──┐ waits ≤ batch_wait after the
-    thread of input 2 ──▶ Batcher.call(x2) ── waits for its output   │ first, while more inputs may
-    thread of input 3 ──▶ Batcher.call(x3) ── waits                  │ come, for at most max_batch
-                                                                     ▼
-                          forward_batch([x1, x2, x3], ctx)  (the node's lock: one batch at a time)
-                          Done([y1, y2, y3]) → each input its own output (or its own error), the
-                          postcondition on each; then the next waiter leads the next batch
+One `Meeting` per batching node object in this process, whoever runs it (every Executor, every
+interpreter of a graph holding it: a map's threads, concurrent `run`s, `arun`s and `submit`s, traced or not):
 
-Wherever inputs meet a node on several threads they can share a call: the Executor's
-threads (map, concurrent `run` calls, `arun`), a Local worker running the jobs queued
-for one piece together, a Ray actor's concurrent calls. A lone input does not wait:
-the leader waits only while other inputs are in flight in the same interpreter and not
-yet at this node (they may come); when nothing else is, the batch of one goes at once.
+    run starts (or is announced) ──▶ expect()            coming += 1: an input on its way to the node
+    thread of input 1 ──▶ call(entry) ── nobody leads: leads ──┐ waits while inputs are coming, at most
+    thread of input 2 ──▶ call(entry) ── waits for its output   │ batch_wait after the first waiting,
+    thread of input 3 ──▶ call(entry) ── waits                  │ for at most max_batch
+                                                                ▼
+                         entries[0].call([x1, x2, x3], entries)  (the interpreter's: the node's lock,
+                         setup once, one forward_batch, each input its own output or its own error)
+                         → each waiter wakes with its own; the leader leads again until its own is
+                         done, then a waiter leads the next batch
+    run ends before the node (failed, cancelled) ──▶ not_coming()
+
+The callers' own threads wait (no thread per waiting input). A lone input does not wait: the
+leader waits only while inputs counted as coming have not arrived; when none is, the batch goes at
+once. Inputs of several interpreters batch together when their calls are the same (`Entry.key`: the
+node's id, device, worker; a traced input only with its own interpreter's, whose trace gets the event).
 """
 
 from __future__ import annotations
@@ -42,42 +47,55 @@ def batch_wait_of(node) -> float:
 
 
 class Entry:
-    """One input at a batching node: its value, its run's state, where its spans go, and its outcome."""
+    """One input at a batching node: its value, its run's state, where its spans go, which calls it may share
+    (`key`), the call that runs a batch of them (`call(xs, entries) -> [(ok, value)]`), and its outcome."""
 
-    __slots__ = ("x", "state", "spans", "done", "ok", "value")
+    __slots__ = ("x", "state", "spans", "key", "call", "at", "done", "ok", "value")
 
-    def __init__(self, x, state, spans):
-        self.x, self.state, self.spans = x, state, spans
+    def __init__(self, x, state, spans, key=None, call=None):
+        self.x, self.state, self.spans, self.key, self.call = x, state, spans, key, call
+        self.at = 0.0  # when it came to the node (its batch waits at most batch_wait after the oldest's)
         self.done = False
         self.ok = False
         self.value = None
 
 
-class Batcher:
-    """One batching node of one interpreter: inputs meet here, and leave with their own outputs.
+class Meeting:
+    """One batching node object's meeting point: inputs wait here, and leave with their own outputs."""
 
-    `run_batch(xs, entries) -> [(ok, value)]` is the interpreter's: the node's call itself (setup once,
-    its lock, the checks); `expecting()` says how many inputs in flight may still come to this node.
-    """
-
-    def __init__(self, node_id: str, node, run_batch, expecting):
-        self.node_id = node_id
+    def __init__(self, node):
         self.max_batch = max(1, max_batch_of(node))
         self.wait_s = batch_wait_of(node)
-        self.run_batch = run_batch
-        self.expecting = expecting
-        self.cond = threading.Condition()
+        lock = threading.Lock()
+        self.changed = threading.Condition(lock)  # the leader waits on it: an input came, or will not come
+        self.settled = threading.Condition(lock)  # the others wait on it: a batch is done, or nobody leads
         self.waiting: list[Entry] = []
+        self.coming = 0  # inputs counted on their way here, not yet here
         self.leading = False
 
-    def call(self, x, state, spans):
-        """The node's output for `x`, after a batch that held it (its own error raised, if it failed)."""
-        entry = Entry(x, state, spans)
-        with self.cond:
+    def expect(self, n: int = 1) -> None:
+        """`n` inputs are on their way here (a run started, or announced)."""
+        with self.changed:
+            self.coming += n
+
+    def not_coming(self, n: int = 1) -> None:
+        """`n` inputs counted by `expect` will not come (their run ended before this node, or never began)."""
+        with self.changed:
+            self.coming = max(0, self.coming - n)
+            self.changed.notify()  # a leader waiting for them looks again
+
+    def call(self, entry: Entry, expected: bool):
+        """The node's output for `entry.x`, after a batch that held it (its own error raised, if it failed).
+        `expected`: this input was counted by `expect`."""
+        with self.changed:
+            if expected:
+                self.coming = max(0, self.coming - 1)
+            entry.at = time.monotonic()
             self.waiting.append(entry)
-            self.cond.notify_all()  # a leader gathering a batch looks again
-            while not entry.done and self.leading:
-                self.cond.wait()
+            if self.leading:
+                self.changed.notify()  # a leader meeting a batch looks again
+                while not entry.done and self.leading:
+                    self.settled.wait()
             lead = not entry.done
             if lead:
                 self.leading = True
@@ -89,33 +107,53 @@ class Batcher:
 
     def _lead(self, mine: Entry) -> None:
         """Run batches until the one holding `mine` is done; then let a waiter lead the next."""
+        batch: list = []
         try:
-            while not mine.done:
-                batch = self._gather()
-                self._settle(batch, self.run_batch([e.x for e in batch], batch))
-        finally:
-            with self.cond:
-                self.leading = False
-                self.cond.notify_all()
+            while True:
+                batch = self._next_batch()
+                outcomes = batch[0].call([e.x for e in batch], batch)
+                with self.settled:
+                    for entry, (ok, value) in zip(batch, outcomes):
+                        entry.ok, entry.value, entry.done = ok, value, True
+                    batch = []
+                    self.leading = not mine.done
+                    self.settled.notify_all()  # each of the batch wakes with its own; a waiter may lead next
+                    if mine.done:
+                        return
+        except BaseException as exc:  # (in-process a node's KeyboardInterrupt passes through: nobody waits on)
+            self._abandon(batch, mine, exc)
+            raise
 
-    def _gather(self) -> list:
-        """The next batch: the inputs waiting now, and those that come within `batch_wait` of the first
-        while more may come; at most `max_batch`."""
-        with self.cond:
-            deadline = time.monotonic() + self.wait_s
-            while len(self.waiting) < self.max_batch and self.expecting() > len(self.waiting):
+    def _next_batch(self) -> list:
+        """The next batch: the oldest waiting input and those of the same key waiting with it, more coming
+        while any is counted on its way, within `batch_wait` of the oldest; at most `max_batch`."""
+        with self.changed:
+            oldest = self.waiting[0]
+            deadline = oldest.at + self.wait_s
+            while self.coming > 0:
+                if sum(1 for e in self.waiting if e.key == oldest.key) >= self.max_batch:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self.cond.wait(left)
-            batch, self.waiting = self.waiting[:self.max_batch], self.waiting[self.max_batch:]
+                self.changed.wait(left)
+            batch, rest = [], []
+            for entry in self.waiting:
+                (batch if entry.key == oldest.key and len(batch) < self.max_batch else rest).append(entry)
+            self.waiting = rest
             return batch
 
-    def _settle(self, batch: list, outcomes: list) -> None:
-        with self.cond:
-            for entry, (ok, value) in zip(batch, outcomes):
-                entry.ok, entry.value, entry.done = ok, value, True
-            self.cond.notify_all()
+    def _abandon(self, batch: list, mine: Entry, exc: BaseException) -> None:
+        """The leader's call raised (not a node's failure: those are outcomes): the batch it ran fails with it,
+        and so does the leader's own input if it is still waiting; the others wait for the next leader."""
+        with self.settled:
+            for entry in [*batch, mine]:
+                if not entry.done:
+                    entry.ok, entry.value, entry.done = False, exc, True
+            if mine in self.waiting:
+                self.waiting.remove(mine)
+            self.leading = False
+            self.settled.notify_all()
 
 
 def batch_outputs(node_id: str, out, n: int, device) -> list:

@@ -14,6 +14,11 @@ most `threads` at once, each input whole on one of them:
 One process has one GIL: the pipeline overlaps what releases it (I/O, sleeps, torch
 and numpy kernels) and lets a batching node see several inputs at once; for Python
 that holds the GIL, use `Local`.
+
+A batching node's inputs meet at the node object's one Meeting (soma.run.batching),
+whatever thread or Executor runs them. The inputs handed to free threads are announced
+there first (`_submit_inputs`), so the first to arrive waits for them (at most
+batch_wait) instead of going alone because their threads had not started yet.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import threading
 import time
 import weakref
 
-from ..errors import RunTimeout
-from .base import RunnerBase, as_graph, checked_retries
+from ..errors import RunTimeout, SomaError
+from .base import RunnerBase, checked_retries, closed_message
 from .batching import max_batch_of
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
+from .resuming import DEFAULT_EVERY_S
 from .threads import thread_modes
 from .trace import Trace
 
@@ -42,6 +48,8 @@ class Executor(RunnerBase):
     (default 64, two batches of a batching node's default size); they are kept until `close()`.
     """
 
+    copies_nodes = False  # it runs the node objects themselves
+
     def __init__(self, threads: int = THREADS):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"Executor's threads= is how many inputs run at once, a positive int; got {threads!r}")
@@ -49,10 +57,13 @@ class Executor(RunnerBase):
         self._interpreters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (version, it)
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._busy = 0  # inputs of map, submit, arun and amap handed to the threads and not over yet
+        self._busy_lock = threading.Lock()
 
     def close(self) -> None:
-        """Let go of the threads (inputs already running finish; none queued starts)."""
+        """Let go of the threads (inputs already running finish; none queued starts) and take no new work."""
         with self._pool_lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -66,39 +77,79 @@ class Executor(RunnerBase):
         `retries` is accepted and changes nothing: there is no worker to lose here.
         """
         checked_retries(retries)
-        g = as_graph(g, "Executor.run")
+        g = self.accepting(g, "Executor.run")
         return self._run(g, g.devices(), x, timeout, index=None)
 
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> cf.Future:
         """`run(g, x)` on one of the Executor's threads: a `concurrent.futures.Future` at once."""
         checked_retries(retries)
-        g = as_graph(g, "Executor.submit")
-        return self._threads().submit(self._run, g, g.devices(), x, timeout, None, thread_modes())
+        g = self.accepting(g, "Executor.submit")
+        devices = g.devices()
+        interpreter = self._interpreter(g, devices)
+        return self._submit_inputs(interpreter, [(self._run, g, devices, x, timeout, None, thread_modes(), None,
+                                                  interpreter)])[0]
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise"):
+    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
+            resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
         (docs/design.md, "Many inputs")."""
         checked_retries(retries)
-        g = as_graph(g, "Executor.map")
-        return map_outputs(self._inflight(g, timeout), xs, window=window, ordered=ordered, progress=progress,
-                           timeout=timeout, errors=errors)
+        g = self.accepting(g, "Executor.map")
+        return map_outputs(self._inflight(g, timeout), xs, graph=g, window=window, ordered=ordered,
+                           progress=progress, timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                           checkpoint_every=checkpoint_every)
 
     def _inflight(self, g, timeout) -> "ExecutorInflight":
         return ExecutorInflight(self, g, g.devices(), timeout)
 
     def _async_inflight(self, g, timeout, retries):
         checked_retries(retries)
-        g = as_graph(g, "Executor.amap")
-        return self._inflight(g, timeout)
+        g = self.accepting(g, "Executor.amap")
+        return self._inflight(g, timeout), g
 
     def _threads(self) -> cf.ThreadPoolExecutor:
         with self._pool_lock:
+            if self._closed:  # (closed since its caller was accepted: as a pool refuses a submit after shutdown)
+                raise SomaError(closed_message("Executor"))
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input")
             return self._pool
 
-    def _run(self, g, devices: dict, x, timeout, index, modes=None, state: RunState | None = None):
-        interpreter = self._interpreter(g, devices)
+    def _submit_inputs(self, interpreter: Interpreter, calls: list) -> list:
+        """A future per call `(fn, *args)`, each an input of `interpreter`, submitted to the Executor's threads.
+        Those a free thread will take at once are counted as coming at the interpreter's batching nodes before
+        the first is submitted (`Interpreter.announce`): the first input to get there waits for them rather
+        than going alone because their threads had not started yet. The others count themselves when they
+        start: announced, an input queued behind busy threads would keep the inputs at the node (holding those
+        threads) waiting their whole batch_wait for it. One cancelled before a thread took it is withdrawn."""
+        threads = self._threads()
+        with self._busy_lock:
+            free = self.threads - self._busy
+            self._busy += len(calls)
+        announced = max(0, min(len(calls), free)) if interpreter.batching else 0
+        interpreter.announce(announced)
+        futures: list = []
+        try:
+            for call in calls:
+                future = threads.submit(*call)
+                futures.append(future)
+                future.add_done_callback(self._input_over)
+                if len(futures) <= announced:
+                    future.add_done_callback(lambda done: done.cancelled() and interpreter.withdraw(1))
+        finally:
+            if len(futures) < len(calls):  # (the pool refused one: closed)
+                interpreter.withdraw(announced - min(announced, len(futures)))
+                with self._busy_lock:
+                    self._busy -= len(calls) - len(futures)
+        return futures
+
+    def _input_over(self, _future) -> None:
+        with self._busy_lock:
+            self._busy -= 1
+
+    def _run(self, g, devices: dict, x, timeout, index, modes=None, state: RunState | None = None,
+             interpreter: Interpreter | None = None):
+        interpreter = interpreter if interpreter is not None else self._interpreter(g, devices)
         plan = g.plan()
         state = state if state is not None else RunState(index=index)
         trace = self._trace
@@ -175,8 +226,8 @@ class ExecutorInflight(Inflight):
         self.modes = thread_modes()  # the map's caller's torch modes, for every input
         # A graph that is one batching node, untimed: its inputs go to the node in chunks, one call each, on
         # one thread (no thread per input, meeting at the node: ~250 µs an input here, against the model's 38)
-        interpreter = executor._interpreter(g, devices)
-        self.batch_node = interpreter.batch_node(g.plan()) if timeout is None else None
+        self.interpreter = executor._interpreter(g, devices)
+        self.batch_node = self.interpreter.batch_node(g.plan()) if timeout is None else None
 
     def parallelism(self) -> int:
         # A pipeline has a stage per node, and a batching node wants a batch's worth of inputs at it.
@@ -197,15 +248,16 @@ class ExecutorInflight(Inflight):
                 future = threads.submit(self._run_chunk, [x for _, x in chunk], given_up)
                 self.running[future] = ([index for index, _ in chunk], [], given_up)
             return
-        for index, x in items:
-            state = RunState(index=index)
-            future = threads.submit(self.executor._run, self.g, self.devices, x, None, index, self.modes, state)
+        states = [RunState(index=index) for index, _ in items]
+        futures = self.executor._submit_inputs(self.interpreter, [
+            (self.executor._run, self.g, self.devices, x, None, index, self.modes, state, self.interpreter)
+            for (index, x), state in zip(items, states)])
+        for (index, _), state, future in zip(items, states, futures):
             self.running[future] = ([index], [state], None)
 
     def _run_chunk(self, xs: list, given_up: threading.Event) -> list:
-        interpreter = self.executor._interpreter(self.g, self.devices)
         with self.modes():
-            return interpreter.run_batch(self.batch_node, xs, given_up=given_up)
+            return self.interpreter.run_batch(self.batch_node, xs, given_up=given_up)
 
     def wait(self, timeout):
         done, _ = cf.wait(list(self.running), timeout=timeout, return_when=cf.FIRST_COMPLETED)

@@ -3,13 +3,17 @@ worker and every Ray actor share, so they cannot disagree about what a node's ou
 
     Interpreter(nodes, devices).run(plan, x)      (the plan compiled once into nested calls, a fold)
                  ├ Step ─ invoke(node) ─ [setup once] ─ forward(x, ctx) ─ Done? ─ postcondition ─ unwrap
+                 │  (a batching node's: to its Meeting, the node object's one in this process, where the
+                 │   inputs there at once share invoke_batch ─ one forward_batch: soma.run.batching)
                  ├ Seq  ─ items in order, each on the previous output
                  └ Wave ─ one thread per branch, each branch whole on its thread;
                           wait for every branch, then raise the first failure in branch order
 
-A node object runs one input at a time, whoever calls it: `invoke` holds the
-node's own lock around `setup` and `forward`, so a node needs no locks of its own
-(docs/api.md, "Copies").
+A node object runs one input (or one batch) at a time, whoever calls it: `invoke` and
+`invoke_batch` hold the node's own lock around `setup` and `forward`, so a node needs no
+locks of its own (docs/api.md, "Copies"). A run counts as coming at each batching node of
+its interpreter until it gets there (`announce` counts inputs submitted and not started yet),
+so the first input there waits for the others, and a lone one does not.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ..ctx import Ctx
 from ..errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
 from ..plan import Plan, Seq, Step, Wave, fold
 from ..values import Done, unwrap
-from .batching import Batcher, Entry, batch_outputs, failing, is_batching, max_batch_of
+from .batching import Entry, Meeting, batch_outputs, failing, is_batching, max_batch_of
 from .postcondition import check_postcondition
 from .threads import kept_threads, on_threads
 
@@ -46,13 +50,14 @@ class RunState:
     `observer.enter(job, node)` / `observer.leave(job, node)`.
     """
 
-    __slots__ = ("running", "cancelled", "job", "index", "_lock", "_observer")
+    __slots__ = ("running", "cancelled", "job", "index", "owed", "_lock", "_observer")
 
     def __init__(self, observer=None, job: int = 0, index=None):
         self.running: dict[str, int] = {}
         self.cancelled = False
         self.job = job
         self.index = index  # the input's position in a map (None for run): a batch's trace event lists them
+        self.owed: set | None = None  # the Meetings that count this run as coming and it has not reached
         self._lock = threading.Lock() if observer is None else None
         self._observer = observer
 
@@ -78,13 +83,15 @@ class RunState:
 
 
 class _Guard:
-    """A node object's lock (one input at a time) and whether its `setup` has run."""
+    """A node object's lock (one input at a time), whether its `setup` has run, and, for a batching node,
+    where its inputs meet (one Meeting per node object in this process, whoever runs it)."""
 
-    __slots__ = ("lock", "ready", "__weakref__")
+    __slots__ = ("lock", "ready", "meeting", "__weakref__")
 
     def __init__(self):
         self.lock = threading.Lock()
         self.ready = False
+        self.meeting: Meeting | None = None
 
 
 _guards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -109,6 +116,16 @@ def guard_of(node) -> _Guard:
             if found is None or found[0] is not node:
                 found = _pinned_guards[id(node)] = (node, _Guard())
             return found[1]
+
+
+def meeting_of(node) -> Meeting:
+    """The one place this batching node object's inputs meet in this process."""
+    guard = guard_of(node)
+    if guard.meeting is None:
+        with _guards_lock:
+            if guard.meeting is None:
+                guard.meeting = Meeting(node)
+    return guard.meeting
 
 
 def _seq(_: Seq, items: list):
@@ -160,14 +177,14 @@ class Interpreter:
         self.remote = remote
         self.on_thread = on_thread
         self._caught = BaseException if remote else Exception
-        self._active_lock = threading.Lock()
         self._kept = kept_threads() if remote else None
         self._guards: dict = {}  # node id → its node's guard, found once
         self._compiled: dict = {}  # plan → its compiled call
-        self._batchers: dict = {}  # node id → its Batcher, for the nodes that take batches
-        self.batching = any(is_batching(node) for node in nodes.values())
-        self.active = 0  # inputs running through this interpreter now (kept when a node takes batches)
-        self.announced = 0  # inputs said to be on their way (`arriving`), not yet started
+        # node id → where that batching node's inputs meet (shared with every interpreter holding the node)
+        self._meetings = {node_id: meeting_of(node) for node_id, node in nodes.items() if is_batching(node)}
+        self.batching = bool(self._meetings)
+        self._announced_lock = threading.Lock()
+        self.announced = 0  # inputs said to be on their way (`announce`), counted as coming, not yet started
 
     def run(self, plan: Plan, x, state: RunState | None = None, spans: list | None = None):
         """Run `plan` on `x`. With `spans`, append one `span(...)` per node run (and per setup)."""
@@ -175,30 +192,58 @@ class Interpreter:
         state = state if state is not None else RunState()
         if not self.batching:
             return run(x, state, spans)
-        with self._active_lock:
-            self.active += 1
-            if self.announced:
+        # Counted as coming at each batching node until it gets there (or ends first): an announced input
+        # was counted when announced; any other is counted now.
+        with self._announced_lock:
+            counted = self.announced > 0
+            if counted:
                 self.announced -= 1
+        meetings = self._meetings.values()
+        if not counted:
+            for meeting in meetings:
+                meeting.expect()
+        state.owed = set(meetings)
         try:
             return run(x, state, spans)
         finally:
-            with self._active_lock:
-                self.active -= 1
+            for meeting in state.owed:  # (every branch is over: a wave waits for all of them)
+                meeting.not_coming()
+            state.owed = None
+
+    def announce(self, n: int) -> None:
+        """`n` inputs will start here soon (submitted to threads that have not taken them yet): a batching node
+        waits for them (at most its batch_wait) rather than taking the first alone because the others' threads
+        had not started yet. Each `run` that starts takes one announcement; `withdraw` those that never will."""
+        if not self.batching or n <= 0:
+            return
+        with self._announced_lock:
+            self.announced += n
+        for meeting in self._meetings.values():
+            meeting.expect(n)
+
+    def withdraw(self, n: int) -> None:
+        """`n` announced inputs will not start (cancelled before their thread took them)."""
+        if not self.batching or n <= 0:
+            return
+        with self._announced_lock:
+            # (a run that was never announced may have taken an announcement: then it did not count itself,
+            # and fewer are left than were withdrawn; what is left is all there is to take back)
+            n = min(n, self.announced)
+            self.announced -= n
+        for meeting in self._meetings.values():
+            meeting.not_coming(n)
 
     @contextlib.contextmanager
     def arriving(self, n: int):
-        """`n` inputs start on threads of their own in this block: a batching node waits for them (at most
-        its batch_wait) instead of taking the first alone because the others' threads had not started yet."""
-        if not self.batching:
-            yield
-            return
-        with self._active_lock:
-            self.announced += n
+        """`n` inputs start on threads of their own in this block (`announce`); any not started by its end are
+        withdrawn."""
+        self.announce(n)
         try:
             yield
         finally:
-            with self._active_lock:
-                self.announced = 0  # (one block at a time: a copy or a worker's lane runs one such turn)
+            with self._announced_lock:
+                left = self.announced  # (one block at a time: a copy or a worker's lane runs one such turn)
+            self.withdraw(left)
 
     def compile(self, plan: Plan):
         """`plan` as one call `run(x, state, spans)` (made once per plan)."""
@@ -209,21 +254,33 @@ class Interpreter:
 
     def _step(self, step: Step):
         node_id = step.id
-        if is_batching(self.nodes[node_id]):
-            return self._batcher(node_id).call  # (x, state, spans): the inputs there at once share a call
+        if node_id in self._meetings:
+            return self._meet(node_id)
         invoke = self.invoke
 
         def run_step(x, state, spans):
             return invoke(node_id, x, state, spans)
         return run_step
 
-    def _batcher(self, node_id: str) -> Batcher:
-        found = self._batchers.get(node_id)
-        if found is None:
-            found = self._batchers[node_id] = Batcher(
-                node_id, self.nodes[node_id], lambda xs, entries: self.invoke_batch(node_id, xs, entries),
-                lambda: self.active + self.announced)
-        return found
+    def _meet(self, node_id: str):
+        """The step of batching node `node_id`: the input goes to the node's Meeting and shares a call with
+        the inputs there with it (soma.run.batching)."""
+        meeting = self._meetings[node_id]
+        # Inputs of another interpreter share the call when it would be the same call: the same node id,
+        # device and process-side context. A traced input only with its own interpreter's (its trace records it).
+        same = (node_id, self.devices.get(node_id), self.worker, self.allocate, self.remote)
+
+        def call(xs, entries):
+            return self.invoke_batch(node_id, xs, entries)
+
+        def run_step(x, state, spans):
+            owed = state.owed
+            expected = owed is not None and meeting in owed
+            if expected:
+                owed.discard(meeting)  # (counted as coming until here; now it waits there)
+            key = same if spans is None else (same, self)
+            return meeting.call(Entry(x, state, spans, key, call), expected)
+        return run_step
 
     def _wave(self, _: Wave, branches: list):
         """Every branch whole on its own thread; all of them are waited for before raising."""

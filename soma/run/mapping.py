@@ -13,15 +13,36 @@ cleanly when the caller leaves the loop.
 `MapLoop` keeps the books of those three steps (the window, the order, the
 deadlines); `map_outputs` drives it with a plain iterator. Each step is a method
 of its own, so another driver (an async one) walks the same loop.
+
+The books also say which outputs the caller consumed: `state_dict()`, `resume=` and
+`checkpoint=` (soma.run.resuming) are the loop's, so every runner resumes the same way.
+
+    loop.outputs() ──yield──▶ caller (holds it: `out`) ──next()──▶ consumed for a checkpoint too
+                                                                    (its loop body ran)
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 
+from .._log import warn
 from ..errors import SomaError
 from .progress import reporter
+from .resuming import (
+    DEFAULT_EVERY_S,
+    Checkpoint,
+    Consumed,
+    checked,
+    consumed_count,
+    fingerprint,
+    identity,
+    length_of,
+    positions,
+    remaining,
+    without,
+)
 
 ERRORS = ("raise", "yield")
 
@@ -52,11 +73,49 @@ class Inflight:
         """The map is over: cancel what has not started, let the rest finish, release everything."""
 
 
-def map_outputs(inflight: Inflight, xs, *, window=None, ordered=True, progress=False, timeout=None, errors="raise"):
-    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs")."""
-    loop = MapLoop(inflight, xs, window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors)
-    source = iter(xs)  # a TypeError for something that is not iterable, here, before anything starts
-    return _drive(loop, source)
+def map_outputs(inflight: Inflight, xs, *, graph, window=None, ordered=True, progress=False, timeout=None,
+                errors="raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
+    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs"); `graph` is the Graph
+    it runs (what a state is checked against)."""
+    try:
+        loop = MapLoop(inflight, xs, graph=graph, window=window, ordered=ordered, progress=progress,
+                       timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
+                       checkpoint_every=checkpoint_every)
+        # (a TypeError for something that is not iterable, here, before anything starts)
+        source = remaining(xs, loop.next_index, loop.after_start)
+    except BaseException:
+        inflight.close()  # nothing was started: the runner's in-flight set is given back at once
+        raise
+    return MapIterator(_drive(loop, source), loop)
+
+
+class MapIterator:
+    """What `runner.map` returns: the outputs, one `next()` at a time, and `state_dict()`."""
+
+    __slots__ = ("_outputs", "_loop")
+
+    def __init__(self, outputs, loop: "MapLoop"):
+        self._outputs, self._loop = outputs, loop
+
+    def __iter__(self):
+        # The generator itself: a `for` loop then steps it from C, with no Python call of ours per output
+        # (a tiny map's loop is a few microseconds an output; a method here was a twentieth of it).
+        return self._outputs
+
+    def __next__(self):
+        return self._outputs.__next__()
+
+    def state_dict(self) -> dict:
+        """Which outputs were consumed so far, as plain data (JSON-able): pass it as `resume=` to a map of
+        the same graph and `xs` to get only the others. The output last handed out counts as consumed
+        (call it after handling that output, as torchdata's StatefulDataLoader counts)."""
+        return self._loop.state(held=True)
+
+    def close(self) -> None:
+        """Leave the map early: no more inputs are taken, nothing leaks, and `checkpoint=`'s file is written
+        (a `break` does the same once the iterator is let go of)."""
+        self._outputs.close()
+        self._loop.close()  # (a map never iterated has no generator frame to close it)
 
 
 def _drive(loop: "MapLoop", source):
@@ -103,7 +162,8 @@ class MapLoop:
     place (`.index` set) and the map goes on. The iterable's own exception is raised either way.
     """
 
-    def __init__(self, inflight: Inflight, xs, *, window, ordered: bool, progress, timeout, errors: str):
+    def __init__(self, inflight: Inflight, xs, *, graph, window, ordered: bool, progress, timeout, errors: str,
+                 resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         if errors not in ERRORS:
             raise ValueError(f"map's errors must be 'raise' or 'yield', got {errors!r}")
         self.inflight = inflight
@@ -111,8 +171,22 @@ class MapLoop:
         self.ordered = ordered
         self.timeout = timeout
         self.yield_errors = errors == "yield"
-        self.report = reporter(progress, _length(xs), "soma map")
-        self.taken = self.yielded = 0
+        self.graph = graph
+        self.length = length_of(xs)
+        self._graph_print = None  # fingerprint(graph), made when a state is first wanted
+        self._identity = None  # resuming.identity(...), the same
+        self.checkpoint = Checkpoint(checkpoint, checkpoint_every) if checkpoint is not None else None
+        # next_index: where the map starts; with ordered=True, the index to hand out next.
+        self.next_index, self.after_start = self._starting_point(resume)
+        # Inputs are numbered by their position in xs: on resuming, only those not consumed are taken.
+        self.positions = positions(self.next_index, self.after_start)
+        self.consumed = None if ordered else Consumed(self.next_index, self.after_start)
+        self.taken = self.yielded = consumed_count(self.next_index, self.after_start)
+        self.out = None  # the index of the output the caller held when the map ended (see outputs())
+        self.saved = self.yielded  # how many were consumed in the checkpoint's file (or at the start)
+        self.save_at = time.monotonic() + (self.checkpoint.every if self.checkpoint is not None else 0.0)
+        self.completed = self.closed = False
+        self.report = reporter(progress, self.length, "soma map", start=self.yielded)
         self.exhausted = False
         self.source_error = None  # xs itself raised: the caller gets it after every earlier output
         self.failure = None  # (index, error) of the earliest input known to have failed (errors="raise")
@@ -120,9 +194,55 @@ class MapLoop:
         self.done: dict = {}  # index → (ok, value): finished and not yet handed out
         self.arrived: deque = deque()  # ordered=False: finished indices in arrival order
         self.deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
-        self.next_index = 0  # ordered=True: the index to hand out next
         self._default = 0  # the default window, as last looked at (`_limit`)
         self._look_at = 0.0  # when to look again
+
+    # -- 0. where it starts, and what was consumed ------------------------------------------------------------
+    def _starting_point(self, resume) -> tuple[int, list]:
+        """`(next, after)`: the consumed inputs of `resume=` or of the checkpoint's file; (0, []) for none."""
+        if resume is not None and self.checkpoint is not None:
+            raise ValueError("map takes resume= or checkpoint=, not both: with checkpoint= the state to resume "
+                             "is the file's")
+        if resume is not None:
+            return checked(resume, graph_print=self.graph_print(), length=self.length, ordered=self.ordered,
+                           source="map's resume= state")
+        state = self.checkpoint.load() if self.checkpoint is not None else None
+        if state is None:
+            return 0, []
+        next_index, after = checked(state, graph_print=self.graph_print(), length=self.length,
+                                    ordered=self.ordered, source=f"the checkpoint {self.checkpoint.path}")
+        done = consumed_count(next_index, after)
+        warn("soma.map", "soma map: resumed at input %d from the checkpoint %s (%d outputs consumed before)",
+             next_index, self.checkpoint.path, done)
+        return next_index, after
+
+    def graph_print(self) -> str:
+        if self._graph_print is None:
+            self._graph_print = fingerprint(self.graph)
+        return self._graph_print
+
+    def state(self, held: bool) -> dict:
+        """The consumed inputs, as `state_dict()` gives them. `held=False`: without the output the caller
+        holds (its loop body may not have run: what a checkpoint saves)."""
+        if self._identity is None:
+            self._identity = identity(self.graph_print(), self.length, self.ordered)
+        if self.ordered:
+            next_index, after = self.next_index, []
+            if not held and self.out is not None:
+                next_index = self.out
+        else:
+            next_index, after = self.consumed.next, self.consumed.runs()
+            if not held and self.out is not None:
+                next_index, after = without(next_index, after, self.out)
+        return {**self._identity, "next": next_index, "after": after}
+
+    def save(self) -> None:
+        """Write the checkpoint if what was consumed changed since it was last written."""
+        consumed = self.yielded - (self.out is not None)  # (at an ask, or while waiting: the caller holds none)
+        if consumed != self.saved:
+            self.checkpoint.write(self.state(held=False))
+            self.saved = consumed
+        self.save_at = time.monotonic() + self.checkpoint.every
 
     # -- 1. taking inputs ----------------------------------------------------------------------------------
     def _limit(self) -> int:
@@ -154,7 +274,7 @@ class MapLoop:
         """Start inputs just taken from the source."""
         if not xs:
             return
-        items = [(self.taken + i, x) for i, x in enumerate(xs)]
+        items = list(zip(islice(self.positions, len(xs)), xs))
         self.taken += len(items)
         if self.timeout is not None and not self.inflight.enforces_timeout:
             deadline = time.monotonic() + self.timeout
@@ -164,23 +284,41 @@ class MapLoop:
 
     # -- 2. handing outputs out ----------------------------------------------------------------------------
     def outputs(self):
-        """Every output that may be handed out now, in its turn; a failure is raised in its place."""
-        if self.ordered:
-            while self.next_index in self.done:
-                ok, value = self.done.pop(self.next_index)
+        """Every output that may be handed out now, in its turn; a failure is raised in its place.
+
+        Each `yield` returns when the caller asks for the next output (its loop body ran); an exception
+        there (`close()`, a `break` or an error let go of the iterator, Ctrl-C) means it never asked:
+        the output it held is then `out`, which a checkpoint does not count."""
+        done = self.done
+        while True:
+            if self.ordered:
                 index = self.next_index
-                self.next_index += 1
+                if index not in done:
+                    break
+                ok, value = done.pop(index)
                 if not ok and not self.yield_errors:
-                    raise _indexed(value, index)
+                    raise _indexed(value, index)  # (not consumed: a state says to run it again)
+                self.next_index = index + 1
+            else:
+                if not self.arrived:
+                    break
+                index = self.arrived.popleft()
+                ok, value = done.pop(index)
+                if self.failure is not None and index > self.failure[0]:
+                    continue  # after a failure: cancelled with the rest
+                consumed = self.consumed
+                if index == consumed.next and not consumed.stops:
+                    consumed.next = index + 1  # in order, no run above: Consumed.add's answer, without its call
+                else:
+                    consumed.add(index)
+            try:
                 yield self._handed(value if ok else _indexed(value, index))
-            return
-        while self.arrived:
-            index = self.arrived.popleft()
-            ok, value = self.done.pop(index)
-            if self.failure is not None and index > self.failure[0]:
-                continue  # after a failure: cancelled with the rest
-            yield self._handed(value if ok else _indexed(value, index))
-        if self.failure is not None and not any(i < self.failure[0] for i in self.pending):
+            except BaseException:
+                self.out = index
+                raise
+            if self.checkpoint is not None and time.monotonic() >= self.save_at:
+                self.save()
+        if not self.ordered and self.failure is not None and not any(i < self.failure[0] for i in self.pending):
             raise _indexed(self.failure[1], self.failure[0])
 
     def _handed(self, value):
@@ -194,6 +332,7 @@ class MapLoop:
             return False
         if self.source_error is not None:
             raise self.source_error
+        self.completed = True
         return True
 
     # -- 3. waiting for the runner ---------------------------------------------------------------------------
@@ -208,9 +347,13 @@ class MapLoop:
 
     def wait_s(self) -> float | None:
         """How long to wait at most: until the oldest input's deadline (None: as long as it takes)."""
-        if not self.deadlines:
-            return None
-        return max(0.0, self.deadlines[next(iter(self.deadlines))] - time.monotonic())
+        wait = None
+        if self.deadlines:
+            wait = max(0.0, self.deadlines[next(iter(self.deadlines))] - time.monotonic())
+        if self.checkpoint is not None and self.yielded != self.saved:
+            due = max(0.0, self.save_at - time.monotonic())  # (what the caller consumed is written in time)
+            wait = due if wait is None else min(wait, due)
+        return wait
 
     def finished(self, results: list) -> None:
         """What the runner reports finished, and inputs whose time ran out meanwhile."""
@@ -236,10 +379,24 @@ class MapLoop:
             self.done[index] = (ok, value)
             if not self.ordered:
                 self.arrived.append(index)
+        if self.checkpoint is not None and time.monotonic() >= self.save_at:
+            self.save()
 
     def close(self) -> None:
-        self.inflight.close()
-        self.report(None)
+        """The map is over: the checkpoint removed (all yielded) or written (ended early), the runner's
+        in-flight set closed."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.checkpoint is not None and not self.checkpoint.failed:
+                if self.completed:
+                    self.checkpoint.remove()
+                else:
+                    self.save()
+        finally:
+            self.inflight.close()
+            self.report(None)
 
 
 def default_window(parallelism: int) -> int:
@@ -260,9 +417,3 @@ def _checked_window(window):
         raise ValueError(f"map's window must be a positive number of inputs, got {window!r}")
     return window
 
-
-def _length(xs):
-    try:
-        return len(xs)
-    except TypeError:
-        return None

@@ -7,12 +7,29 @@ copy is made from the node as it was then (and a node that cannot be pickled is
 an error before anything is sent). When the host's node object is garbage
 collected no graph can run it again, so its key is queued for the workers to
 forget.
+
+What a node's code reads from outside the node (a module global, a closure's
+variable) travels with it as it was then too, or is imported afresh by the worker:
+a copy does not see the host rebind it later, where the in-process Executor does.
+So when a node is pickled, `Reads` notes what its code reads, cheaply (which
+object each name is bound to); `warn_if_changed`, called by a copying runner (Local,
+Ray) as it accepts each run or map, warns once per node when one of those names
+now names another object:
+
+    code(node) ─ pickled ─▶ _sent[node] = Reads(node)        the names its code reads, and the id (or the
+                                                             small value) each is bound to
+    Local.run(g, x) ─ accepting ─▶ warn_if_changed(g)        reads.changed(): warnings.warn, once per node,
+                                                             naming it and what changed
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
+import types
+import warnings
 import weakref
 from collections import deque
 
@@ -48,12 +65,14 @@ class NodeRegistry:
         if entry[1] is None:
             from ..wire import nodecode
 
+            node = entry[0]()
             try:
-                entry[1] = nodecode.dumps(entry[0]())
+                entry[1] = nodecode.dumps(node)
             except Exception as err:
                 raise NodeError.failed(node_id, f"it cannot be sent to a worker: {type(err).__name__}: {err} (keep "
                                                 f"unpicklable things such as locks, sockets and open files out of "
                                                 f"the node, or create them in setup)") from err
+            note_sent(node)
         return entry[1]
 
     @property
@@ -75,3 +94,148 @@ class NodeRegistry:
                     if entry is not None and self._key_by_id.get(entry[2]) == key:
                         del self._key_by_id[entry[2]]
         return dead
+
+
+# -- what a node's code reads from outside it --------------------------------------------------------------
+
+_sent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node → its Reads when it was last pickled
+_warned: weakref.WeakSet = weakref.WeakSet()  # nodes already warned about: once each
+_CALLED = ("forward", "forward_batch", "setup")  # a Node class's methods whose reads are noted
+_KEPT = (int, float, complex, str, bytes, bool, type(None))  # compared by value (an equal int rebound is no change)
+# Not followed: modules, classes and builtins (`torch`, `Done`, `len`) are not rebound in practice, and leaving
+# them out leaves most nodes nothing to look at on each call
+_FIXED = (types.ModuleType, type, types.BuiltinFunctionType)
+
+
+class Reads:
+    """The module globals (but modules, classes and builtins) and closure variables a node's own code reads (a
+    soma.fn node's function; its class's forward, forward_batch and setup; their nested code too), and what
+    each was bound to when noted: the value
+    itself for numbers, strings and None, else the object's id (no reference kept: a tensor is not held alive).
+    Found once, when the node is pickled; `changed()` only reads each name again (~1 µs for a few)."""
+
+    __slots__ = ("names", "sources", "then")
+
+    def __init__(self, node):
+        names, sources = [], []
+        for func in _functions_of(node):
+            scope = func.__globals__
+            for name in _global_names(func.__code__):
+                if name in scope and not isinstance(scope[name], _FIXED):
+                    names.append(name)
+                    sources.append((scope, name))
+            for name, cell in zip(func.__code__.co_freevars, func.__closure__ or ()):
+                names.append(name)
+                sources.append((cell, None))
+        self.names, self.sources = tuple(names), tuple(sources)
+        self.then = self._now()
+
+    def _now(self) -> tuple:
+        return tuple(_bound(_read(source, name)) for source, name in self.sources)
+
+    def changed(self) -> list[str]:
+        """The names bound to another value than when noted."""
+        now = self._now()
+        if now == self.then:
+            return []
+        return sorted({name for name, a, b in zip(self.names, self.then, now) if a != b})
+
+
+_GONE = object()  # a global deleted since, or a closure cell emptied
+
+
+def _read(source, name):
+    if name is None:
+        try:
+            return source.cell_contents
+        except ValueError:
+            return _GONE
+    return source.get(name, _GONE)
+
+
+def _bound(value):
+    return ("value", value) if type(value) in _KEPT else ("id", id(value))
+
+
+def note_sent(node) -> None:
+    """`node` is being pickled for its copies: what its code reads now is what they see."""
+    try:
+        reads = _sent.get(node)
+    except TypeError:  # a node without __weakref__: not followed
+        return
+    if reads is None:
+        _sent[node] = Reads(node)
+    else:  # pickled again (another pool): the graphs that hold it keep this one Reads
+        reads.then = reads._now()
+        _warned.discard(node)
+
+
+_by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → [(node id, node's Reads)] that read
+
+
+def warn_if_changed(graph) -> None:
+    """Warn, once per node, when something a node's code reads from outside it names another object than when
+    the node was sent to its copies (the copies still see the old one). A graph's list of what to look at is
+    made once all its nodes have been sent: a graph whose nodes read nothing costs one lookup a call."""
+    reading = _by_graph.get(graph)
+    if reading is None:
+        reading = _reading(graph)
+    for node_id, reads in reading:
+        if reads._now() == reads.then:
+            continue
+        node = graph.node(node_id)
+        if node in _warned:
+            continue
+        _warned.add(node)
+        names = ", ".join(f"`{name}`" for name in reads.changed())
+        warnings.warn(f"node `{node_id}` reads {names}, which now names another value than when the node was sent "
+                      f"to its copies on worker processes: they still see the old one, where the in-process "
+                      f"Executor sees the new (docs/api.md, \"Copies\"); to use the new value, give it to a new node "
+                      f"as its attribute, or pass it in the input", UserWarning, stacklevel=_outside_soma())
+
+
+_SOMA = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # soma's own files start so
+
+
+def _outside_soma() -> int:
+    """The stacklevel (for its caller's warnings.warn) of the first frame outside soma: the line that called run,
+    map, submit, arun or amap, however many of soma's own calls lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_SOMA):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _reading(graph) -> list:
+    """`[(node id, Reads)]` of the graph's nodes that read something; kept once every node has been sent."""
+    reading, complete = [], True
+    for node_id in graph.nodes():
+        try:
+            reads = _sent.get(graph.node(node_id))
+        except TypeError:  # (not followed)
+            continue
+        if reads is None:
+            complete = False
+        elif reads.names:
+            reading.append((node_id, reads))
+    if complete:
+        _by_graph[graph] = reading
+    return reading
+
+
+def _functions_of(node) -> list:
+    """The node's own code: a soma.fn node's function (its `func`), and its class's forward, forward_batch and
+    setup; soma's own functions left out."""
+    kind = type(node)
+    found = [getattr(node, "__dict__", {}).get("func")] + [getattr(kind, name, None) for name in _CALLED]
+    return [f for f in found if type(f) is types.FunctionType and not f.__module__.startswith("soma.")]
+
+
+def _global_names(code) -> set:
+    """The names `code` and the code nested in it (comprehensions, lambdas, inner functions) read."""
+    found, todo = set(), [code]
+    while todo:
+        each = todo.pop()
+        found.update(each.co_names)
+        todo.extend(c for c in each.co_consts if isinstance(c, types.CodeType))
+    return found

@@ -28,7 +28,7 @@ import threading
 
 import msgpack
 
-from .shm import address_of
+from .mapping import address_of
 
 # Below this many bytes a value's bytes travel inline: one copy into the message is cheaper than creating or
 # mapping a segment. Measured here (a tensor made in a worker and returned, medians):

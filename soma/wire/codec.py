@@ -34,8 +34,9 @@ import msgpack
 
 from ..errors import SharedMemoryFull
 from .buffers import INLINE_LIMIT, decode_array, dump_pickle, encode_array, load_pickle
-from .shm import address_of
+from .mapping import address_of
 from .tensors import (
+    SHARED_STORAGES,
     T_INLINE,
     T_META,
     T_SHM,
@@ -404,6 +405,13 @@ class Decoder:
         view = self._get_store(True).open(name, seg_bytes)
         self.received.append(name)
         return view
+
+    def storage(self, name: str, seg_bytes: int):
+        """This process's torch storage over a segment a tensor handle names (its receipt counted): what
+        torch calls shared (see `tensors.SharedStorages`)."""
+        storage = self._get_store(True).open(name, seg_bytes, SHARED_STORAGES)
+        self.received.append(name)
+        return storage
 
     def buffer(self, handle: list) -> memoryview:
         """The bytes a buffer handle `[name, segment bytes, offset, bytes]` names, writable, over the segment."""

@@ -1,7 +1,7 @@
 """A node's code on its way to a worker, with its file name, line numbers and source lines kept.
 
     blob = nodecode.dumps(node)     # host: what `Local` sends once per node and worker
-    node = nodecode.loads(blob)     # worker
+    node = nodecode.loads(blob)     # worker; why_not_loaded(err) says what to do when it raises
 
 Why not plain `cloudpickle.dumps`: a class or function defined in `__main__` (a
 script, a notebook) travels by value, code object and all, and cloudpickle >=
@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import sys
 import types
 
 _DYNAMIC = "<dynamic-code>"
@@ -39,6 +40,42 @@ def dumps(node) -> bytes:
 def loads(blob: bytes):
     """The node back from `dumps` (worker side); it imports cloudpickle itself if the blob needs it."""
     return pickle.loads(blob)
+
+
+def why_not_loaded(err: BaseException) -> str:
+    """What to do about `loads` raising `err` in a worker or an actor, said from where it failed.
+
+    A node of an importable module travels by reference: the worker imports that module, and the module's
+    top-level code runs there, with the worker's sys.argv (its own program's arguments). A module that reads
+    the command line as it is imported (`int(sys.argv[1])`, `parser.parse_args()`) fails there, and the
+    worker's sys.path, the usual suspect, is not the cause. Anything else: the module could not be found.
+    """
+    frame, line = _importing(err)
+    if frame is None:
+        return ("workers start with the host's sys.path and working directory; define the node in a module they "
+                "can import")
+    module = frame.f_globals.get("__name__", "?")
+    said = (f"importing module `{module}` here ran its top-level code, which raised at {frame.f_code.co_filename}, "
+            f"line {line}")
+    if {"argv", "parse_args", "parse_known_args"} & set(frame.f_code.co_names):
+        given = f" (`{' '.join(sys.argv[1:3])} ...`)" if len(sys.argv) > 1 else ""
+        return (f"{said}: it reads the command line as it is imported, and a worker's sys.argv holds its own "
+                f"program's arguments{given}, not your script's; read arguments under "
+                f"`if __name__ == \"__main__\":` and give nodes what they need as their attributes")
+    return (f"{said}: a worker imports the module of each node it runs, so that code runs again there; keep "
+            f"what must run once (reading arguments, starting work) under `if __name__ == \"__main__\":`")
+
+
+def _importing(err: BaseException):
+    """(frame, line) of the innermost module-level code in `err`'s traceback (the module whose import raised),
+    or (None, None) when the error did not come from running a module."""
+    found = (None, None)
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "<module>":
+            found = (tb.tb_frame, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
 
 
 def _make_code(args: tuple, filename: str, lines: tuple | None):

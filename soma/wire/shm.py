@@ -7,31 +7,26 @@ as handles (segment name, size, where in it); their bytes never go through a
 socket. This module knows bytes only: no torch, no numpy (a process that moves
 only numpy arrays or bytes never imports torch).
 
-A process sees a segment through one *view* at a time: a ctypes byte array over
-its mapping. Everything made from a segment keeps that view alive: a tensor's
-storage (`torch.frombuffer` holds it), an ndarray (its `.base` chain ends at it),
-a memoryview slice handed to the unpickler as an out-of-band buffer (its managed
-buffer holds it). So "nobody in this process can still see the segment" is
-exactly "the view died", which `weakref.finalize` on the view reports.
-
-Why a ctypes array over memory soma maps itself (libc `mmap`, fd closed at once),
-and not Python's `mmap.mmap` or torch's `UntypedStorage.from_file`:
-
-* `mmap.mmap` keeps a duplicate file descriptor open for its whole life: a caller
-  holding a few thousand results would run out of descriptors. Ours keep none.
-* `mmap.mmap` unmaps before its weak references are cleared (measured on 3.11:
-  inside a finalizer the pages are already gone), so for a moment another thread
-  could be given the same addresses while this store still lists them. Here the
-  finalizer forgets the view first and unmaps after.
-* numpy keeps a ctypes array itself as an array's base (a memoryview it would
-  replace by one of its own), and ctypes arrays can be weakly referenced.
-* torch's storages need torch.
+A process sees a segment through at most two *views* at a time: a ctypes byte
+array over a mapping of soma's own (`soma.wire.mapping`: why not Python's mmap),
+for arrays and bytes, and the storage torch maps it into for tensors (a
+`Mapper`'s view: `soma.wire.tensors.SharedStorages`, so that torch knows the
+memory as shared). Everything made from a segment keeps its view alive: a
+tensor its storage, an ndarray its `.base` chain (ending at the ctypes array),
+a memoryview slice handed to the unpickler as an out-of-band buffer its managed
+buffer. So "nobody in this process can still see the segment" is exactly "its
+views died", which `weakref.finalize` on each view reports; each view counts
+the receipts it was opened for.
 
 Who frees what, and when (the rules `docs/local.md` explains at length):
 
 * The owner keeps each segment mapped once (its *base* mapping) and reuses it
   for later values: a reused segment is already faulted in, which is what makes
-  `ctx.empty` and heap copies cheap on a warm pool.
+  `ctx.empty` and heap copies cheap on a warm pool. (A tensor sent back to its
+  owner is mapped apart, by torch: its pages fault in as they are touched.)
+* A segment handed on outside soma (torch.multiprocessing asked for its file
+  descriptor) is marked on its file; its owner then unlinks it instead of
+  reusing it, since the other process may map it for as long as it likes.
 * A segment is in use while any process holds a live view on it.
 * The host is the lease authority. It counts, per segment, the receipts every
   process holds (`LeaseBook` in `soma.local`); when the count reaches zero it
@@ -48,7 +43,6 @@ would cost more than the bytes.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import os
 import re
 import threading
@@ -56,11 +50,25 @@ import weakref
 from collections import deque
 
 from ..errors import SharedMemoryFull
+from .mapping import (
+    POPULATE_READ,
+    POPULATE_WRITE,
+    Mapper,
+    map_file,
+    populate_pages,
+    unmap,
+    view_at,
+)
 
 SHM_DIR = "/dev/shm"
 GRANULE = 64 * 1024  # segment sizes are rounded up to this, so near sizes reuse one segment
 
-IDLE_TRIM_S = 1.0  # a process with nothing to do for this long gives back its free segments beyond IDLE_KEEP
+# A process with nothing to do for this long gives back its free segments beyond IDLE_KEEP. Not sooner: a caller
+# that runs every second or two (a notebook, an evaluation between training steps, a benchmark's other work) would
+# otherwise get a fresh segment for each large value: reserving and mapping a fresh 256 MiB segment took 0.2-0.45 s
+# here (posix_fallocate zeroes it, MADV_POPULATE_WRITE maps it; strace) against 20-30 ms for the copy into it, and
+# a warm one costs neither (a 256 MiB tensor came back in 0.29x ProcessPoolExecutor's time warm, 1.15-1.33x fresh).
+IDLE_TRIM_S = 5.0
 IDLE_KEEP = 64 << 20  # (kept for reuse while busy: a hot loop's values reuse warm, mapped memory)
 
 def pool_prefix(host_pid: int, token: str) -> str:
@@ -98,63 +106,6 @@ class ShmError(RuntimeError):
     """A handle names a segment this process must not or cannot map."""
 
 
-# -- mapping memory without Python's mmap (see the module docstring for why) --------------------------
-
-_PROT_RW, _MAP_SHARED = 0x1 | 0x2, 0x01
-_libc = None
-
-
-def _lib():
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_long]
-        lib.munmap.restype = ctypes.c_int
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.madvise.restype = ctypes.c_int
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc = lib
-    return _libc
-
-
-# Linux >= 5.14: map every page of a range now, in one call, instead of one fault per 4 KiB page when the bytes
-# are first touched (a value is about to be written or read whole). Measured here for 1 GiB: about half the
-# time of the faults it replaces. Older kernels answer EINVAL and the pages fault in as before.
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
-POPULATE_BYTES = 1 << 20  # smaller mappings fault in few pages: not worth a call
-
-
-def _map_file(path: str, nbytes: int, populate: int = 0) -> int:
-    """The address of a fresh shared, writable mapping of the first `nbytes` of `path` (no fd kept);
-    `populate`: _MADV_POPULATE_WRITE or _READ to map its pages now when it is large."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        address = _lib().mmap(None, nbytes, _PROT_RW, _MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    if address is None or address == ctypes.c_void_p(-1).value:
-        err = ctypes.get_errno()
-        raise OSError(err, f"could not map {path}: {os.strerror(err)}")
-    if populate and nbytes >= POPULATE_BYTES:
-        _lib().madvise(address, nbytes, populate)  # (a hint: its failure changes nothing but speed)
-    return address
-
-
-def _unmap(address: int, nbytes: int) -> None:
-    _lib().munmap(address, nbytes)
-
-
-def view_at(address: int, nbytes: int):
-    """A ctypes byte array over memory that someone else keeps mapped (it does not own it)."""
-    return (ctypes.c_ubyte * nbytes).from_address(address)
-
-
-def address_of(view) -> int:
-    return ctypes.addressof(view)
-
-
 class _Segment:
     """A segment this process created: its base mapping, and who still uses it."""
 
@@ -165,7 +116,7 @@ class _Segment:
         self.nbytes = nbytes
         self.address = address  # the owner's permanent mapping: already faulted in when reused
         self.sent = 0  # handles sent and not yet settled by the host's free()
-        self.local_live = 0  # live views of this process on the segment (0 or 1)
+        self.local_live = 0  # live views of this process on the segment (its bytes view, its storage: 0 to 2)
         self.in_pool = False  # free and waiting for reuse
 
     @property
@@ -174,17 +125,44 @@ class _Segment:
 
 
 class _View:
-    """Bookkeeping for this process's one live view of a segment."""
+    """Bookkeeping for one live view of a segment in this process: its bytes view (a ctypes array), or a
+    mapping someone else made and unmaps (a `Mapper`'s: torch's shared storage), one of each per segment."""
 
-    __slots__ = ("name", "start", "nbytes", "receipts", "ref", "owned")
+    __slots__ = ("name", "start", "nbytes", "receipts", "ref", "seg", "unmaps", "mapper")
 
-    def __init__(self, name: str, start: int, nbytes: int, view, owned: bool):
+    def __init__(self, name: str, start: int, nbytes: int, view, seg, unmaps: bool, mapper):
         self.name = name
         self.start = start
         self.nbytes = nbytes
         self.receipts = 0  # handles received for it, to report once it dies
         self.ref = weakref.ref(view)
-        self.owned = owned  # over the owner's base mapping (else a mapping of its own, unmapped when it dies)
+        self.seg = seg  # the _Segment when this process owns it (its local_live counts this view), else None
+        self.unmaps = unmaps  # a mapping of the store's own, unmapped when the view dies (not the base, not a Mapper's)
+        self.mapper = mapper
+
+    @property
+    def key(self) -> tuple:
+        return self.name, self.mapper is not None
+
+
+# A segment handed on outside soma (torch.multiprocessing received its file descriptor) is marked so on its
+# file: another process may map it for as long as it likes, so its owner never reuses it, only unlinks it.
+_EXPORTED_BIT = 0o100
+
+
+def mark_exported(path: str) -> None:
+    """Segment file `path` was handed on outside soma: its owner must not reuse it (see `_EXPORTED_BIT`)."""
+    try:
+        os.chmod(path, 0o600 | _EXPORTED_BIT)
+    except FileNotFoundError:
+        pass  # unlinked already: nobody can reuse it
+
+
+def _exported(name: str) -> bool:
+    try:
+        return bool(os.stat(os.path.join(SHM_DIR, name)).st_mode & _EXPORTED_BIT)
+    except FileNotFoundError:
+        return False
 
 
 class SegmentStore:
@@ -210,7 +188,7 @@ class SegmentStore:
         self._owned: dict[str, _Segment] = {}
         self._pool: list[_Segment] = []  # free owned segments, reusable
         self._pooled_bytes = 0
-        self._by_name: dict[str, _View] = {}  # segment → this process's live view of it
+        self._views: dict[tuple, _View] = {}  # (segment, by a Mapper?) → this process's live view of it
         self._starts: list[int] = []  # sorted start addresses of the live views (for `locate`)
         self._at: dict[int, _View] = {}  # start address → its view's record
         self._pending: list[tuple[str, int]] = []
@@ -221,7 +199,7 @@ class SegmentStore:
         """`(view, name)`: a fresh view of at least `nbytes` in a segment this process owns (reused when one is
         free). The view spans the whole segment and stays this process's view of it until it dies."""
         seg = self._take_free(nbytes) or self._create(nbytes)
-        return self._view(seg, owned=True), seg.name
+        return self._view(seg), seg.name
 
     def _take_free(self, nbytes: int):
         with self._lock:
@@ -258,7 +236,7 @@ class SegmentStore:
             raise SharedMemoryFull.reserving(None, size, f"a segment ({err.strerror})") from None
         os.close(fd)
         try:
-            address = _map_file(path, size, _MADV_POPULATE_WRITE)  # (the value is copied in next)
+            address = map_file(path, size, POPULATE_WRITE)  # (the value is copied in next)
         except OSError:
             unlink_quietly(name)
             raise
@@ -281,10 +259,10 @@ class SegmentStore:
         # lock held
         if seg.busy or seg.in_pool:
             return
-        if self.closed or self._pooled_bytes + seg.nbytes > self.cap:
+        if self.closed or self._pooled_bytes + seg.nbytes > self.cap or _exported(seg.name):
             del self._owned[seg.name]
             unlink_quietly(seg.name)
-            _unmap(seg.address, seg.nbytes)  # nothing of this process sees it any more (no live view)
+            unmap(seg.address, seg.nbytes)  # nothing of this process sees it any more (no live view)
             return
         seg.in_pool = True
         self._pool.append(seg)
@@ -300,8 +278,11 @@ class SegmentStore:
                 return None
             rec = self._at[self._starts[i]]
             # A view that is dying (its finalizer has not run yet) answers None: its memory may be gone.
-            if address + nbytes > rec.start + rec.nbytes or rec.ref() is None:
+            view = rec.ref()
+            if address + nbytes > rec.start + rec.nbytes or view is None:
                 return None
+            if rec.mapper is not None and rec.mapper.address(view) != rec.start:
+                return None  # (torch moved its bytes elsewhere: share_memory_ under the file_system strategy)
             return rec.name, rec.nbytes, address - rec.start
 
     def note_sent(self, name: str) -> None:
@@ -312,12 +293,14 @@ class SegmentStore:
                 seg.sent += 1
 
     # -- receiver side ---------------------------------------------------------------------
-    def open(self, name: str, nbytes: int):
-        """This process's live view of segment `name` (the existing one when there is), counting a receipt."""
+    def open(self, name: str, nbytes: int, mapper: Mapper | None = None):
+        """This process's live view of segment `name` (the existing one when there is), counting a receipt:
+        a ctypes byte array, or with `mapper` the object it maps the segment into (one of each per segment)."""
         if not self._name_re.match(name):
             raise ShmError(f"segment name {name!r} is not one of this pool's ({self.prefix}-*)")
+        key = name, mapper is not None
         with self._lock:
-            found = self._by_name.get(name)
+            found = self._views.get(key)
             view = found.ref() if found is not None else None
             if view is not None:
                 if found.nbytes < nbytes:
@@ -325,39 +308,73 @@ class SegmentStore:
                 found.receipts += 1
                 return view
             seg = self._owned.get(name)
-        if seg is not None:  # one of ours sent back: a view of the base mapping, no new faults
+        path = os.path.join(SHM_DIR, name)
+        if seg is not None:  # one of ours sent back
             if nbytes > seg.nbytes:
                 raise ShmError(f"segment {name} holds {seg.nbytes} bytes, the handle claims {nbytes}")
-            view = self._view(seg, owned=True)
+            if mapper is None:
+                view = self._view(seg)  # a view of the base mapping: no new faults
+            else:  # (its pages are in memory: they fault in as they are touched, none if none is)
+                view = self._view(seg, mapped=self._mapped(path, seg.nbytes, mapper, False), mapper=mapper)
         else:
-            path = os.path.join(SHM_DIR, name)
             try:
-                size = os.stat(path).st_size
+                st = os.stat(path)
             except FileNotFoundError:
                 raise ShmError(f"segment {name} is gone (its owner died or the pool closed)") from None
-            if size < nbytes:
+            if st.st_size < nbytes:
                 # Mapping beyond the end of the file would raise SIGBUS when touched.
-                raise ShmError(f"segment {name} holds {size} bytes, the handle claims {nbytes}")
-            view = self._view(None, owned=False, name=name, address=_map_file(path, nbytes, _MADV_POPULATE_READ),
-                              nbytes=nbytes)
+                raise ShmError(f"segment {name} holds {st.st_size} bytes, the handle claims {nbytes}")
+            if mapper is None:
+                view = self._view(None, name=name, address=map_file(path, nbytes, POPULATE_READ),
+                                  nbytes=nbytes)
+            else:
+                view = self._view(None, name=name, nbytes=nbytes, mapper=mapper,
+                                  mapped=self._mapped(path, nbytes, mapper, True, st.st_ino))
         with self._lock:
-            self._by_name[name].receipts += 1
+            self._views[key].receipts += 1
         return view
 
-    def _view(self, seg: _Segment | None, owned: bool, name: str = "", address: int = 0, nbytes: int = 0):
+    @staticmethod
+    def _mapped(path: str, nbytes: int, mapper: Mapper, populate: bool, inode: int | None = None):
+        """`mapper`'s mapping of segment file `path` (inode `inode` when known), checked to be that file (a mapper
+        may create a file of that name when it is gone: that one is unlinked again, and the segment reported
+        gone)."""
+        try:
+            before = inode if inode is not None else os.stat(path).st_ino
+            obj = mapper.map(path, nbytes)
+            after = os.stat(path).st_ino
+        except FileNotFoundError:
+            after = None
+        if after != before:
+            if after is not None:
+                unlink_quietly(os.path.basename(path))
+            raise ShmError(f"segment {os.path.basename(path)} is gone (its owner died or the pool closed)")
+        if populate:
+            populate_pages(mapper.address(obj), nbytes, POPULATE_READ)  # (as map_file does)
+        return obj
+
+    def _view(self, seg: _Segment | None, name: str = "", address: int = 0, nbytes: int = 0, mapped=None,
+              mapper: Mapper | None = None):
+        """Register a new view: over the base mapping of `seg`, over `address` (a mapping of ours), or the
+        object `mapped` (a `mapper`'s mapping of a whole segment); the view registered first is the answer."""
         if seg is not None:
-            name, address, nbytes = seg.name, seg.address, seg.nbytes
-        view = view_at(address, nbytes)
-        rec = _View(name, address, nbytes, view, owned)
+            name, nbytes = seg.name, seg.nbytes
+            if mapped is None:
+                address = seg.address
+        if mapped is not None:
+            view, address = mapped, mapper.address(mapped)
+        else:
+            view = view_at(address, nbytes)
+        rec = _View(name, address, nbytes, view, seg, unmaps=seg is None and mapped is None, mapper=mapper)
         with self._lock:
-            old = self._by_name.get(name)
+            old = self._views.get(rec.key)
             alive = old.ref() if old is not None else None
             if alive is not None:
                 # Two threads opened it at once: keep the first view, let this one go.
-                if not owned:
-                    _unmap(address, nbytes)
+                if rec.unmaps:
+                    unmap(address, nbytes)
                 return alive
-            self._by_name[name] = rec
+            self._views[rec.key] = rec
             if address not in self._at:  # (a dying view of the same base mapping may still be listed)
                 bisect.insort(self._starts, address)
             self._at[address] = rec
@@ -402,16 +419,15 @@ class SegmentStore:
             i = bisect.bisect_left(self._starts, rec.start)
             if i < len(self._starts) and self._starts[i] == rec.start:
                 del self._starts[i]
-        if self._by_name.get(rec.name) is rec:
-            del self._by_name[rec.name]
+        if self._views.get(rec.key) is rec:
+            del self._views[rec.key]
         receipts, rec.receipts = rec.receipts, 0
-        if rec.owned:
-            seg = self._owned.get(rec.name)
-            if seg is not None:
-                seg.local_live -= 1
-                self._maybe_reusable(seg)
-        else:
-            _unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
+        if rec.seg is not None:
+            rec.seg.local_live -= 1
+            if self._owned.get(rec.name) is rec.seg:
+                self._maybe_reusable(rec.seg)
+        elif rec.unmaps:
+            unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
         return [(rec.name, receipts)] if receipts else []
 
     def releases(self) -> list[tuple[str, int]]:
@@ -442,7 +458,7 @@ class SegmentStore:
                 self._pooled_bytes -= seg.nbytes
                 del self._owned[seg.name]
                 unlink_quietly(seg.name)
-                _unmap(seg.address, seg.nbytes)
+                unmap(seg.address, seg.nbytes)
                 given += seg.nbytes
         return given
 
@@ -455,6 +471,6 @@ class SegmentStore:
                 unlink_quietly(name)
             for seg in self._pool:
                 del self._owned[seg.name]
-                _unmap(seg.address, seg.nbytes)  # idle: nothing sees it
+                unmap(seg.address, seg.nbytes)  # idle: nothing sees it
             self._pool.clear()
             self._pooled_bytes = 0

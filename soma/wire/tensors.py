@@ -1,7 +1,8 @@
 """Tensors on the wire: a handle per tensor (dtype, shape, stride, offset, and where the bytes are).
 
     inline   the bytes themselves, for what covers under the inline limit
-    shm      a shared-memory segment (`soma.wire.shm`): name and size, never the bytes
+    shm      a shared-memory segment (`soma.wire.shm`): name and size, never the bytes; the receiver's
+             tensor is over torch's own mapping of it (`SharedStorages`), so torch calls it shared
     meta     nothing but the shape
     torch    torch's own reductions, for what soma's handles do not describe: CUDA tensors (CUDA IPC
              handles: the producer keeps the block alive until consumers release it), sparse ones
@@ -22,11 +23,16 @@ travels by name, strides kept, whatever its size.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
+import os
 import pickle
 import sys
+import weakref
 
 from .buffers import INLINE_LIMIT
+from .mapping import Mapper
+from .shm import mark_exported
 
 # tensor handle kinds
 T_INLINE, T_SHM, T_META, T_TORCH = 0, 1, 2, 3
@@ -117,6 +123,59 @@ def tensor_over(torch, buffer, dtype, offset: int, shape, stride):
     return t.set_(storage, offset, shape, stride) if stride is not None else t.set_(storage, offset, shape)
 
 
+class SharedStorages(Mapper):
+    """How a segment becomes a tensor's storage on the receiving side: torch maps the segment's file itself
+    (`UntypedStorage.from_file(path, shared=True)`, MAP_SHARED), so the storage is what torch calls shared
+    (`is_shared()`): `share_memory_()` leaves it where it is, and torch.multiprocessing hands it on by file
+    descriptor, no copy. The storage is this process's view of the segment (`SegmentStore.open`): it dies
+    with the last tensor over it (torch keeps a storage's Python object as long as its tensors), and its
+    death releases the segment's receipts, as a ctypes view's does.
+
+    Handed on outside soma (its descriptor asked for: a torch.multiprocessing queue, a DataLoader worker's
+    result, `share_memory_()`), the segment is marked on its file, so its owner unlinks it once soma lets
+    go instead of reusing it: the other process may still map it.
+    """
+
+    def map(self, path: str, nbytes: int):
+        import torch
+
+        storage = torch.UntypedStorage.from_file(path, True, nbytes)
+        # torch's MapAllocator closed the file after mapping it (no descriptor per storage held), so it
+        # would answer -1: open one when, and only when, torch hands the storage on.
+        storage._share_fd_cpu_ = functools.partial(_hand_on, path, storage.data_ptr(), weakref.ref(storage))
+        return storage
+
+    def address(self, storage) -> int:
+        return storage.data_ptr()
+
+
+SHARED_STORAGES = SharedStorages()
+
+
+def _hand_on(path: str, start: int, ref) -> tuple:
+    """`storage._share_fd_cpu_()` of a segment's storage: `(descriptor, bytes)` (the descriptor stays open as
+    long as the storage), and the segment marked as handed on outside soma."""
+    storage = ref()
+    if storage.data_ptr() != start:  # torch moved its bytes (share_memory_ under file_system): torch's own
+        return type(storage)._share_fd_cpu_(storage)
+    fd = storage.__dict__.get("_soma_fd")
+    if fd is None:
+        mark_exported(path)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:  # unlinked (its pool closed): this process's own mapping still names the file
+            start = storage.data_ptr()
+            try:
+                fd = os.open(f"/proc/self/map_files/{start:x}-{start + storage.nbytes():x}", os.O_RDWR)
+            except OSError as err:
+                raise OSError(err.errno, f"this tensor's shared memory ({os.path.basename(path)}) was unlinked when "
+                                         f"its soma pool closed, and this system does not let it be opened again "
+                                         f"({err.strerror}): hand on a copy (t.clone()) instead") from None
+        storage._soma_fd = fd
+        weakref.finalize(storage, os.close, fd)
+    return fd, storage.nbytes()
+
+
 _DTYPES: dict = {}  # a dtype's name on the wire → the torch dtype
 
 
@@ -148,7 +207,7 @@ def decode_tensor(dec, handle: list):
         extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
         if offset < 0 or any(st < 0 for st in stride) or (offset + extent) * itemsize > seg_bytes:
             raise ValueError(f"tensor handle for {name} reaches outside its segment")
-        t = tensor_over(torch, dec.open(name, seg_bytes), dtype, offset, shape, stride)
+        t = torch.empty(0, dtype=dtype).set_(dec.storage(name, seg_bytes), offset, shape, stride)
     else:
         raise ValueError(f"unknown tensor handle kind {kind}")
     return t.requires_grad_() if grad else t

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import soma  # noqa: E402
 from soma import Done, Graph, Node, NodeError, SharedMemoryFull  # noqa: E402
 from soma.wire.codec import INLINE_LIMIT  # noqa: E402
-from tests.conftest import shm_names  # noqa: E402
+from tests.conftest import shm_names, wait_for  # noqa: E402
 from tests.local.nodes import InPlaceAdd, MakeTensor, Slice, WrapInHolder  # noqa: E402
 from tests.nodes import Double, Identity, Obeys, RequiresGradOutput, Shared, in_segment  # noqa: E402
 
@@ -137,8 +137,8 @@ def test_thousand_runs_leave_shm_and_fds_flat(local):
 
 
 def _segment_of(pool, t):
-    """The segment a host tensor maps (its file in /dev/shm), found through the host's store."""
-    return pool._pool.get_store().segment_of(t.data_ptr())
+    """The segment a host tensor or array maps (its file in /dev/shm), found through the host's store."""
+    return pool._pool.get_store().segment_of(t.data_ptr() if hasattr(t, "data_ptr") else t.ctypes.data)
 
 
 def test_shared_memory_that_runs_out_is_an_error_naming_the_node(local, monkeypatch):
@@ -199,3 +199,117 @@ def test_small_tensors_from_many_threads_while_a_fresh_worker_imports_torch():
         out = list(callers.map(lambda x: fresh.run(g, x), xs))
     assert [s for s, _ in out] == [8.0 * i for i in range(128)]
     assert all(1 <= n <= 16 for _, n in out)
+
+
+# -- what torch calls shared (SPEC 5) -----------------------------------------------------------------
+
+LARGE = 1 << 21  # float32 elements: 8 MiB, past the size from which a receiver maps every page at once
+
+
+def segment_file(value) -> str | None:
+    """The /dev/shm file a tensor's or an array's first byte is a mapping of, in this process (or None)."""
+    address = value.data_ptr() if hasattr(value, "data_ptr") else value.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            if lo <= address < hi:
+                return os.path.basename(fields[5].strip().removesuffix(" (deleted)")) if len(fields) > 5 else None
+    return None
+
+
+class HowItArrived(Node):
+    """Its input tensor or array as the worker sees it: (torch's is_shared, or None for an array; the segment
+    file it maps; its last element)."""
+
+    def forward(self, x, ctx):
+        shared = x.is_shared() if hasattr(x, "is_shared") else None
+        return Done((shared, segment_file(x), float(x.reshape(-1)[-1])))
+
+
+def test_results_are_what_torch_calls_shared_heap_born_or_through_ctx_empty(local):
+    for through_ctx in (False, True):
+        t = local.run(Graph.somatize(MakeTensor(LARGE, through_ctx=through_ctx, value=5.0)), None)
+        assert t.is_shared() and t.untyped_storage().is_shared()
+        assert os.path.basename(t.untyped_storage().filename) == segment_file(t) == _segment_of(local, t)
+        assert float(t.sum()) == 5.0 * LARGE
+        view = t[10:20]  # a view of it too, and its storage's bytes in place after share_memory_
+        assert view.is_shared() and view.share_memory_().data_ptr() == t.data_ptr() + 40
+
+
+def test_a_workers_view_of_an_input_is_what_torch_calls_shared(local):
+    x = torch.arange(LARGE, dtype=torch.float32)  # heap-born here: copied once into a segment
+    shared, name, last = local.run(Graph.somatize(HowItArrived()), x)
+    assert shared is True and name.startswith(local._pool.prefix) and last == LARGE - 1
+    received = local.run(Graph.somatize(Identity()), x)  # and a tensor that came back, sent again: any worker
+    for _ in range(4):  # (its owner, or the other one) sees it shared, over the same segment
+        shared, name, last = local.run(Graph.somatize(HowItArrived()), received)
+        assert shared is True and name == _segment_of(local, received) and last == LARGE - 1
+
+
+def test_a_received_tensor_or_array_sent_to_another_run_crosses_as_its_segment(local, monkeypatch):
+    import numpy
+
+    made = {
+        "tensor": local.run(Graph.somatize(MakeTensor(LARGE, value=7.0)), None),
+        "array": local.run(Graph.somatize(Identity()), numpy.full(LARGE, 7.0, numpy.float32)),
+    }
+    copies = []
+    fresh = soma.wire.codec.Encoder.fresh
+    monkeypatch.setattr(soma.wire.codec.Encoder, "fresh", lambda enc, n: copies.append(n) or fresh(enc, n))
+    for kind, value in made.items():
+        segment = _segment_of(local, value)
+        assert segment is not None and segment_file(value) == segment
+        shared, name, last = local.run(Graph.somatize(HowItArrived()), value)
+        assert name == segment and last == 7.0, kind  # the worker maps the very segment the host holds
+        back = local.run(Graph.somatize(Identity()), value)
+        assert back.data_ptr() == value.data_ptr() if kind == "tensor" else back.ctypes.data == value.ctypes.data
+    assert copies == []  # nothing was copied into shared memory on the host to send them
+
+
+def _hand_on_queue(tensors, answers, go_on):
+    """A torch.multiprocessing child: what the tensor it was handed looks like here, now and after the
+    parent let go of it and the pool made more values of its size."""
+    t = tensors.get()
+    answers.put((t.is_shared(), segment_file(t), float(t.min()), float(t.max())))
+    go_on.get()
+    answers.put((float(t.min()), float(t.max())))
+
+
+def test_a_torch_multiprocessing_queue_hands_a_result_on_without_a_copy_and_the_segment_is_never_reused(local):
+    import torch.multiprocessing as tmp
+
+    g = Graph.somatize(MakeTensor(LARGE, value=3.0))
+    t = local.run(g, None)
+    segment, ptr = _segment_of(local, t), t.data_ptr()
+    spawn = tmp.get_context("spawn")
+    tensors, answers, go_on = spawn.Queue(), spawn.Queue(), spawn.Queue()
+    child = spawn.Process(target=_hand_on_queue, args=(tensors, answers, go_on), daemon=True)
+    child.start()
+    try:
+        tensors.put(t)
+        shared, name, lo, hi = answers.get(timeout=120)
+        assert shared and name == segment and lo == hi == 3.0  # the child maps the very segment: no copy
+        assert t.data_ptr() == ptr and _segment_of(local, t) == segment  # and here it stayed where it was
+        del t
+        later = [local.run(Graph.somatize(MakeTensor(LARGE, value=float(i))), None) for i in range(4)]
+        del later  # the pool made and dropped values of its size: had it reused the segment, the child would
+        local.run(Graph.somatize(Identity()), 0)  # see them (the frees reach the owners with this run)
+        wait_for(lambda: segment not in shm_names(local._pool.prefix), 30, "the handed-on segment unlinked")
+        go_on.put(None)
+        assert answers.get(timeout=60) == (3.0, 3.0)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+def test_a_result_can_be_handed_on_after_its_pool_closed():
+    """Its segment file is unlinked at close(); the mapping this process holds still opens it (map_files)."""
+    with soma.Local(workers=1) as pool:
+        t = pool.run(Graph.somatize(MakeTensor(LARGE, value=4.0)), None)
+    ptr = t.data_ptr()
+    fd, nbytes = t.untyped_storage()._share_fd_cpu_()  # what torch.multiprocessing asks for
+    assert nbytes >= LARGE * 4 and os.fstat(fd).st_nlink == 0  # the unlinked segment itself
+    assert os.pread(fd, 8, 40) == torch.full((2,), 4.0).numpy().tobytes()
+    assert t.share_memory_().data_ptr() == ptr and t.is_shared()

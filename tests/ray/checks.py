@@ -766,8 +766,14 @@ def main(out_path: str, only: list) -> None:
         # address="local": always a new instance of our own, never another program's cluster on this machine
         with soma.Ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                       _temp_dir=folder) as cluster:
-            for check in checks:
-                results[check.__name__] = _recorded(check.__name__, lambda: check(cluster))
+            # The checks' own folders (markers their actors leave, tempfile.mkdtemp without a dir) go inside
+            # Ray's, removed with it below: a run leaves nothing in /tmp (they were left there, empty, before)
+            tempfile.tempdir = tempfile.mkdtemp(prefix="checks-", dir=folder)
+            try:
+                for check in checks:
+                    results[check.__name__] = _recorded(check.__name__, lambda: check(cluster))
+            finally:
+                tempfile.tempdir = None  # (Ray's own look-ups of the temp dir, at shutdown, see /tmp again)
             for check in (traced, trace_blocks):
                 if not only or check.__name__ in only:
                     results[check.__name__] = _recorded(check.__name__, lambda: check(cluster, folder))

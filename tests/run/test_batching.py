@@ -227,3 +227,85 @@ def test_batched_numpy_outputs_held_many_at_once_keep_their_values(runner):
     later = list(runner.map(g, range(100, 164)))  # more batches while the first outputs are still held
     for x, value in [*zip(range(64), held), *zip(range(100, 164), later)]:
         assert value.shape == (1 << 18,) and numpy.all(value == x % 251), x
+
+
+# -- issue 32 item 2: every runner batches a per-item stage's outputs, concurrent calls and traced maps ----------
+
+class Stamp(Node):
+    """A per-item stage that costs next to nothing (a decode, an augment)."""
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class Twice(Node):
+    """A batching node that costs next to nothing itself: each input doubled, and how many shared its call. Its
+    inputs never queue behind a slow call: they batch only when the runner knows more are coming."""
+
+    max_batch = 8
+    batch_wait = 0.05
+
+    def forward_batch(self, xs, ctx):
+        return Done([(2 * x, len(xs)) for x in xs])
+
+
+def _shared(out: list) -> int:
+    """How many of the outputs came from a call of more than one input."""
+    return sum(1 for _, size in out if size > 1)
+
+
+def test_a_per_item_stage_before_a_batching_node_batches_in_a_map(runner):
+    out = list(runner.map(Graph.somatize(Stamp() >> Twice()), range(64), window=64))
+    assert [v for v, _ in out] == [2 * x for x in range(64)]
+    assert max(size for _, size in out) <= 8
+    assert _shared(out) >= 32, out
+
+
+def test_concurrent_runs_from_eight_threads_share_calls(runner):
+    g = Graph.somatize(Stamp() >> Embed())  # (a model's forward takes time: calls that come meanwhile meet)
+    runner.run(g, 0)  # (warm: its code loaded)
+    start = threading.Barrier(8)
+
+    def call(k):
+        start.wait(30)
+        return runner.run(g, k)
+
+    out = in_threads(call, 8)
+    assert [v for v, _, _ in out] == [2 * k for k in range(8)]
+    assert max(size for _, size, _ in out) > 1, out
+
+
+def test_concurrent_aruns_of_a_cheap_batching_node_share_calls(runner):
+    g = Graph.somatize(Twice())  # (its calls cost next to nothing: they batch only because the runner waits)
+    runner.run(g, 0)  # (warm: its code loaded)
+
+    async def together():
+        return await asyncio.wait_for(asyncio.gather(*(runner.arun(g, k) for k in range(32))), 60)
+
+    out = asyncio.run(together())
+    assert [v for v, _ in out] == [2 * k for k in range(32)]
+    assert _shared(out) >= 16, out
+
+
+def test_a_traced_map_of_a_batching_node_batches_and_each_call_is_one_event(runner, tmp_path):
+    import json
+
+    path = tmp_path / "twice.json"
+    with runner.trace(path):
+        out = list(runner.map(Graph.somatize(Twice()), range(32), window=32))
+    assert [v for v, _ in out] == [2 * x for x in range(32)]
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "node" and e["name"] == "twice"]
+    assert sorted(i for e in events for i in e["args"]["inputs"]) == list(range(32))
+    assert all(e["args"]["batch"] == len(e["args"]["inputs"]) <= 8 for e in events)
+    assert max(e["args"]["batch"] for e in events) > 1, events
+    assert len(events) <= 16, [e["args"]["batch"] for e in events]
+
+
+def test_a_failing_batch_after_a_per_item_stage_fails_each_of_its_inputs_with_its_own_error(runner):
+    out = list(runner.map(Graph.somatize(Stamp() >> FailsOn(bad=5)), range(24), window=24, errors="yield"))
+    failed = [o for o in out if isinstance(o, NodeError)]
+    assert 5 in {o.index for o in failed} and len(failed) <= 4
+    assert len({id(o) for o in failed}) == len(failed)  # each its own error
+    assert all(str(o).startswith("node `fails_on` failed: ValueError: bad batch [") for o in failed)
+    assert [o for i, o in enumerate(out) if not isinstance(o, NodeError)] == \
+        [i for i in range(24) if i not in {o.index for o in failed}]

@@ -269,3 +269,115 @@ def test_a_map_left_early_never_calls_the_batches_waiting_for_the_node():
             time.sleep(0.01)
     finally:
         executor.close()
+
+
+# -- a batching node's inputs meet at one place per node object, whoever runs it (issue 32, item 2) -----------
+
+class Embeds(Node):
+    """A batching node whose call takes a few milliseconds (a model's forward): each input doubled, how many
+    shared the call; fails if two calls ever run in it at once."""
+
+    max_batch = 8
+
+    def __init__(self):
+        self.alone = threading.Lock()  # (in-process only: held while a call runs)
+
+    def forward_batch(self, xs, ctx):
+        assert self.alone.acquire(blocking=False), "two batches at once"
+        time.sleep(0.005)
+        self.alone.release()
+        return Done([(2 * x, len(xs)) for x in xs])
+
+
+class Patient(Node):
+    """A batching node that would wait a long time for company: a lone input must not."""
+
+    max_batch = 8
+    batch_wait = 2.0
+
+    def forward_batch(self, xs, ctx):
+        return Done([(x, len(xs)) for x in xs])
+
+
+def test_runs_through_separate_executors_share_a_batching_nodes_calls():
+    # One gathering per node object: eight threads, each with an Executor of its own, meet at the node (each
+    # Executor had its own before, and every call was of one input).
+    g = Graph.somatize(Embeds())
+    start = threading.Barrier(8)
+
+    def call(k):
+        start.wait(30)
+        with Executor() as executor:
+            return executor.run(g, k)
+
+    out = in_threads(call, 8)
+    assert [v for v, _ in out] == [2 * k for k in range(8)]
+    assert max(size for _, size in out) > 1, out
+
+
+def test_two_executors_mapping_one_batching_node_run_one_batch_at_a_time():
+    node = Embeds()
+    graphs = [Graph.somatize(AddOne() >> node), Graph.somatize(node)]  # (threads meeting; chunks)
+
+    def mapped(k):
+        with Executor() as executor:
+            return list(executor.map(graphs[k % 2], range(40)))
+
+    out = in_threads(mapped, 4)
+    for k, values in enumerate(out):
+        assert [v for v, _ in values] == [2 * (x + 1 - k % 2) for x in range(40)]
+
+
+def test_a_lone_run_does_not_wait_for_company():
+    executor = Executor()
+    g = Graph.somatize(AddOne() >> Patient())
+    assert executor.run(g, 1) == (2, 1)
+    start = time.monotonic()
+    assert executor.run(g, 2) == (3, 1)
+    assert time.monotonic() - start < 1.0  # (batch_wait is 2 s)
+
+
+class WaitsForGate(Node):
+    def __init__(self, gate: threading.Event):
+        self.gate = gate
+
+    def forward(self, x, ctx):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return Done(x)
+
+
+def test_inputs_cancelled_before_they_start_are_no_longer_awaited_at_a_batching_node():
+    # A submitted input counts as coming at the node from when it is submitted (so the first there waits for
+    # it); cancelled before a thread took it, it must stop counting, or the inputs at the node would wait the
+    # node's whole batch_wait for it. (A map left early cancels its inputs the same way.)
+    gate = threading.Event()
+    g = Graph.somatize(WaitsForGate(gate) >> Patient())
+    executor = Executor(threads=2)
+    try:
+        futures = [executor.submit(g, k) for k in range(32)]  # two running (at the gate), thirty waiting
+        assert all(f.cancel() for f in futures[2:])
+        gate.set()
+        start = time.monotonic()
+        assert [f.result(30) for f in futures[:2]] == [(0, 2), (1, 2)] or \
+            sorted(f.result(30) for f in futures[:2]) == [(0, 1), (1, 1)]
+        assert time.monotonic() - start < 1.0  # (batch_wait is 2 s)
+    finally:
+        executor.close()
+
+
+def test_inputs_waiting_for_a_busy_thread_do_not_hold_a_batch_back():
+    # Four threads: a batch is at most four inputs, and the map's others wait for a thread that the inputs at
+    # the node hold. Counted as coming, they would keep each batch waiting its whole batch_wait (2 s) for them.
+    executor = Executor(threads=4)
+    g = Graph.somatize(AddOne() >> Patient())
+    try:
+        start = time.monotonic()
+        out = list(executor.map(g, range(16), window=16))
+        assert [v for v, _ in out] == [x + 1 for x in range(16)]
+        assert time.monotonic() - start < 1.5, out
+        start = time.monotonic()
+        out = [f.result(30) for f in [executor.submit(g, x) for x in range(16)]]  # (arun's way too)
+        assert [v for v, _ in out] == [x + 1 for x in range(16)]
+        assert time.monotonic() - start < 1.5, out
+    finally:
+        executor.close()

@@ -4,7 +4,8 @@ import traceback
 
 import pytest
 
-from soma import Done, Node, NodeError
+import soma
+from soma import Done, Graph, GraphError, Node, NodeError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,10 +39,82 @@ def test_the_same_expression_is_one_graph_every_time(runner):
 def test_anything_else_says_what_run_takes(runner):
     name = type(runner).__name__
     with pytest.raises(TypeError, match=rf"^{name}.run runs a soma Graph, a Node or an expression built with >> "
-                                        rf"and \|; got int$"):
+                                        rf"and \|; got int 3$"):
         runner.run(3, 1)
-    with pytest.raises(TypeError, match=r"`Echo` is a Node class: did you mean `Echo\(\)`\?"):
+    with pytest.raises(TypeError, match=rf"^{name}.map runs .*; got class Echo \(`Echo` is a Node class, not a "
+                                        rf"node: did you mean `Echo\(\)`\?\)$"):
         runner.map(Echo, [1])
+
+
+def upper(x):
+    return x.upper()
+
+
+def test_a_plain_function_where_a_graph_is_expected_is_a_type_error_naming_soma_fn(runner):
+    """SPEC 7: every way in (run, map, submit, arun, amap; Graph.somatize, >> and | too) says the same."""
+    import asyncio
+
+    name = type(runner).__name__
+    wrap = " (wrap a plain function with soma.fn: `soma.fn(upper)`)"
+    ways = {
+        "run": lambda: runner.run(upper, "x"),
+        "map": lambda: runner.map(upper, ["x"]),
+        "submit": lambda: runner.submit(upper, "x"),
+        "arun": lambda: asyncio.run(runner.arun(upper, "x")),
+        "amap": lambda: runner.amap(upper, ["x"]),
+    }
+    for way, call in ways.items():
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == (f"{name}.{way} runs a soma Graph, a Node or an expression built with >> and |; "
+                                   f"got function upper{wrap}"), way
+        assert isinstance(info.value, GraphError)  # (what it was before: both still catch it)
+    for written, said in [
+        (lambda: Graph.somatize(upper),
+         "Graph.somatize needs a soma Node or an expression built with >> and |; got function upper"),
+        (lambda: Echo() >> upper, "cannot compose echo >> function upper: both sides of `>>` must be soma nodes or "
+                                  "expressions"),
+        (lambda: upper | Echo(), "cannot compose function upper | echo: both sides of `|` must be soma nodes or "
+                                 "expressions"),
+    ]:
+        with pytest.raises(TypeError) as info:
+            written()
+        assert str(info.value) == said + wrap
+    assert runner.run(soma.fn(upper), "x") == "X"  # what the message says to write works
+
+
+def fresh_runner_like(runner):
+    """A new runner of the same kind (the module's own must stay open for the other tests)."""
+    return {"Executor": lambda: soma.Executor(), "Local": lambda: soma.Local(workers=1),
+            "Ray": lambda: soma.Ray()}[type(runner).__name__]()
+
+
+def test_a_closed_runner_refuses_new_work_the_same_way_on_every_runner(runner):
+    """SPEC 7: after close(), run, map, submit, arun and amap raise SomaError saying the runner is closed (as
+    concurrent.futures refuses a submit after shutdown); checked before what it is given, as there."""
+    import asyncio
+
+    name = type(runner).__name__
+    for used in (False, True):
+        closed = fresh_runner_like(runner)
+        if used:
+            assert closed.run(AddOne(), 1) == 2 and list(closed.map(AddOne(), [1, 2])) == [2, 3]
+        closed.close()
+        ways = {
+            "run": lambda: closed.run(AddOne(), 1),
+            "map": lambda: closed.map(AddOne(), [1]),
+            "submit": lambda: closed.submit(AddOne(), 1),
+            "arun": lambda: asyncio.run(closed.arun(AddOne(), 1)),
+            "amap": lambda: closed.amap(AddOne(), [1]),
+            "run of what is not a graph": lambda: closed.run(upper, 1),
+            "start": closed.start,
+            "with": lambda: closed.__enter__(),
+        }
+        for way, call in ways.items():
+            with pytest.raises(soma.SomaError) as info:
+                call()
+            assert str(info.value) == f"this soma.{name} is closed; make a new one", (used, way)
+        closed.close()  # twice is fine
 
 
 class ReadsAFile(Node):
@@ -106,3 +179,108 @@ def test_plain_data_nested_too_deep_says_so_not_return_plain_data(local):
         local.run(Echo(), deep)
     assert str(into.value) == f"node `echo` failed: its input cannot be sent to a worker: {said}"
     assert local.run(Echo(), [[1, [2]]]) == [[1, [2]]]  # the pool is fine, and shallow nesting travels
+
+
+READS_ARGV = """
+import sys
+from soma import Done, Node
+
+TASKS = int(sys.argv[1]) if len(sys.argv) > 1 else 4  # the script's `python main.py 3`: read as it is imported
+
+
+class Times(Node):
+    def forward(self, x, ctx):
+        return Done(x * TASKS)
+"""
+
+PARSES_ARGS = """
+import argparse
+from soma import Done, Node
+
+parser = argparse.ArgumentParser()
+parser.add_argument("n", type=int)
+ARGS = parser.parse_args()  # (exits with status 2 where the arguments are not its own)
+
+
+class Echoes(Node):
+    def forward(self, x, ctx):
+        return Done(x)
+"""
+
+MAIN = """
+import soma, parses_args, reads_argv
+
+with soma.Local(workers=1) as local:
+    for node in (reads_argv.Times(), parses_args.Echoes()):
+        try:
+            local.run(node, 2)
+        except soma.NodeError as err:
+            print(err)
+"""
+
+
+def test_a_node_module_that_reads_the_command_line_as_it_is_imported_says_so_from_the_worker(tmp_path):
+    """The worker imports the node's module, whose top-level code then sees the worker's own sys.argv: the
+    error says that (it said to look at sys.path, which was fine)."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "reads_argv.py").write_text(READS_ARGV)
+    (tmp_path / "parses_args.py").write_text(PARSES_ARGS)
+    (tmp_path / "main.py").write_text(MAIN)
+    done = subprocess.run([sys.executable, "main.py", "3"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=90, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    times, echoes = done.stdout.splitlines()
+    advice = (r"it reads the command line as it is imported, and a worker's sys.argv holds its own program's "
+              r"arguments \(`--tasks ipc://\S+ \.\.\.`\), not your script's; read arguments under "
+              r"`if __name__ == \"__main__\":` and give nodes what they need as their attributes\)")
+    assert re.fullmatch(
+        r"node `times` failed: its code could not be loaded in worker w0: ValueError: invalid literal for int\(\) "
+        r"with base 10: '--tasks' \(importing module `reads_argv` here ran its top-level code, which raised at "
+        + re.escape(str(tmp_path / "reads_argv.py")) + r", line 5: " + advice, times), times
+    assert re.fullmatch(
+        r"node `echoes` failed: its code could not be loaded in worker w0: SystemExit: 2 \(importing module "
+        r"`parses_args` here ran its top-level code, which raised at " + re.escape(str(tmp_path / "parses_args.py"))
+        + r", line 7: " + advice, echoes), echoes
+
+
+OFFSET = 10  # read by add_offset; the test below rebinds it
+
+
+def add_offset(x):
+    return x + OFFSET
+
+
+def test_a_value_a_node_reads_rebound_after_it_was_sent_is_warned_about_once(runner, monkeypatch):
+    """A node's copies keep what its code read when it was sent (docs/api.md, "Copies"): the Executor runs the
+    node itself and sees a rebound global at once, Local and Ray do not, and say so once, naming the node and
+    the name, instead of giving other answers without a word."""
+    import warnings
+
+    def closing_over(k):
+        def add_k(x):
+            return x + k
+        return add_k
+
+    by_global, by_closure = soma.fn(add_offset), soma.fn(closing_over(10), name="add_k")
+    assert runner.run(by_global, 1) == 11 and runner.run(by_closure, 1) == 11
+    monkeypatch.setattr(__import__(__name__, fromlist=["OFFSET"]), "OFFSET", 100)
+    by_closure.func.__closure__[0].cell_contents = 100
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [runner.run(by_global, 1), list(runner.map(by_closure, [1, 2])), runner.run(by_global, 1),
+               runner.run(by_closure, 1)]
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if isinstance(runner, soma.Executor):
+        assert got == [101, [101, 102], 101, 101] and said == []
+        return
+    assert got == [11, [11, 12], 11, 11]  # the copies' values, as sent
+    tail = (", which now names another value than when the node was sent to its copies on worker processes: they "
+            "still see the old one, where the in-process Executor sees the new (docs/api.md, \"Copies\"); to use "
+            "the new value, give it to a new node as its attribute, or pass it in the input")
+    assert said == [f"node `add_offset` reads `OFFSET`{tail}", f"node `add_k` reads `k`{tail}"]  # once each
+    assert {w.filename for w in caught} == {__file__}  # pointing at the run or map that was given the node

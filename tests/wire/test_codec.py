@@ -114,6 +114,39 @@ def across(stores, value):
     return codec.Decoder(lambda create: receiver).unpack(data), len(data), encoder.shared
 
 
+def test_a_received_tensor_is_shared_and_is_sent_on_as_its_segment(stores):
+    torch = pytest.importorskip("torch")
+    sender, receiver = stores
+    x = torch.arange(1 << 18, dtype=torch.float32)
+    (t, v), _, (name, _) = across(stores, (x, x[1::2]))  # (the second has gaps: a compact copy, its own segment)
+    assert t.is_shared() and v.is_shared() and torch.equal(t, x) and torch.equal(v, x[1::2])
+    assert t.untyped_storage().filename.endswith(name) and receiver.segment_of(t.data_ptr()) == name
+    encoder = codec.Encoder(lambda create: receiver)  # the receiver sends it on: by name, nothing copied
+    out = codec.Decoder(lambda create: sender).unpack(encoder.pack([t, t[5:9]]))
+    assert encoder.copied == [] and encoder.shared == [name, name]
+    assert torch.equal(out[0], x) and torch.equal(out[1], x[5:9]) and out[1].is_shared()
+
+
+def test_a_received_tensor_whose_bytes_torch_moved_is_copied_again(stores):
+    torch = pytest.importorskip("torch")
+    import torch.multiprocessing as tmp
+
+    sender, receiver = stores
+    x = torch.arange(1 << 16, dtype=torch.float32)
+    t, _, (name,) = across(stores, x)
+    old = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")  # torch moves the bytes into a segment of its own (a copy)
+    try:
+        t.share_memory_()
+    finally:
+        tmp.set_sharing_strategy(old)
+    assert receiver.segment_of(t.data_ptr()) is None
+    receiver._counter = 1000  # (one process standing for two: its segments must not take the sender's names)
+    encoder = codec.Encoder(lambda create: receiver)
+    out = codec.Decoder(lambda create: sender).unpack(encoder.pack(t))
+    assert len(encoder.copied) == 1 and encoder.shared != [name] and torch.equal(out, x)
+
+
 def test_plain_small_values_go_through_msgpack_and_the_rest_as_one_pickle():
     assert codec.route(5) == codec.route([1, "a", (2.0, None), {"k": b"x" * 100}]) == codec.MSGPACK
     assert codec.route({"a": [1, {"b": bytearray(1)}]}) == codec.PICKLE  # msgpack would make it bytes

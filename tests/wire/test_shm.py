@@ -7,12 +7,14 @@ import os
 import pytest
 
 from soma.local.host.leases import LeaseBook
+from soma.wire.mapping import address_of
 from soma.wire.shm import (
     GRANULE,
     SHM_DIR,
+    Mapper,
     SegmentStore,
     ShmError,
-    address_of,
+    mark_exported,
     owner_pid,
     pool_prefix,
 )
@@ -116,6 +118,99 @@ def test_anything_made_from_a_view_keeps_it_alive(prefix):
     gc.collect()
     assert receiver.releases() == [(name, 1)]
     del view
+
+
+class MmapMapper(Mapper):
+    """A Mapper as torch's is, without torch: Python's mmap maps the file and unmaps it when it dies."""
+
+    def map(self, path, nbytes):
+        import mmap
+
+        with open(path, "r+b") as f:
+            return mmap.mmap(f.fileno(), nbytes)
+
+    def address(self, m):
+        pointer = ctypes.c_char.from_buffer(m)  # (an export of the buffer while it lives: dropped at once)
+        try:
+            return ctypes.addressof(pointer)
+        finally:
+            del pointer
+
+
+def test_a_mappers_view_and_a_bytes_view_count_their_receipts_apart(prefix):
+    owner = SegmentStore(prefix, cap=1 << 30)
+    receiver = SegmentStore(prefix, cap=1 << 30)
+    view, name = owner.allocate(GRANULE)
+    ctypes.memset(address_of(view), 9, GRANULE)
+    for _ in range(3):
+        owner.note_sent(name)
+    mapper = MmapMapper()
+    plain, mapped = receiver.open(name, GRANULE), receiver.open(name, GRANULE, mapper)
+    assert receiver.open(name, GRANULE, mapper) is mapped and mapped[100] == 9  # one of each kind per segment
+    start = mapper.address(mapped)
+    assert start != address_of(plain) and receiver.locate(start + 8, 8) == (name, GRANULE, 8)
+    del plain
+    gc.collect()
+    assert receiver.releases() == [(name, 1)]
+    del mapped
+    gc.collect()
+    assert receiver.releases() == [(name, 2)] and receiver.locate(start, 1) is None
+    del view
+    owner.free(name, 3)
+    assert owner.allocate(GRANULE)[1] == name  # nobody holds it any more: reused
+
+
+def test_the_owner_maps_its_own_segment_apart_for_a_mapper_and_reuses_it_after(prefix):
+    owner = SegmentStore(prefix, cap=1 << 30)
+    view, name = owner.allocate(GRANULE)
+    base = address_of(view)
+    owner.note_sent(name)
+    mapped = owner.open(name, GRANULE, MmapMapper())  # sent back to it: a mapping of its own, not the base
+    assert MmapMapper().address(mapped) != base
+    del view
+    gc.collect()
+    owner.free(name, 1)
+    assert owner.allocate(GRANULE)[1] != name  # the mapper's view still lives: not reusable
+    del mapped
+    gc.collect()
+    held = [owner.allocate(GRANULE) for _ in range(2)]  # (the two free ones: kept alive, so both are taken)
+    assert name in [n for _, n in held]
+
+
+def test_a_segment_gone_while_a_mapper_maps_it_is_gone_not_a_fresh_empty_file(prefix):
+    """torch's from_file creates a file that is missing: one made so is unlinked again, and never read."""
+    pytest.importorskip("torch")
+    from soma.wire.tensors import SHARED_STORAGES
+
+    class LateMapper(Mapper):  # the owner's file goes just before the mapper opens the name
+        def map(self, path, nbytes):
+            os.unlink(path)
+            return SHARED_STORAGES.map(path, nbytes)
+
+        address = SHARED_STORAGES.address
+
+    owner = SegmentStore(prefix, cap=1 << 30)
+    receiver = SegmentStore(prefix, cap=1 << 30)
+    view, name = owner.allocate(GRANULE)
+    with pytest.raises(ShmError, match=f"segment {name} is gone"):
+        receiver.open(name, GRANULE, LateMapper())
+    assert files(prefix) == [] and receiver.releases() == []
+    del view
+
+
+def test_a_segment_handed_on_outside_soma_is_unlinked_never_reused(prefix):
+    owner = SegmentStore(prefix, cap=1 << 30)
+    receiver = SegmentStore(prefix, cap=1 << 30)
+    view, name = owner.allocate(GRANULE)
+    owner.note_sent(name)
+    mapped = receiver.open(name, GRANULE)
+    mark_exported(os.path.join(SHM_DIR, name))  # torch.multiprocessing was given its descriptor
+    del mapped, view
+    gc.collect()
+    assert receiver.releases() == [(name, 1)]
+    owner.free(name, 1)
+    assert name not in files(prefix)  # unlinked: the other process may map it as long as it likes
+    assert owner.allocate(GRANULE)[1] != name
 
 
 def test_freed_segments_beyond_the_cap_are_unlinked(prefix):

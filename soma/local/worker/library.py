@@ -91,12 +91,11 @@ class Library:
 
         try:
             return nodecode.loads(blob)
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # (SystemExit: a module that calls argparse as it is imported)
             raise NodeError.failed(
                 node_id,
-                f"its code could not be loaded in worker {self.worker_id}: {type(err).__name__}: {err} (workers "
-                f"start with the host's sys.path and working directory; define the node in a module they can "
-                f"import)",
+                f"its code could not be loaded in worker {self.worker_id}: {type(err).__name__}: {err} "
+                f"({nodecode.why_not_loaded(err)})",
                 remote_traceback=traceback_text(err),
             ) from err
 
