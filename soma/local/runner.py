@@ -24,10 +24,12 @@ from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
 from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
+from .host.chunks import AHEAD
 from .host.loop import HostLoop
 from .host.pool import WorkerPool
 from .host.program import compile_program, pieces
 
+SWEEP_AT = 1024  # a map's books of its flows are swept of ended chunks once they hold this many (see _popped)
 CLOSE_WAIT_S = 60.0  # a second close() waits this long for the first (which takes a few seconds at most)
 
 
@@ -268,16 +270,38 @@ class LocalInflight(Inflight):
         # amap: outcomes go to the event loop (made at the first start, in the loop); map: to a queue the
         # iterating thread receives on
         self.sink = None if asynchronous else queue.SimpleQueue()
-        self.flows: dict = {}
+        self.flows: dict = {}  # index → Flow (a chunk's first index → its Chunk) not yet seen to end
+        self.sweep_at = SWEEP_AT
+        # Cheap inputs travel in chunks (host/chunks.py): a program of one piece with no batching node, whose
+        # inputs have no deadline and no retries (a chunk's inputs run one after another at one worker).
+        one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
+        self.chunked = one if one is not None and not one.batch and timeout is None and not retries else None
+        self.workers = len(tracer.worker_devices)
 
     def parallelism(self) -> int:
-        return self.loop.parallelism(self.pieces)
+        most = self.loop.parallelism(self.pieces)
+        if self.chunked is not None:
+            most = max(most, self.workers * AHEAD * self.loop.chunk(self.chunked))
+        return most
 
     def start(self, items: list) -> None:
         if self.sink is None:
             self.sink = LoopSink()
-        self.flows.update(self.loop.start_inputs(self.program, items, self.sink, self.tracer.current_trace,
-                                                 self.retries, self.graph))
+        trace = self.tracer.current_trace
+        if self.chunked is not None and trace is None and len(items) > 1:
+            size = min(self.loop.chunk(self.chunked), -(-len(items) // self.workers))
+            if size > 1:
+                self.flows.update(self.loop.start_chunks(self.program, items, self.sink, self.graph, size))
+                return
+        self.flows.update(self.loop.start_inputs(self.program, items, self.sink, trace, self.retries, self.graph))
+
+    def _popped(self, got: list) -> None:
+        flows = self.flows
+        for index, _, _ in got:
+            flows.pop(index, None)
+        if len(flows) > self.sweep_at:  # chunks whose inputs ended in parts (failures) are not popped above
+            self.flows = {index: flow for index, flow in flows.items() if not flow.finished}
+            self.sweep_at = max(SWEEP_AT, 2 * len(self.flows))
 
     def wait(self, timeout):
         try:
@@ -289,14 +313,12 @@ class LocalInflight(Inflight):
         while item is not None:
             got.append(item)
             item = take(self.sink)
-        for index, _, _ in got:
-            self.flows.pop(index, None)
+        self._popped(got)
         return got
 
     async def await_wait(self, timeout):
         got = await self.sink.take(timeout)
-        for index, _, _ in got:
-            self.flows.pop(index, None)
+        self._popped(got)
         return got
 
     def expire(self, index: int) -> BaseException:

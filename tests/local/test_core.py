@@ -36,10 +36,19 @@ from soma.local.host.core import (  # noqa: E402
     STARTING,
     HostCore,
 )
-from soma.local.host.events import Arrived, CancelAt, Deliver, Retire, Send, Spawn  # noqa: E402
-from soma.local.host.flows import Flow  # noqa: E402
+from soma.local.host.events import (  # noqa: E402
+    Arrived,
+    Bundled,
+    CancelAt,
+    Deliver,
+    Retire,
+    Send,
+    Spawn,
+)
+from soma.local.host.flows import Chunk, Flow  # noqa: E402
 from soma.local.host.program import compile_program  # noqa: E402
 from soma.plan import Seq, Step, Wave  # noqa: E402
+from soma.run.mapping import Span  # noqa: E402
 
 
 class A(Node):
@@ -132,6 +141,11 @@ class CoreMachine(RuleBasedStateMachine):
     # -- the loop's side: carrying out actions ---------------------------------------------------------
     def delivered(self, item):
         index, ok, value = item
+        if type(value) is Span:  # a chunk's consecutive ok outputs
+            assert ok and value, item
+            for i, one in enumerate(value):
+                self.delivered((index + i, True, one))
+            return
         assert index not in self.outcomes, f"input {index} delivered twice"
         assert index not in self.given_up, f"input {index} was given up by its caller but delivered"
         self.outcomes[index] = (ok, value)
@@ -154,6 +168,9 @@ class CoreMachine(RuleBasedStateMachine):
                 raise AssertionError(f"unknown action {action!r}")
 
     def answer(self, slot: int, job, ok: bool):
+        if job.places is not None:
+            self.answer_chunk(slot, job, ok)
+            return
         if job.id in self.cancelled_ids[slot] and job.id not in self.started[slot]:
             arrived = Arrived(job.id, True, Cancelled(), None, 0.0, None)
         elif ok:
@@ -164,8 +181,47 @@ class CoreMachine(RuleBasedStateMachine):
         self.core.outcomes(slot, self.procs[slot], [arrived], 0.0)
         self.act()
 
+    def answer_chunk(self, slot: int, job, ok: bool, part: int | None = None):
+        """A chunk's answer: each place's output (the last one fails unless `ok`), or Cancelled for a place
+        the core asked to drop that had not started (as the worker does); `part`: only its first `part` places
+        still owed (the worker sends what it has done when asked to drop the rest)."""
+        ids, oks, values = [], [], []
+        chunk = job.flow
+        places = sorted(job.pending)
+        whole = part is None or part >= len(places)
+        for place in places if whole else places[:part]:
+            job_id = job.base + place
+            x = self.inputs[chunk.index + place][1]
+            ids.append(job_id)
+            if job_id in self.cancelled_ids[slot] and job_id not in self.started[slot]:
+                oks.append(False)
+                values.append(Cancelled())
+            elif ok or place != max(job.pending):
+                oks.append(True)
+                values.append(evaluate(job.piece, x))
+            else:
+                oks.append(False)
+                values.append(NodeError.failed(job.piece.entry, "boom"))
+        if whole:
+            self.inbox[slot].remove(job)
+        self.core.outcomes(slot, self.procs[slot], [Bundled(ids, oks, values, 1e-4)], 0.0)
+        self.act()
+
+    def running(self, slot: int) -> list:
+        """What the worker's status page shows: a job it began (a chunk's: the last input it began)."""
+        shown = []
+        for job in self.inbox[slot]:
+            if job.places is None:
+                if job.id in self.started[slot]:
+                    shown.append((job.id, "?"))
+                continue
+            begun = [job.base + p for p in sorted(job.pending) if job.base + p in self.started[slot]]
+            if begun:
+                shown.append((begun[-1], "?"))
+        return shown
+
     def end_worker(self, slot: int, readable: bool, down: str | None = None):
-        running = [(i, "?") for i in self.started[slot]] if readable else None
+        running = self.running(slot) if readable else None
         proc = self.procs[slot]
         self.inbox[slot], self.started[slot], self.cancelled_ids[slot] = [], set(), set()
         self.core.lost(slot, proc, "was killed by signal 9 (SIGKILL)", running, down)
@@ -196,6 +252,21 @@ class CoreMachine(RuleBasedStateMachine):
         self.flows.update(flows)
         self.act()
 
+    @rule(n=st.integers(1, 6))
+    def start_chunk(self, n):
+        """Consecutive inputs of a map in one chunk (a program of one piece: no retries, no timeout)."""
+        first, xs = self.next_index, []
+        for _ in range(n):
+            index = self.next_index
+            self.next_index += 1
+            xs.append(f"x{index}")
+            self.inputs[index] = (PROGRAMS[0], f"x{index}", 0)
+        chunk = Chunk(first, self.sink, PROGRAMS[0], xs)
+        self.core.start(PROGRAMS[0], [chunk])
+        for i in range(n):
+            self.flows[first + i] = chunk
+        self.act()
+
     @rule(slot=st.integers(0, 1))
     def hello(self, slot):
         if self.core.state[slot] == STARTING:
@@ -204,23 +275,53 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(slot=st.integers(0, 1), pick=st.integers(0, 63))
     def begin(self, slot, pick):
-        waiting = [j for j in self.inbox[slot] if j.id not in self.started[slot]]
+        """The worker begins a job (a chunk's: its next input; the worker runs a chunk's inputs in order)."""
+        waiting = []
+        for job in self.inbox[slot]:
+            if job.places is None:
+                if job.id not in self.started[slot]:
+                    waiting.append(job.id)
+                continue
+            left = [job.base + p for p in sorted(job.pending) if job.base + p not in self.started[slot]]
+            if left:
+                waiting.append(left[0])
         if waiting:
-            self.started[slot].add(waiting[pick % len(waiting)].id)
+            self.started[slot].add(waiting[pick % len(waiting)])
 
     @rule(slot=st.integers(0, 1), pick=st.integers(0, 63), ok=st.booleans())
     def finish(self, slot, pick, ok):
         if self.inbox[slot]:
             self.answer(slot, self.inbox[slot][pick % len(self.inbox[slot])], ok)
 
+    @rule(slot=st.integers(0, 1), pick=st.integers(0, 63), part=st.integers(1, 5))
+    def answer_part(self, slot, pick, part):
+        """A worker answers the first places a chunk's job still owes (the rest come later)."""
+        owing = [j for j in self.inbox[slot] if j.places is not None and len(j.pending) > 1]
+        if owing:
+            self.answer_chunk(slot, owing[pick % len(owing)], True, part)
+
+    @rule()
+    def stragglers(self):
+        """Chunks out for long while a worker idles: what they have not started goes to that worker."""
+        for slot, job in self.core.stragglers(1e9):
+            self.core.hand_on(job, self.running(slot))
+        self.act()
+
     @rule(slot=st.integers(0, 1), pick=st.integers(0, 63))
     def hand_back(self, slot, pick):
         """The worker drops a job it has not started (over max_memory, say): Cancelled, it goes elsewhere."""
-        waiting = [j for j in self.inbox[slot] if j.id not in self.started[slot]]
+        waiting = [j for j in self.inbox[slot] if j.id not in self.started[slot] and not (
+            j.places is not None and any(j.base + p in self.started[slot] for p in j.places))]
         if waiting:
             job = waiting[pick % len(waiting)]
             self.inbox[slot].remove(job)
-            self.core.outcomes(slot, self.procs[slot], [Arrived(job.id, True, Cancelled(), None, 0.0, None)], 0.0)
+            if job.places is not None:  # a chunk none of whose inputs began: each handed back
+                ids = [job.base + p for p in sorted(job.pending)]
+                back = Bundled(ids, [False] * len(ids), [Cancelled() for _ in ids], 0.0)
+                self.core.outcomes(slot, self.procs[slot], [back], 0.0)
+            else:
+                self.core.outcomes(slot, self.procs[slot], [Arrived(job.id, True, Cancelled(), None, 0.0, None)],
+                                   0.0)
             self.act()
 
     @rule(slot=st.integers(0, 1), readable=st.booleans())
@@ -264,13 +365,16 @@ class CoreMachine(RuleBasedStateMachine):
         live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up]
         if live:
             index = live[pick % len(live)]
-            self.given_up.add(index)
-            self.core.cancel([self.flows[index]])
+            flow = self.flows[index]
+            # (a chunk is cancelled whole: every input of it not delivered yet is given up)
+            self.given_up.update(i for i, f in self.flows.items() if f is flow and i not in self.outcomes)
+            self.core.cancel([flow])
             self.act()
 
     @rule(pick=st.integers(0, 1 << 16))
     def expire(self, pick):
-        live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up]
+        live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up
+                and type(self.flows[i]) is not Chunk]  # (a chunk's inputs have no timeout)
         if live:
             index = live[pick % len(live)]
             flow = self.flows[index]

@@ -38,9 +38,10 @@ from ...errors import (
     SomaError,
     WorkerDied,
 )
+from . import chunks
 from .dispatch import Dispatch
 from .events import Bundled, CancelAt, Deliver, Retire, Send, Spawn
-from .flows import Flow, Job, Walker, stale
+from .flows import Chunk, Flow, Job, Walker, chunk_base, stale
 from .outcomes import checked, record
 from .program import pieces
 
@@ -71,6 +72,7 @@ class HostCore:
         self.flows: dict = {}  # the flows in flight (as keys, in the order they started)
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.walker = Walker()
+        self.chunks: dict = {}  # base → a Chunk in flight (its inputs' job ids are base + place: chunks.py)
         self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
         self.out: list = []  # actions not yet taken by the loop
 
@@ -87,6 +89,10 @@ class HostCore:
         """How many inputs of a program this pool works on at once (see WorkerChoice.parallelism)."""
         return self.dispatch.choice.parallelism(program_pieces)
 
+    def chunk(self, piece) -> int:
+        """How many inputs of `piece` a map's chunk holds now (chunks.size)."""
+        return self.dispatch.choice.chunk(piece)
+
     # -- inputs ------------------------------------------------------------------------------------------
     def start(self, program, flows: list) -> None:
         """Start these flows (flows.Flow: an input each) on `program`; each one's `(index, ok, value)` is
@@ -96,6 +102,10 @@ class HostCore:
                 self._finish(flow, False, self.closed_with)
                 continue
             self.flows[flow] = None
+            if type(flow) is Chunk:
+                self._enqueue([self.walker.start_chunk(flow)])
+                self.chunks[flow.base] = flow
+                continue
             x = flow.x
             if not flow.retries:
                 flow.x = None  # (the job holds it until it is encoded)
@@ -214,7 +224,12 @@ class HostCore:
             if stale(job):
                 job.flow.jobs.discard(job)
                 continue
-            if id(job) in parked or (running is not None and job.id not in running):
+            if job.places is not None and id(job) not in parked:  # a chunk's: see chunks.py
+                place = chunks.lost(job, running)
+                if place is not None:
+                    requeued += self._chunk_lost(job, place, worker, ended, running, down)
+                    continue
+            if id(job) in parked or job.places is not None or (running is not None and job.id not in running):
                 job.slot = None
                 requeued.append(job)
                 continue
@@ -222,6 +237,19 @@ class HostCore:
             self._lost_running(job, worker, ended, node, down)
         dispatch.waiting.add_first(requeued)
         self._pump()
+
+    def _chunk_lost(self, job: Job, place: int, worker, ended: str, running, down: str | None) -> list:
+        """A chunk's job whose worker died running the input at `place`: that input fails (WorkerDied), the
+        others it still owed (done and not reported, or not started) go again: returns their job."""
+        job.flow.jobs.discard(job)
+        node = running.get(job.base + place, job.piece.entry) if running else job.piece.entry
+        self._lost_running(self.walker.rest_of(job, [place]), worker, ended, node, down)
+        others = chunks.still_open(job.flow, sorted(job.pending - {place}))
+        if not others:
+            return []
+        again = self.walker.rest_of(job, others)
+        job.flow.jobs.add(again)
+        return [again]
 
     def _lost_running(self, job: Job, worker, ended: str, node: str, down: str | None) -> None:
         flow = job.flow
@@ -249,6 +277,9 @@ class HostCore:
         if worker is not self.workers[slot]:
             return
         for one in arrived:
+            if type(one) is Bundled and one.jobs and chunk_base(one.jobs[0]) is not None:
+                self._chunk_arrived(slot, worker, one, now)
+                continue
             if type(one) is Bundled:  # a bundle's jobs: one call, so one measure of its time for them all
                 measured = False
                 for job_id, ok, value in zip(one.jobs, one.oks, one.values):
@@ -268,10 +299,93 @@ class HostCore:
             self._replace_once_idle(slot)
         self._pump()
 
+    def _chunk_arrived(self, slot: int, worker, one: Bundled, now: float) -> None:
+        """(Part of) a chunk's answer (chunks.py): each input's outcome delivered; what was handed back goes
+        again; the job is over once every place it owed is answered."""
+        base = chunk_base(one.jobs[0])
+        chunk = self.chunks.get(base)
+        first = one.jobs[0] - base
+        job = next((j for j in chunk.jobs if j.slot == slot and first in j.pending), None) if chunk else None
+        if job is None:
+            return  # (a place handed on to another worker meanwhile, or a chunk over)
+        if stale(job):  # (cancelled: what it owed is dropped as it comes)
+            job.pending.difference_update(i - base for i in one.jobs)
+            if not job.pending:
+                self.dispatch.give_back(job)
+                chunk.jobs.discard(job)
+                self._deliver_chunk(chunk, [])
+            return
+        try:
+            items, back = chunks.arrived(job, one.oks, one.values, one.jobs, worker)
+        except Exception as err:  # never leave an input waiting forever on soma's own mistake
+            items, back = chunks.failed(chunk, job.places, _internal(err, f"handling the outcomes of node "
+                                                                           f"`{job.piece.entry}`")), []
+            job.pending.clear()
+        if not job.pending:
+            self.dispatch.give_back(job)
+            chunk.jobs.discard(job)
+            self.dispatch.choice.measure(job, one.seconds, now, len(job.places))
+        back = chunks.still_open(chunk, back)
+        if back:
+            again = self.walker.rest_of(job, back)
+            chunk.jobs.add(again)
+            self.dispatch.waiting.add_first([again])
+        self._deliver_chunk(chunk, items)
+
+    def stragglers(self, now: float) -> list:
+        """`(slot, job)` of chunks' jobs out for long (an input of theirs is slow: it holds the others behind
+        it) while a worker has nothing to do: the loop reads what those workers run and calls `hand_on`."""
+        for base in [b for b, c in self.chunks.items() if c.finished and not c.jobs]:
+            del self.chunks[base]  # (over, its last job dropped on a worker's end or hello)
+        if not self.chunks or self.dispatch.waiting:
+            return []
+        choice = self.dispatch.choice
+        if not any(self.state[s] == READY and not choice.load[s] for s in range(len(self.state))):
+            return []
+        found = []
+        for chunk in self.chunks.values():
+            for job in chunk.jobs:
+                if job.slot is None or len(job.pending) < 2 or job in self.dispatch.parked[job.slot]:
+                    continue
+                expected = choice.service_s.get(job.piece.id, 0.0) * len(job.places)
+                if now - job.sent_at > max(chunks.STRAGGLER_S, 4 * expected):
+                    found.append((job.slot, job))
+        return found
+
+    def hand_on(self, job: Job, running: list) -> None:
+        """A chunk's job out for long (`stragglers`): the inputs it owes, but for the one its worker runs now
+        (`running`, its status page), go to another worker; its worker is asked to drop them (it sends what it
+        has done so far at once: see soma.local.worker). An input that started meanwhile may run twice; its
+        outcome is delivered once (the job it was handed on to is the one that owes it)."""
+        if self.dispatch.outstanding.get(job.id) is not job or stale(job):
+            return
+        now = chunks.running(job, running)
+        rest = chunks.still_open(job.flow, sorted(p for p in job.pending if p != now))
+        if not rest:
+            return
+        job.pending.difference_update(rest)
+        self.out.append(CancelAt(job.slot, [job.base + p for p in rest]))
+        if not job.pending:  # (it had not started: all of it goes; what its worker answers for it is dropped)
+            self.dispatch.give_back(job)
+            job.flow.jobs.discard(job)
+        again = self.walker.rest_of(job, rest)
+        job.flow.jobs.add(again)
+        self.dispatch.waiting.add_first([again])
+        self._pump()
+
+    def _deliver_chunk(self, chunk: Chunk, items: list) -> None:
+        for item in items:
+            self.out.append(Deliver(chunk.sink, item))
+        if not chunk.open and not chunk.finished:
+            chunk.finished = True
+            self.flows.pop(chunk, None)
+        if chunk.finished and not chunk.jobs:
+            self.chunks.pop(chunk.base, None)
+
     def unsent(self, jobs: list, error: NodeError) -> None:
         """These jobs' inputs could not be encoded for their worker (the loop tried): each fails with `error`."""
         for job in jobs:
-            if job.id in self.dispatch.outstanding:
+            if self.dispatch.outstanding.get(job.id) is job:
                 self.dispatch.give_back(job)
             if not stale(job):
                 self._end_job(job, False, error)
@@ -309,6 +423,9 @@ class HostCore:
         """The job is over: its continuation makes the next jobs, or the flow's end."""
         flow = job.flow
         flow.jobs.discard(job)
+        if job.places is not None:  # a chunk's, failed (its outcomes come in _chunk_arrived)
+            self._deliver_chunk(flow, chunks.failed(flow, job.places, value))
+            return
         made = job.then(ok, value)
         if made:
             self._enqueue(made)
@@ -321,11 +438,17 @@ class HostCore:
             return
         flow.finished = True  # its queued jobs are dropped by the next pump
         self.flows.pop(flow, None)
+        if type(flow) is Chunk and not flow.jobs:
+            self.chunks.pop(flow.base, None)
         if flow.trace is not None and flow.index is not None:  # (a run's span is its caller's, see Local.run)
             outcome = "ok" if ok else ("cancelled" if ok is None else type(value).__name__)
             flow.trace.interval(f"input {flow.index}", "host", flow.started_ns, time.monotonic_ns(), os.getpid(),
                                 f"input-{id(flow)}", {"input": flow.index, "outcome": outcome})
         if ok is not None:
+            if type(flow) is Chunk:  # (failed: each open input with its own copy of the error)
+                for item in chunks.failed(flow, sorted(flow.open), value):
+                    self.out.append(Deliver(flow.sink, item))
+                return
             self.out.append(Deliver(flow.sink, (flow.index, ok, value)))
 
     # -- giving jobs to workers ---------------------------------------------------------------------------
@@ -386,7 +509,7 @@ class HostCore:
         by_slot: dict[int, list] = {}
         for job in jobs:
             if job not in self.dispatch.parked[job.slot]:  # (parked ones are dropped at hello)
-                by_slot.setdefault(job.slot, []).append(job.id)
+                by_slot.setdefault(job.slot, []).extend(job.chunk_ids() if job.places is not None else (job.id,))
         for slot, ids in by_slot.items():
             self.out.append(CancelAt(slot, ids))
 

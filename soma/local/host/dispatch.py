@@ -12,6 +12,7 @@ Pure, like the core that owns it (core.py): no locks, no I/O.
 from __future__ import annotations
 
 from .choice import GATHER_SENDS, WorkerChoice
+from .chunks import AHEAD
 from .flows import SendCount, entries, stale
 from .waiting import Waiting
 
@@ -60,6 +61,7 @@ class Dispatch:
         inputs travel and come back together, and a bundle costs one choice, not one per input."""
         choice = self.choice
         depth = choice.depth(piece)
+        ahead = min(depth, AHEAD)  # a chunk's job: one running and the next behind it at a worker
         workers = len(usable) if piece.cuda is None else len(set(usable).intersection(choice.serving(piece)))
         gather, size = _gather(piece, self.waiting.waiting(piece), workers)
         filling, filled = None, 0  # the slot a bundle fills now, and how many it has
@@ -73,7 +75,8 @@ class Dispatch:
                 slot = filling
                 filled += 1
             else:
-                slot = choice.choose(piece, usable, depth, gather if bundled else 0)
+                slot = choice.choose(piece, usable, ahead if job.places is not None else depth,
+                                     gather if bundled else 0)
                 if slot is None:
                     return
                 if bundled:

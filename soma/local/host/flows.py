@@ -58,6 +58,21 @@ class Flow:
         return []
 
 
+class Chunk(Flow):
+    """Consecutive inputs of a map, `index` on, through a program of one piece, as one flow: one job runs them
+    at one worker, one after another, and their outputs come back in one message (see core.py, "Chunks").
+    Each input still ends by itself: `open` holds the places (0 to count - 1) of those not ended yet. Chunks
+    are made only for untraced inputs with no timeout and no retries (runner.LocalInflight)."""
+
+    __slots__ = ("count", "open", "base")
+
+    def __init__(self, index, sink, program, xs: list, graph=None):
+        super().__init__(index, sink, None, program, xs, 0, graph)
+        self.count = len(xs)
+        self.open = set(range(self.count))
+        self.base = 0  # its inputs' job ids are base + place (Walker.start_chunk)
+
+
 class Job:
     """One input for one piece: queued, then outstanding at a worker.
 
@@ -68,7 +83,7 @@ class Job:
     """
 
     __slots__ = ("id", "flow", "try_", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
-                 "behind", "traced", "value", "twins", "packed", "position", "send")
+                 "behind", "traced", "value", "twins", "packed", "position", "send", "base", "places", "pending")
 
     def __init__(self, job_id: int, flow: Flow, piece: Piece, then, value, twins: dict):
         self.id = job_id
@@ -90,6 +105,15 @@ class Job:
         self.packed = None  # the bundle its input was encoded in (sending.Packed), if any
         self.position = 0  # its input's place in that bundle's payload
         self.send = None  # the SendCount it went out in, while it is out (a batching node alone's)
+        # A Chunk's job: the places in its chunk of the inputs it runs (`places`, ascending); the input at place
+        # p travels as job id `base + p` (the job's own `id` never travels). `pending`: its places whose
+        # outcomes have not come back (a worker answers a chunk in parts). None for a job of one input.
+        self.base, self.places, self.pending = 0, None, None
+
+    def chunk_ids(self) -> list:
+        """The job ids of the inputs it still owes, as they travel (a Chunk's job)."""
+        base = self.base
+        return [base + p for p in sorted(self.pending)]
 
     def wire(self) -> tuple:
         """The JobSpec's fields (protocol.JobSpec), as the pool packs them."""
@@ -106,6 +130,17 @@ class SendCount:
         self.slot, self.piece_id, self.left = slot, piece_id, left
 
 
+MAX_CHUNK = 1024  # inputs in one chunk at most
+CHUNK_IDS = 1 << 48  # chunks' job ids: blocks of MAX_CHUNK from here, apart from single jobs' (from 1)
+
+
+def chunk_base(job_id: int) -> int | None:
+    """The `base` of the chunk a job id travelling from a worker is of, or None for a single job's id."""
+    if job_id < CHUNK_IDS:
+        return None
+    return job_id - (job_id - CHUNK_IDS) % MAX_CHUNK
+
+
 class Walker:
     """Turns a program and an input into jobs, and carries outputs on through `Seq`s and `Wave`s.
 
@@ -115,7 +150,25 @@ class Walker:
 
     def __init__(self):
         self.job_ids = itertools.count(1)
+        self.chunk_bases = itertools.count(CHUNK_IDS, MAX_CHUNK)  # a block of job ids for each chunk
         self._starters: dict = {}  # program → its starter
+
+    def start_chunk(self, chunk: Chunk) -> Job:
+        """The job that runs every input of `chunk` (its program is one piece)."""
+        job = Job(next(self.job_ids), chunk, chunk.program, None, chunk.x, {})
+        chunk.x = None  # (the job holds the inputs until they are encoded)
+        chunk.base = job.base = next(self.chunk_bases)
+        job.places = list(range(chunk.count))
+        job.pending = set(job.places)
+        return job
+
+    def rest_of(self, job: Job, places: list) -> Job:
+        """A job for these places of `job`'s chunk (which it ran, or was to run), to go elsewhere: the same
+        encoded payload travels, and the worker runs only the places named."""
+        rest = Job(next(self.job_ids), job.flow, job.piece, None, job.value, {})
+        rest.base, rest.places, rest.pending = job.base, places, set(places)
+        rest.packed, rest.keep, rest.shared = job.packed, job.keep, job.shared
+        return rest
 
     def start(self, flow: Flow, x) -> list:
         """The first jobs of a try of `flow` on input `x`."""
@@ -208,7 +261,9 @@ def entries(jobs: list) -> list:
     before starting them: in that bundle again). The core counts sends by these; the loop encodes them."""
     out, fresh, again = [], {}, {}
     for job in jobs:
-        if job.packed is not None:
+        if job.places is not None:
+            out.append([job])  # a chunk: one entry (sending.py)
+        elif job.packed is not None:
             again.setdefault(id(job.packed), []).append(job)
         elif job.piece.bundle and not job.traced:
             fresh.setdefault(job.piece, []).append(job)

@@ -33,7 +33,7 @@ from collections import deque
 from ...errors import SomaError, WorkerDied
 from .core import HostCore
 from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
-from .flows import Flow
+from .flows import Chunk, Flow
 from .listener import PUMP_S, Listener
 from .sending import encode
 
@@ -97,6 +97,26 @@ class HostLoop:
         `lead`: the caller waits for them next (Local.run): when the lock is free it keeps it and receives for
         up to that many seconds right away (one taking of the lock for the whole run, not two)."""
         flows = {index: Flow(index, sink, trace, program, x, retries, graph) for index, x in items}
+        return self._started(program, flows, lead)
+
+    def start_chunks(self, program, items: list, sink, graph, size: int) -> dict:
+        """Start `(index, x)` inputs of a map in chunks (flows.Chunk) of up to `size` consecutive ones; an ok
+        run's outcome comes as `(index, True, Span)` (core.py, chunks.py). Returns first index → Chunk."""
+        flows, run = {}, []
+        for item in items:
+            if run and (len(run) == size or item[0] != run[-1][0] + 1):
+                flows[run[0][0]] = Chunk(run[0][0], sink, program, [x for _, x in run], graph)
+                run = []
+            run.append(item)
+        if run:
+            flows[run[0][0]] = Chunk(run[0][0], sink, program, [x for _, x in run], graph)
+        return self._started(program, flows)
+
+    def chunk(self, piece) -> int:
+        """How many inputs of `piece` a chunk holds now (1: its inputs go one by one: not measured, or slow)."""
+        return self.core.chunk(piece)  # (read without the lock: a hint, as parallelism is)
+
+    def _started(self, program, flows: dict, lead: float = 0.0) -> dict:
         if lead and self.lock.acquire(blocking=False):
             self._take_inbox()
             self.core.start(program, list(flows.values()))
@@ -299,6 +319,8 @@ class HostLoop:
         if now - self._looked_at >= PUMP_S:
             self._looked_at = now
             self._look_at_workers()
+            for slot, job in self.core.stragglers(now):
+                self.core.hand_on(job, self.pool.running(slot))
             if self._unreachable:
                 self._send_unreachable()
             self.pool.flush_frees()

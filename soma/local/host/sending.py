@@ -12,6 +12,8 @@ uses the host's shared-memory store, so it happens here, never in the core.
 
 from __future__ import annotations
 
+import copy
+
 from ...errors import NodeError, SharedMemoryFull
 from ...wire import codec
 
@@ -20,10 +22,11 @@ class Packed:
     """A bundle's inputs encoded together: one payload (a list), the segments it lends, and the encoder that
     keeps what its handles name alive (every job of the bundle holds it: see Job.keep)."""
 
-    __slots__ = ("piece", "payload", "shared", "keep", "size")
+    __slots__ = ("piece", "payload", "shared", "keep", "size", "places")
 
     def __init__(self, piece, payload: bytes, encoder, size: int):
         self.piece, self.payload, self.shared, self.keep, self.size = piece, payload, encoder.shared, encoder, size
+        self.places = None  # a chunk's: the place in its chunk of each input of the payload
 
 
 class BundleSend:
@@ -35,6 +38,15 @@ class BundleSend:
 
     def __init__(self, packed: Packed, jobs: list):
         self.packed, self.piece, self.shared, self.jobs = packed, packed.piece, packed.shared, jobs
+        first = jobs[0]
+        if first.places is not None:  # a chunk's job: it runs the inputs of its places
+            base = first.base
+            if first.places is packed.places:  # (all of them: the common case)
+                self.ids = [base + place for place in packed.places]
+            else:
+                wanted = set(first.places)
+                self.ids = [base + place if place in wanted else 0 for place in packed.places]
+            return
         self.ids = [0] * packed.size
         for job in jobs:
             self.ids[job.position] = job.id
@@ -49,6 +61,13 @@ def encode(get_store, groups: list) -> tuple[list, list]:
     items, failed = [], []
     for group in groups:
         first = group[0]
+        if first.places is not None and first.packed is None:  # a chunk, first sent: its inputs as one list
+            try:
+                _pack_chunk(get_store, first)
+            except NodeError:
+                failed += _chunk_split(get_store, first)  # (each bad input fails by itself: see _chunk_split)
+            if first.packed is None:
+                continue
         if first.packed is not None:
             items.append(BundleSend(first.packed, group))
         elif len(group) == 1:
@@ -111,6 +130,42 @@ def _packed_together(get_store, piece, jobs: list) -> list:
     for position, job in enumerate(jobs):
         job.packed, job.position, job.keep, job.value = packed, position, encoder, None
     return jobs
+
+
+def _pack_chunk(get_store, job) -> None:
+    """Encode a chunk's inputs as one list (one encoder pass): the job's payload, for each of its places."""
+    encoder = codec.Encoder(get_store)
+    job.packed = Packed(job.piece, _packed(encoder.pack_each, job.value, job.piece.entry), encoder, len(job.value))
+    job.packed.places = job.places
+    job.keep, job.shared, job.value = encoder, encoder.shared, None
+
+
+def _chunk_split(get_store, job) -> list:
+    """A chunk whose inputs cannot be encoded as one list: `[(a job of the place of each input that cannot be
+    encoded, its NodeError)]` (each fails by itself: core.unsent); the job keeps the others, encoded together."""
+    failed, places, kept = [], [], []
+    for place, x in zip(job.places, job.value):
+        try:
+            _packed(codec.Encoder(get_store).pack, x, job.piece.entry)
+        except NodeError as err:
+            failed.append((_alone(job, place), err))
+            continue
+        places.append(place)
+        kept.append(x)
+    if places:
+        job.value, job.places, job.pending = kept, places, set(places)
+        try:
+            _pack_chunk(get_store, job)
+        except NodeError as err:  # (each alone went, all together not: they fail together, never silently)
+            failed += [(_alone(job, place), err) for place in places]
+    return failed
+
+
+def _alone(job, place: int):
+    """A job of `job`'s chunk for the input at `place` alone, that fails (core.unsent: it never goes out)."""
+    alone = copy.copy(job)
+    alone.places, alone.pending, alone.slot = [place], {place}, None
+    return alone
 
 
 def _packed(pack, x, entry: str) -> bytes:

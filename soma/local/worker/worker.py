@@ -20,11 +20,13 @@ from ...wire import failures, protocol, transport
 from ...wire.protocol import Bundle, Cancel, Free, Outcome, Result, Stop, Task
 from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, unlink_all
 from ...wire.status import StatusPage
+from .chunks import ChunkRun
 from .library import Library
 from .resources import Arena, DeviceSetup, private_memory
 from .turns import Turns
 from .values import decode_input, encode_output, encode_outputs
 
+CANCELLED = failures.error_body(Cancelled())  # a dropped input's answer
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 WATCHDOG_S = 0.5
 PROMOTE_S = 0.002  # a receiver that has run jobs this long hands the receiving to a follower
@@ -85,6 +87,7 @@ class Worker:
         self.max_memory = args.max_memory  # bytes, or 0: no cap
         self.over_memory = False  # above max_memory after a job: it runs nothing more, and the host replaces it
         self.cancelled: set = set()  # job ids the host no longer wants (dropped unless started)
+        self.chunk_runs: list = []  # chunks running now (chunks.ChunkRun): the host may ask their rest back
         self.pace: dict = {}  # piece id → seconds its last job took here (whether outcomes may wait: run_lane)
         self.turns = Turns()  # jobs of pieces that hold the GIL run one at a time
         # What this worker knows: node code, nodes, pieces.
@@ -232,6 +235,9 @@ class Worker:
                 wanted = set(message.jobs)
                 self.cancelled.update(i for lane in self.lanes.values() for u in lane.jobs for i in _ids(u)
                                       if i in wanted)
+                asked_back = [run for run in self.chunk_runs if run.drop(wanted)]
+            for run in asked_back:  # (a straggler's chunk: its neighbours go to another worker)
+                self.send_done_part(run)
         elif isinstance(message, Stop):
             self.stopping.set()
             self.finish()
@@ -381,13 +387,62 @@ class Worker:
         node_id = piece.interpreter.batch_node(piece.plan) if piece is not None else None
         if node_id is not None and not any(type(job) is not Bundle and job.traced for job in jobs):
             return self.run_batch(piece, node_id, jobs, dropped)
-        if bundled:  # (the host bundles only the inputs of a batching node alone: never here)
-            failure = NodeError.failed(piece.entry, f"worker {self.id} was sent a bundle of inputs for a piece "
-                                                    f"that is not one batching node (a bug in soma: please report it)")
-            return [_failed(job, failure) if type(job) is Bundle else outcome_of(job) for job in jobs]
+        if bundled:  # a chunk: consecutive inputs of a map, each run by itself (a lane's turn is one entry)
+            return [self.run_chunk(piece, job, dropped) if type(job) is Bundle else outcome_of(job) for job in jobs]
         with piece.interpreter.arriving(len(jobs)) if piece is not None else contextlib.nullcontext():
             return [value for _, value in on_threads([lambda job=job: outcome_of(job) for job in jobs],
                                                      kept_threads())]
+
+    def run_chunk(self, piece, chunk: Bundle, dropped: set) -> Outcome:
+        """A chunk's inputs (a Bundle of a piece that is not a batching node alone), decoded in one pass and run
+        one after another, each by itself: its answer, with each input's own output or error (the outputs
+        encoded as one list, as a Bundle's are). The status page names the input that runs, so a death is
+        charged to it alone. An input dropped before it starts (cancelled, or asked back: then what is done so
+        far goes at once, see `handle`), or not started once over max_memory, is answered Cancelled."""
+        start = time.perf_counter()
+        entry, producer = piece.entry, piece.producer
+        try:
+            xs = decode_input(chunk.payload, entry, self.id, self.get_store)
+            if type(xs) is not list or len(xs) != len(chunk.ids):
+                raise NodeError.failed(entry, f"its inputs could not be received in worker {self.id}: a chunk of "
+                                              f"{len(chunk.ids)} inputs decoded to something else (a bug in soma: "
+                                              f"please report it)")
+        except NodeError as err:
+            return _failed(chunk, err)
+        run = ChunkRun([i for i in chunk.ids if i], producer)
+        with self.lock:
+            self.chunk_runs.append(run)
+        call = piece.interpreter.each(piece.plan, self)  # (the status page names each input as it runs)
+        status, cancelled = self.status, self.cancelled
+        try:
+            for job_id, x in zip(chunk.ids, xs):
+                if not job_id:
+                    continue
+                if job_id in dropped or job_id in cancelled or self.over_memory or not run.begin(job_id):
+                    run.done(job_id, False, CANCELLED)
+                    continue
+                try:
+                    run.done(job_id, True, call(x, job_id))
+                except NodeError as err:
+                    run.done(job_id, False, failures.error_body(err))
+                except BaseException as err:  # never lose an input: the host is waiting for it
+                    run.done(job_id, False, failures.error_body(self.could_not_run(entry, err)))
+                if self.max_memory and not self.over_memory:
+                    self.over_memory = private_memory() > self.max_memory
+            del xs
+        finally:
+            with self.lock:
+                self.chunk_runs.remove(run)
+            status.leave()
+        answers, done_ids, outputs = run.take()
+        seconds = (time.perf_counter() - start) / max(1, len(run.ids))
+        return self.close_bundle(answers, done_ids, outputs, producer, seconds)
+
+    def send_done_part(self, run: ChunkRun) -> None:
+        """What a running chunk has done so far, sent now (the host asked for the rest back)."""
+        answers, done_ids, outputs = run.take()
+        if answers:
+            self.flush([self.close_bundle(answers, done_ids, outputs, run.node, 0.0)])
 
     def load_bundled(self, jobs: list) -> tuple:
         """`(the piece, None)` of the turn's first job, loaded here, or `(None, the NodeError)` that stopped
