@@ -2,14 +2,15 @@
 
 How messages flow through a worker (the host is drawn in `soma.local`):
 
-    host ROUTER ──Task/Free/Cancel/Stop──▶ DEALER
+    host ROUTER ──Task/Free/Cancel/GiveBack/Stop──▶ DEALER
                                              │ one serving thread receives (soma.wire.protocol.parse)
                                              ▼
                      accept(Task) (worker.py): register the node code and piece specs it carries
                                    (library.py: code unpickled on first use, a piece's Interpreter built
-                                   once); append each JobSpec (one input) or Bundle (inputs of a batching
-                                   node alone, encoded as one list) to its piece's Lane (lanes.py: a lane
-                                   keeps arrival order)
+                                   once); append each JobSpec (one input), Bundle (inputs of a batching
+                                   node alone, encoded as one list) or Chunk (consecutive inputs of another
+                                   piece, one list: chunks.py) to its piece's Lane (lanes.py: a lane keeps
+                                   arrival order)
                                              │ the receiving thread runs the first runnable lane
                                              │ itself (no hand-off for a short job); other runnable
                                              │ lanes go to other serving threads at once; a follower
@@ -22,6 +23,9 @@ How messages flow through a worker (the host is drawn in `soma.local`):
                                    Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward,
                                                      Done, postcondition; one input per node at once)
                                    encode the output (tensors become segment handles)
+                                   a Chunk is a turn of its own: its inputs one by one, answered in
+                                   ChunkParts (what is done goes when it has waited 20 ms behind a long
+                                   input, and at once on a Cancel or GiveBack naming the chunk)
                      outbox.py: Result[outcomes, releases]; outcomes of short jobs travel together
                                    (Grouped: and what is done goes before a turn that may be long: a batch)
     host PULL ◀──Hello/Result── PUSH (one lock: any thread may send)

@@ -15,7 +15,7 @@ import time
 from ...errors import Cancelled, NodeError
 from ...wire import failures
 from ...wire.protocol import Bundle, Outcome
-from .values import decode_input, encode_output, encode_outputs
+from .values import decode_input, encode_listed, encode_output
 
 
 def run_batch(runner, piece, node_id: str, jobs: list, dropped: set) -> list:
@@ -135,17 +135,8 @@ def close_bundle(runner, answers: dict, done_ids: list, values: list, node_id: s
     answer."""
     body = None
     if done_ids:
-        try:
-            body = encode_outputs(values, node_id, runner.get_store)
-            for job_id in done_ids:
-                answers[job_id] = True
-        except NodeError:
-            for job_id, value in zip(done_ids, values):
-                try:
-                    answers[job_id] = encode_output(value, node_id, runner.get_store)
-                except NodeError as err:
-                    answers[job_id] = failures.error_body(err)
-            body = None
+        body, listed = encode_listed(values, node_id, runner.get_store)
+        answers.update(zip(done_ids, listed))
     said = list(answers.values())
     if None in said:  # (never: each input has its answer by now)
         lost = failures.error_body(NodeError.failed(

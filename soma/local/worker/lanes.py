@@ -3,19 +3,23 @@
     accept ── Lanes.add(entry) ──▶ its piece's Lane (made on first use) ──▶ runnable, when nobody runs it
     a serving thread ── Lanes.take_turn(lane) ──▶ the lane's next entry, or a batching piece's next entries
                         up to its max_batch inputs (fill_turn), with the ids the host cancelled meanwhile
-    Cancel ── Lanes.cancel(ids): what still waits is dropped when its turn comes (answered Cancelled)
+    Cancel ── Lanes.cancel(ids): what still waits is dropped when its turn comes (answered Cancelled);
+              the chunks that hold one of them are answered now (chunks.answer_now)
+    GiveBack ─ Lanes.give_back(ids): waiting jobs named are dropped (given back), and the chunks named
     forget ── Lanes.forget(known): idle lanes of pieces the host let go are dropped
 
-An entry is what a Task's `jobs` holds: a JobSpec (one input) or a Bundle
-(several inputs of a batching node alone). The worker's lock is held around
-every call: Lanes has none of its own.
+An entry is what a Task's `jobs` holds: a JobSpec (one input), a Bundle (several
+inputs of a batching node alone), or a Chunk (several inputs of another piece:
+kept as a chunks.ChunkRun, which runs as a turn of its own). The worker's lock is
+held around every call: Lanes has none of its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from ...wire.protocol import Bundle
+from ...wire.protocol import Bundle, Chunk, JobSpec
+from .chunks import ChunkRun
 
 
 class Lane:
@@ -34,9 +38,13 @@ class Lanes:
         self.lanes: dict[int, Lane] = {}  # piece id → its lane
         self.runnable: deque = deque()  # lanes with jobs and nobody running them
         self.cancelled: set = set()  # job ids the host no longer wants (dropped unless started)
+        self.chunks: set = set()  # the ChunkRuns waiting or running here
 
     def add(self, entry) -> None:
         """Queue an entry in its piece's lane (runnable if nobody runs that lane)."""
+        if type(entry) is Chunk:
+            entry = ChunkRun(entry)
+            self.chunks.add(entry)
         lane = self.lanes.get(entry.piece)
         if lane is None:
             lane = self.lanes[entry.piece] = Lane()
@@ -52,6 +60,8 @@ class Lanes:
             lane.busy = False
             return None
         turn = [lane.jobs.popleft()]
+        if type(turn[0]) is ChunkRun:
+            return turn, set()  # (a chunk's cancels are its own)
         loaded = pieces.get(turn[0].piece)
         if loaded is not None and loaded.batch:  # a batching node's jobs run together: they share calls
             fill_turn(turn, lane.jobs, loaded.batch)
@@ -61,12 +71,30 @@ class Lanes:
             self.cancelled -= dropped
         return turn, dropped
 
-    def cancel(self, ids) -> None:
+    def cancel(self, wanted: set) -> list:
         """Only what still waits in a lane can be dropped (a Cancel comes after its Task, on the same socket):
-        the rest has started or is done, and its id need not be kept."""
-        wanted = set(ids)
+        the rest has started or is done, and its id need not be kept. Returns the chunks that hold one of the
+        ids (for chunks.answer_now: what of them has not started is answered at once)."""
         self.cancelled.update(i for lane in self.lanes.values() for entry in lane.jobs for i in ids_of(entry)
                               if i in wanted)
+        return [run for run in self.chunks if run.named(wanted)]
+
+    def give_back(self, wanted: set) -> tuple:
+        """`(ids of the waiting jobs named: dropped, the chunks named)`: the host takes these inputs back if
+        they have not started (a Bundle's inputs are not given back: they run in one call, as sent)."""
+        returned = []
+        for lane in self.lanes.values():
+            if any(type(entry) is JobSpec and entry.id in wanted for entry in lane.jobs):
+                kept = [entry for entry in lane.jobs if type(entry) is not JobSpec or entry.id not in wanted]
+                returned += [entry.id for entry in lane.jobs if type(entry) is JobSpec and entry.id in wanted]
+                lane.jobs.clear()
+                lane.jobs.extend(kept)
+        self.cancelled.difference_update(returned)
+        return returned, [run for run in self.chunks if run.named(wanted)]
+
+    def finished(self, run: ChunkRun) -> None:
+        """A chunk has run (every input of it answered or given back)."""
+        self.chunks.discard(run)
 
     def forget(self, known: dict) -> None:
         """Drop the idle lanes of pieces not in `known` (the host let them go)."""
@@ -83,6 +111,8 @@ def fill_turn(turn: list, queued: deque, batch: int) -> None:
     size = size_of(turn[0])
     while queued:
         item = queued[0]
+        if type(item) is ChunkRun:
+            break  # (a chunk runs as a turn of its own)
         if type(item) is Bundle:
             if traced:
                 break
@@ -98,8 +128,10 @@ def fill_turn(turn: list, queued: deque, batch: int) -> None:
 
 
 def ids_of(entry) -> list:
-    """The job ids an entry stands for: a JobSpec's one, a Bundle's named ones."""
-    return [i for i in entry.ids if i] if type(entry) is Bundle else [entry.id]
+    """The job ids an entry stands for: a JobSpec's one, a Bundle's named ones (a chunk's cancels are its own)."""
+    if type(entry) is JobSpec:
+        return [entry.id]
+    return [i for i in entry.ids if i] if type(entry) is Bundle else []
 
 
 def size_of(entry) -> int:

@@ -35,14 +35,14 @@ class Outbox:
         with self.lock:
             self.socket.send(frame)
 
-    def result(self, outcomes: list) -> None:
-        """Send `outcomes` to the host, with the receipts that died meanwhile."""
+    def result(self, outcomes: list, returned: list = ()) -> None:
+        """Send `outcomes` (and the job ids given back) to the host, with the receipts that died meanwhile."""
         # Inputs and outputs of these jobs are dropped by now: what died is reported with them.
         releases = self.segments.releases()
         # Over max_memory, every Result says so (`leaving`): the host sends us nothing more and replaces us
         # once all it sent has come back. We never exit on our own: a message still in ZeroMQ's queue when a
         # process exits is lost, and with it an output (measured: one in three maps of a growing node hung).
-        self.send(Result(self.id, self.pid, outcomes, releases, self.runner.over_memory))
+        self.send(Result(self.id, self.pid, outcomes, releases, self.runner.over_memory, returned))
 
 
 class Grouped:

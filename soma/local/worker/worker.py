@@ -24,9 +24,11 @@ import zmq
 
 from ..._log import warn
 from ...wire import protocol, transport
-from ...wire.protocol import Bundle, Cancel, Free, Stop, Task
+from ...wire.protocol import Bundle, Cancel, Free, GiveBack, Stop, Task
 from ...wire.shm import unlink_all
 from ...wire.status import StatusPage
+from . import chunks as chunking
+from .chunks import ChunkRun
 from .lanes import Lane, Lanes
 from .outbox import FLUSH_S, Grouped, Outbox
 from .resources import DeviceSetup
@@ -35,6 +37,7 @@ from .segments import Segments
 from .turns import Turns
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
+PART_MS = int(chunking.PART_S * 1000)  # ... while chunks are here (see send_due_parts)
 WATCHDOG_S = 0.5
 PROMOTE_S = 0.002  # a receiver that has run jobs this long hands the receiving to a follower
 TICK_S = 0.002  # how often a follower looks, while jobs keep coming (a wakeup each: not too often)
@@ -68,6 +71,7 @@ class Worker:
         self.receiver_busy_since = None  # when that thread went off to run jobs itself
         self.lanes = Lanes()  # each piece's jobs waiting here (and which the host cancelled)
         self.active_until = 0.0  # followers tick until then (jobs came recently)
+        self.parts_looked_at = 0.0  # when the receiving thread last looked for chunk parts due (send_due_parts)
         self.idle = 0  # threads asleep on cv
         self.running = 0  # threads running a lane
         self.serving = 1
@@ -149,6 +153,8 @@ class Worker:
                     self.running -= 1
                 continue
             message = self.receive()
+            if self.lanes.chunks:
+                self.send_due_parts()
             if message is None:
                 self.trim_if_idle()
                 continue
@@ -192,7 +198,8 @@ class Worker:
             self.segments.trim_if_idle(time.monotonic() - self.active_until)
 
     def receive(self):
-        frame = self.receiver.wait(POLL_MS)
+        # While chunks are here, look at least every PART_S whether one holds outputs behind a long input.
+        frame = self.receiver.wait(PART_MS if self.lanes.chunks else POLL_MS)
         return None if frame is None else protocol.parse(self.secret, frame, "the host")
 
     def handle(self, message):
@@ -202,8 +209,16 @@ class Worker:
         if isinstance(message, Free):
             self.segments.free(message.frees)
         elif isinstance(message, Cancel):
+            wanted = set(message.jobs)
             with self.lock:
-                self.lanes.cancel(message.jobs)
+                chunks = self.lanes.cancel(wanted)
+            if chunks:
+                self.answer_chunks(chunks, wanted, [])
+        elif isinstance(message, GiveBack):
+            wanted = set(message.jobs)
+            with self.lock:
+                returned, chunks = self.lanes.give_back(wanted)
+            self.answer_chunks(chunks, wanted, returned, give_back=True)
         elif isinstance(message, Stop):
             self.stopping.set()
             self.finish()
@@ -260,6 +275,9 @@ class Worker:
                         self.receiver_busy_since = None
                     break
             turn, dropped = taken
+            if type(turn[0]) is ChunkRun:
+                self.run_chunk(turn[0], lane, outcomes)
+                continue
             piece = turn[0].piece
             single = len(turn) == 1 and type(turn[0]) is not Bundle
             if not single or (lane.pace if lane.pace is not None else FLUSH_S) >= FLUSH_S:
@@ -277,6 +295,38 @@ class Worker:
                 lane.pace = outcome.seconds
                 outcomes.add(outcome, outcome.seconds)
         outcomes.flush()
+
+    def run_chunk(self, run: ChunkRun, lane: Lane, outcomes: Grouped) -> None:
+        """A chunk's inputs, one by one on this thread (chunks.py): its parts go out as they are due, the
+        last with the lane's other outcomes."""
+        outcomes.flush()  # (a chunk may take a while: what is done goes first)
+        try:
+            part = chunking.run_chunk(self.runner, run, lane, self.turns, lambda part: self.outbox.result([part]))
+        finally:
+            with self.lock:
+                self.lanes.finished(run)
+        if part is not None:
+            outcomes.add(part, sum(part.seconds))
+
+    def send_due_parts(self) -> None:
+        """Send what the running chunks have done, where it has waited PART_S behind a long input."""
+        now = time.monotonic()
+        if now - self.parts_looked_at < chunking.PART_S:
+            return
+        self.parts_looked_at = now
+        with self.lock:
+            running = list(self.lanes.chunks)
+        for run in running:
+            chunking.send_due(self.runner, run, lambda part: self.outbox.result([part]))
+
+    def answer_chunks(self, chunks: list, wanted: set, returned: list, give_back: bool = False) -> None:
+        """A Cancel's or a GiveBack's answer for the chunks it names, now (the receiving thread: their lanes'
+        threads may be busy with an input for a while). A GiveBack is always answered, `returned` or not."""
+        parts: list = []
+        for run in chunks:
+            returned += chunking.answer_now(self.runner, run, wanted, give_back, parts)
+        if parts or give_back:
+            self.outbox.result(parts, returned)
 
     def forget(self, keys: list) -> None:
         """The host's copies of these nodes are gone: drop them, their pieces, and those pieces' idle lanes."""
