@@ -26,6 +26,7 @@ from ...errors import Cancelled, NodeError
 from ...run.interpreter import RunState, span
 from ...wire import failures
 from ...wire.protocol import ChunkPart
+from .turns import MIN_S
 from .values import decode_input, encode_listed
 
 PART_S = 0.02  # what is done waits at most this long (and one input) before it goes, while the chunk runs
@@ -83,14 +84,21 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
         except NodeError as err:
             failure = err
     producer = piece.producer if piece is not None else "?"
+    done = None  # the input just done: (job id, ok, output or error body, spans, seconds)
     try:
         for position, job_id in enumerate(ids):
-            with run.lock:
+            with run.lock:  # (one holding per input: the last one's answer in, this one's start out)
+                if done is not None:
+                    if not run.done:
+                        run.part_since = time.perf_counter()
+                    run.done.append(done)
+                    done = None
                 run.next = position + 1
                 if not job_id or job_id in run.skip:
+                    run.running = False
                     continue
                 run.running = True
-                due = run.done and time.monotonic() - run.part_since >= PART_S
+                due = run.done and time.perf_counter() - run.part_since >= PART_S
             if due:
                 _send_part(runner, run, producer, send)
             start = time.perf_counter()
@@ -100,23 +108,21 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
             else:
                 if traced and traced[position]:
                     spans, loaded = loaded or [], None  # (the piece's load: a span of its first traced input)
-                token = turns.enter(piece_id, lane.pace)
-                try:
-                    ok, value = _run_input(runner, piece, job_id, xs[position], spans,
-                                           traced[position][0] if spans is not None else None)
-                finally:
+                pace = lane.pace
+                token = turns.enter(piece_id, pace) if pace is None or pace >= MIN_S else None
+                ok, value = _run_input(runner, piece, job_id, xs[position], spans,
+                                       traced[position][0] if spans is not None else None)
+                if token is not None:
                     turns.leave(piece_id, token)
                 xs[position] = None  # (its input goes as soon as it is done with)
             seconds = time.perf_counter() - start
             lane.pace = seconds
-            with run.lock:
-                run.running = False
-                if not run.done:
-                    run.part_since = time.monotonic()
-                run.done.append((job_id, ok, value, spans, seconds))
+            done = (job_id, ok, value, spans, seconds)
     finally:
         runner.status.leave()
         with run.lock:
+            if done is not None:
+                run.done.append(done)
             run.running = False
             run.next = len(ids)
     with run.sending:
@@ -145,7 +151,7 @@ def answer_now(runner, run: ChunkRun, wanted: set, give_back: bool, parts: list)
 def send_due(runner, run: ChunkRun, send) -> None:
     """While one of its inputs runs long, send what is done once the first of it is PART_S old (the receiving
     thread looks: the lane's thread is busy with that input)."""
-    if run.done and run.running and time.monotonic() - run.part_since >= PART_S:
+    if run.done and run.running and time.perf_counter() - run.part_since >= PART_S:
         _send_part(runner, run, _producer(runner, run), send)
 
 
@@ -175,9 +181,9 @@ def _loaded(runner, run: ChunkRun) -> tuple:
 
 
 def _run_input(runner, piece, job_id: int, x, spans, index) -> tuple:
-    """`(ok, its output or its error body)` of one input: the piece run on it, the status page naming it."""
+    """`(ok, its output or its error body)` of one input: the piece run on it (the status page names the job
+    with each node it enters: RunState tells it)."""
     try:
-        runner.status.enter(job_id, piece.entry)
         if runner.cuda:
             runner.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
         return True, piece.interpreter.run(piece.plan, x, RunState(runner.observer, job_id, index), spans)
@@ -186,7 +192,8 @@ def _run_input(runner, piece, job_id: int, x, spans, index) -> tuple:
     except BaseException as err:  # never lose an input: the host is waiting for it
         return False, failures.error_body(runner.could_not_run(piece.producer, err))
     finally:
-        runner.check_memory()
+        if runner.max_memory:
+            runner.check_memory()
 
 
 def _send_part(runner, run: ChunkRun, producer: str, send) -> None:
