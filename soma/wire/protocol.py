@@ -153,7 +153,7 @@ class Result(NamedTuple):
     outcomes: list  # Outcome, or ChunkPart
     releases: list
     leaving: bool = False
-    returned: list = ()  # job ids given back unstarted (GiveBack)
+    returned: list = []  # job ids given back unstarted (GiveBack); (never changed in place: one default for all)
 
 
 class Free(NamedTuple):
