@@ -21,8 +21,8 @@ from .events import Undecodable
 from .flows import Job
 from .outcomes import checked
 
-CHUNK_S = 0.002  # a chunk holds about this much work (measured), so a straggler holds little behind it
-MAX_FILL = 256  # and at most this many inputs
+CHUNK_S = 0.005  # a chunk holds about this much work (measured), so a straggler holds little behind it
+MAX_FILL = 1024  # and at most this many inputs
 AHEAD = 2  # chunks per worker a map keeps in flight: one running, the next waiting behind it
 STRAGGLER_S = 0.02  # a chunk's job out this long (and 4 times what it should take) while a worker idles:
 #                     what it has not started goes to that worker

@@ -102,7 +102,14 @@ class HostLoop:
     def start_chunks(self, program, items: list, sink, graph, size: int) -> dict:
         """Start `(index, x)` inputs of a map in chunks (flows.Chunk) of up to `size` consecutive ones; an ok
         run's outcome comes as `(index, True, Span)` (core.py, chunks.py). Returns first index → Chunk."""
-        flows, run = {}, []
+        flows = {}
+        first, last = items[0][0], items[-1][0]
+        if last - first == len(items) - 1:  # (consecutive: the common case, sliced at C speed)
+            xs = [x for _, x in items]
+            for at in range(0, len(xs), size):
+                flows[first + at] = Chunk(first + at, sink, program, xs[at:at + size], graph)
+            return self._started(program, flows)
+        run = []
         for item in items:
             if run and (len(run) == size or item[0] != run[-1][0] + 1):
                 flows[run[0][0]] = Chunk(run[0][0], sink, program, [x for _, x in run], graph)

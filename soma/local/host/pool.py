@@ -21,7 +21,7 @@ import time
 
 from ..._log import warn
 from ...wire import codec, failures, protocol, transport
-from ...wire.protocol import Hello, Result, Stop, Task
+from ...wire.protocol import ChunkPart, Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
 from .events import Arrived, Bundled, Gone, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
@@ -279,7 +279,13 @@ class WorkerPool:
         decoded = []
         decoder = codec.Decoder(self.get_store)
         try:
-            for job_id, ok, body, spans, seconds in result.outcomes:
+            for outcome in result.outcomes:
+                if type(outcome) is ChunkPart:  # (part of) a chunk's outcomes: see host/chunks.py
+                    seconds = outcome.seconds
+                    decoded.append(_bundled(decoder, outcome.ids, outcome.said, outcome.body,
+                                            sum(seconds) / len(seconds) if seconds else 0.0))
+                    continue
+                job_id, ok, body, spans, seconds = outcome
                 if type(job_id) is list:  # a Bundle's outcomes
                     decoded.append(_bundled(decoder, job_id, ok, body, seconds))
                     continue

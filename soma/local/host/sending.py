@@ -52,7 +52,9 @@ class BundleSend:
             self.ids[job.position] = job.id
 
     def wire(self) -> tuple:
-        """The Bundle's fields (protocol.Bundle), as the pool packs them."""
+        """The Bundle's fields (protocol.Bundle), or a chunk's (protocol.Chunk), as the pool packs them."""
+        if self.packed.places is not None:
+            return self.ids, self.piece.id, self.packed.payload, False
         return self.ids, self.piece.id, self.packed.payload
 
 
