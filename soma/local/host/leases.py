@@ -85,6 +85,12 @@ class LeaseBook:
         """Anything to tell any owner (read without the lock: a stale answer only delays a free)."""
         return bool(self._frees)
 
+    def give_back_frees(self, owner: int, frees: list) -> None:
+        """Frees taken for a message that did not go: told with the next one instead."""
+        if frees and owner not in self._dead:
+            with self._lock:
+                self._frees[owner][:0] = frees
+
     def take_frees(self, owner: int) -> list:
         if owner not in self._frees:
             return []

@@ -77,8 +77,10 @@ class Turns:
                 self.holders.pop(threading.get_ident(), None)
                 self.cv.notify()
 
-    def forget(self, piece_ids) -> None:
-        for piece_id in piece_ids:
+    def forget_unknown(self, known) -> None:
+        """Forget what was learnt of pieces not in `known` (the host let them go)."""
+        # list(): one copy in C, atomic under the GIL (lane threads write `lets_go` without the lock)
+        for piece_id in [p for p in list(self.lets_go) if p not in known]:
             self.lets_go.pop(piece_id, None)
 
     def _all_blocked(self) -> bool:
