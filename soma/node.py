@@ -88,15 +88,19 @@ def operand(value) -> str:
 class Expr:
     """Base of the expression tree. Compose with `>>` and `|`."""
 
-    __slots__ = ()
+    __slots__ = ("_runs",)  # what `run` runs: composed once (an expression never changes), kept with it
 
     def run(self, x, *, timeout: float | None = None):
         """Shorthand for `soma.Executor().run(expr, x)`: the run in this process (soma.run.inprocess), on
-        what `Graph.somatize(expr)` would hold (`composed`), without a Graph: soma.graph imports this module."""
+        what `Graph.somatize(expr)` would hold (`composed`, made once and kept with the expression), without
+        a Graph: soma.graph imports this module."""
         from .run.inprocess import run_here
 
-        catalog, plan, placed = composed(self)
-        return run_here(catalog, {node_id: str(device) for node_id, device in placed.items()}, plan, x, timeout)
+        runs = getattr(self, "_runs", None)
+        if runs is None:
+            catalog, plan, placed = composed(self)
+            runs = self._runs = (catalog, {node_id: str(device) for node_id, device in placed.items()}, plan)
+        return run_here(*runs, x, timeout)
 
     def __rshift__(self, other) -> "Chain":
         other = as_expr(other, ">>", self)
