@@ -192,9 +192,10 @@ class Submission:
 
 def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
     """Submit every call of one input, or of a map's batch of inputs: one Ray call per node for all of them
-    (called by the book, under its lock: soma.ray.copies.ActorBook.submit; its NodeActors pick each call's actor).
-    One input: `call` (exactly the one arg a hand-written actor takes). Several: `call_many`, one return per input, so each input still has its own ref at every
-    node, and downstream calls, failures, checks and spans stay per input.
+    (called by the book, under its lock: soma.ray.copies.ActorBook.submit; its NodeActors pick each call's
+    actor). One input: `call` (exactly the one arg a hand-written actor takes). Several: `call_many`, one
+    return per input, so each input still has its own ref at every node, and downstream calls, failures,
+    checks and spans stay per input.
     """
     entry = graph.entry_nodes[0]
     tensors_out_of_band()  # this process's tensors reach Ray's store out of band too
