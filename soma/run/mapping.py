@@ -82,20 +82,25 @@ class Inflight:
         """The map is over: cancel what has not started, let the rest finish, release everything."""
 
 
-def map_outputs(inflight: Inflight, xs, *, graph, window=None, ordered=True, progress=False, timeout=None,
-                errors="raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
-    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs"); `graph` is the Graph
-    it runs (what a state is checked against)."""
-    try:
-        loop = MapLoop(inflight, xs, graph=graph, window=window, ordered=ordered, progress=progress,
-                       timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
-                       checkpoint_every=checkpoint_every)
-        # (a TypeError for something that is not iterable, here, before anything starts)
-        source = _guarded(remaining(xs, loop.next_index, loop.after_start), loop)
-    except BaseException:
-        inflight.close()  # nothing was started: the runner's in-flight set is given back at once
-        raise
+def map_outputs(inflight: Inflight, xs, **options) -> "MapIterator":
+    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs"); `options` are
+    MapLoop's (`graph`: the Graph it runs, what a state is checked against; window, ordered, ...)."""
+    loop, source = opened(inflight, xs, lambda loop: _guarded(remaining(xs, loop.next_index, loop.after_start), loop),
+                          **options)
     return MapIterator(_drive(loop, source), loop)
+
+
+def opened(inflight: Inflight, xs, source_of, **options) -> tuple:
+    """A map's loop over `inflight` (`options`: MapLoop's) and its source of inputs, `source_of(loop)`, from
+    where the loop starts (`resume=`). Anything refused here (an option, a `resume=` state, an `xs` that is
+    not iterable: a TypeError now, not at the first `next`) gives the in-flight set back at once: nothing
+    was started. Shared by `map_outputs` and `amap_outputs` (soma.run.aio)."""
+    try:
+        loop = MapLoop(inflight, xs, **options)
+        return loop, source_of(loop)
+    except BaseException:
+        inflight.close()
+        raise
 
 
 class MapIterator:
@@ -170,8 +175,8 @@ class MapLoop:
     place (`.index` set) and the map goes on. The iterable's own exception is raised either way.
     """
 
-    def __init__(self, inflight: Inflight, xs, *, graph, window, ordered: bool, progress, timeout, errors: str,
-                 resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
+    def __init__(self, inflight: Inflight, xs, *, graph, window=None, ordered: bool = True, progress=False,
+                 timeout=None, errors: str = "raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         if errors not in ERRORS:
             raise ValueError(f"map's errors must be 'raise' or 'yield', got {errors!r}")
         self.inflight = inflight
