@@ -152,18 +152,20 @@ def measure(loadgen, servers: dict, workload: str, sizes: dict, rounds: int, sam
                       f"(load generator {got['cpu_ms_per_request']:.2f} ms CPU a request)", flush=True)
 
 
-def run_servers(contenders, workload: str, folder: str, loadgen, sizes, rounds, samples) -> None:
+def run_servers(suite, contenders, workload: str, folder: str, loadgen, sizes, rounds, samples) -> None:
     servers = {c: Server(c, workload, folder) for c in contenders}  # (started together: their starts overlap)
     try:
         for server in servers.values():
             server.wait_ready()
+        suite.done(f"starting {', '.join(contenders)} ({workload})")
         measure(loadgen, servers, workload, sizes, rounds, samples[workload])
     finally:
         for server in servers.values():
             server.stop()
+    suite.done(f"measuring and stopping them ({workload})")
 
 
-def run_ray_serve(folder: str, loadgen, sizes, rounds, samples) -> None:
+def run_ray_serve(suite, folder: str, loadgen, sizes, rounds, samples) -> None:
     """One Ray Serve for both workloads, the model redeployed between them."""
     server = Server("ray_serve", WORKLOADS[0], folder)
     try:
@@ -172,7 +174,9 @@ def run_ray_serve(folder: str, loadgen, sizes, rounds, samples) -> None:
                 server.wait_ready()
             else:
                 server.switch(workload)
+            suite.done(f"{'starting' if workload == WORKLOADS[0] else 'redeploying'} ray_serve ({workload})")
             measure(loadgen, {"ray_serve": server}, workload, sizes, rounds, samples[workload])
+            suite.done(f"measuring ray_serve ({workload})")
     finally:
         server.stop()
 
@@ -275,9 +279,9 @@ def main(argv) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="soma-bench-serve-") as folder:
             for workload in WORKLOADS:
-                run_servers(UVICORN_CONTENDERS, workload, folder, loadgen, sizes, rounds, samples)
+                run_servers(suite, UVICORN_CONTENDERS, workload, folder, loadgen, sizes, rounds, samples)
             if ray_skipped is None:
-                run_ray_serve(folder, loadgen, sizes, rounds, samples)
+                run_ray_serve(suite, folder, loadgen, sizes, rounds, samples)
     finally:
         loadgen.close()
     figures = {workload: summarize(by_contender) for workload, by_contender in samples.items()}
