@@ -155,7 +155,7 @@ def resumable(suite: h.Suite, pools: Pools) -> None:
         contenders[f"{name}_state_dict"] = functools.partial(with_state, runner)
         contenders[f"{name}_checkpoint"] = functools.partial(checkpointed, runner)
     try:
-        samples = h.alternate(contenders, repeat=suite.repeat(full=7, quick=5),
+        samples = h.alternate(contenders, repeat=suite.repeat(full=7, quick=3),
                               check=lambda name, out: h.expect(name, out, xs, "identity"))
     finally:
         os.rmdir(folder)  # (each map removed its checkpoint when it yielded everything: a leftover fails here)

@@ -87,15 +87,22 @@ class Server:
             return f.read()[-3000:]
 
     def stop(self) -> None:
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self) -> None:
+        """SIGTERM, not waited for: servers stopped together shut down at once, not one after another."""
         self.proc.stdin.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                print(f"{NAME}: the {self.contender} server ignored SIGTERM for 60 s: killed")
-                self.proc.kill()
-                self.proc.wait()
+
+    def wait_stopped(self) -> None:
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            print(f"{NAME}: the {self.contender} server ignored SIGTERM for 60 s: killed")
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 
@@ -159,10 +166,13 @@ def run_servers(suite, contenders, workload: str, folder: str, loadgen, sizes, r
             server.wait_ready()
         suite.done(f"starting {', '.join(contenders)} ({workload})")
         measure(loadgen, servers, workload, sizes, rounds, samples[workload])
+        suite.done(f"measuring them ({workload})")
     finally:
         for server in servers.values():
-            server.stop()
-    suite.done(f"measuring and stopping them ({workload})")
+            server.terminate()
+        for server in servers.values():
+            server.wait_stopped()
+    suite.done(f"stopping them ({workload})")
 
 
 def run_ray_serve(suite, folder: str, loadgen, sizes, rounds, samples) -> None:
