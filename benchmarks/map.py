@@ -387,11 +387,13 @@ def main(argv=None) -> list[dict]:
         suite.done("window")
     finally:
         pools.close()
-    targets.hops(suite)  # (its own Local, counting calls: nothing else of this run beside it)
+    hops_failed = targets.hops(suite)  # (its own Local, counting calls: nothing else of this run beside it)
     suite.done("hops")
     records = suite.finish(lambda: print_summary(suite))
     if args.plot:
         targets.plot(suite, args.plot, machine.others()[0])
+    if hops_failed:
+        raise SystemExit(f"map: every table above is printed, but the hops tool failed: {hops_failed}")
     return records
 
 
