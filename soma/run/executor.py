@@ -192,12 +192,12 @@ class ExecutorInflight(Inflight):
 
     def __init__(self, executor: Executor, g, devices: dict, timeout):
         self.executor, self.g, self.devices, self.timeout = executor, g, devices, timeout
-        # future → (indices, their RunStates, a chunk's given-up Event): one input (its RunState, None), or a
-        # chunk given to a batching node in one call (no states, its Event), whose result is each input's
+        # future → (indices, their RunStates, a batch's given-up Event): one input (its RunState, None), or a
+        # batch given to a batching node in one call (no states, its Event), whose result is each input's
         # (ok, value)
         self.running: dict = {}
         self.modes = thread_modes()  # the map's caller's torch modes, for every input
-        # A graph that is one batching node, untimed: its inputs go to the node in chunks, one call each, on
+        # A graph that is one batching node, untimed: its inputs go to the node in batches of max_batch, one call each, on
         # one thread (no thread per input, meeting at the node: ~250 µs an input here, against the model's 38)
         self.interpreter = executor._interpreter(g, devices)
         self.batch_node = self.interpreter.batch_node(g.plan()) if timeout is None else None
@@ -213,13 +213,13 @@ class ExecutorInflight(Inflight):
         if self.batch_node is not None and self.executor._trace is None:
             size = max(1, max_batch_of(self.g.node(self.batch_node)))
             for first in range(0, len(items), size):
-                chunk = items[first:first + size]
-                # No RunState per input: a chunk is one call (nothing to stop between its nodes), untimed (no
+                batch = items[first:first + size]
+                # No RunState per input: a batch is one call (nothing to stop between its nodes), untimed (no
                 # running node to name); one not started is cancelled whole by its future, and one waiting on
-                # its thread for the node's lock (behind the chunks before it) by its Event (close).
+                # its thread for the node's lock (behind the batches before it) by its Event (close).
                 given_up = threading.Event()
-                future = threads.submit(self._run_chunk, [x for _, x in chunk], given_up)
-                self.running[future] = ([index for index, _ in chunk], [], given_up)
+                future = threads.submit(self._run_batch, [x for _, x in batch], given_up)
+                self.running[future] = ([index for index, _ in batch], [], given_up)
             return
         states = [RunState(index=index) for index, _ in items]
         futures = self.executor._submit_inputs(self.interpreter, [
@@ -228,7 +228,7 @@ class ExecutorInflight(Inflight):
         for (index, _), state, future in zip(items, states, futures):
             self.running[future] = ([index], [state], None)
 
-    def _run_chunk(self, xs: list, given_up: threading.Event) -> list:
+    def _run_batch(self, xs: list, given_up: threading.Event) -> list:
         with self.modes():
             return self.interpreter.run_batch(self.batch_node, xs, given_up=given_up)
 
@@ -244,26 +244,26 @@ class ExecutorInflight(Inflight):
         return [outcome for f in done for outcome in self._outcomes(wrapped[f])]
 
     def _outcomes(self, future) -> list:
-        indices, _, chunk = self.running.pop(future)
+        indices, _, given_up = self.running.pop(future)
         exc = future.exception()
-        if chunk is not None:
-            if exc is not None:  # (soma's own mistake, not a node's: every input of the chunk says so)
+        if given_up is not None:  # a batch's
+            if exc is not None:  # (soma's own mistake, not a node's: every input of the batch says so)
                 return [(index, False, exc) for index in indices]
             return [(index, ok, value) for index, (ok, value) in zip(indices, future.result())]
         return [(indices[0], False, exc) if exc is not None else (indices[0], True, future.result())]
 
     def expire(self, index: int) -> BaseException:
-        # (only untimed maps send chunks: an input that can expire runs alone)
+        # (only untimed maps send batches: an input that can expire runs alone)
         future, state = next((f, ss[0]) for f, (ii, ss, _) in self.running.items() if ii == [index])
         del self.running[future]
         state.cancelled = True  # it stops before its next node
         return RunTimeout.after(self.timeout, dict.fromkeys(state.running_now()), ())
 
     def close(self) -> None:
-        for future, (_, states, chunk) in self.running.items():
+        for future, (_, states, given_up) in self.running.items():
             future.cancel()  # not started: never starts
             for state in states:
                 state.cancelled = True  # started: stops before its next node
-            if chunk is not None:
-                chunk.set()  # waiting for the node's lock: never calls it
+            if given_up is not None:
+                given_up.set()  # a batch waiting for the node's lock: never calls it
         self.running.clear()

@@ -300,24 +300,6 @@ class Interpreter:
             return value
         return run_wave
 
-    def each(self, plan: Plan, observer):
-        """`plan` as `call(x, job)` for inputs run one after another on this thread (a chunk's, in a worker):
-        `run` without a RunState of its own per input when the plan is one node (what it checks, the same)."""
-        if type(plan) is not Step or plan.id in self._meetings:
-            run = self.compile(plan)
-            return lambda x, job: run(x, RunState(observer, job), None)
-        node_id = plan.id
-        node = self.nodes[node_id]
-        device = self.devices.get(node_id)
-        ctx = Ctx(node_id, device, self.worker, self.allocate)
-        guard = self._guard(node_id, node)
-        forward = self._forward
-
-        def call(x, job):
-            observer.enter(job, node_id)
-            return unwrap(forward(node, node_id, device, ctx, guard, x, None))
-        return call
-
     def _guard(self, node_id: str, node):
         guard = self._guards.get(node_id)
         if guard is None:
@@ -401,7 +383,7 @@ class Interpreter:
         `forward_batch` (in batches of at most `max_batch`). What a map's or a worker's inputs cost
         without a thread each to meet at the node. `states`: each input's RunState (one cancelled leaves
         the batch), or None for inputs nobody cancels one by one and nobody traces (a worker's: its host
-        cancels a job before its turn; an Executor map's chunk: `given_up` is set when the map is left, and
+        cancels a job before its turn; an Executor map's batch: `given_up` is set when the map is left, and
         a call not begun by then never begins, each input Cancelled)."""
         size = max(1, max_batch_of(self.nodes[node_id]))
         outcomes: list = []

@@ -248,19 +248,19 @@ class LogsThenWaitsForGate(Node):
 
 
 def test_a_map_left_early_never_calls_the_batches_waiting_for_the_node():
-    # A map over a batching node alone goes in chunks of max_batch, each on a thread of its own that waits for
-    # the node's lock; left early, a chunk still waiting for the lock must not run (it ran, all of them, before).
+    # A map over a batching node alone goes in batches of max_batch, each on a thread of its own that waits for
+    # the node's lock; left early, a batch still waiting for the lock must not run (it ran, all of them, before).
     gate = threading.Event()
     node = LogsThenWaitsForGate(gate)
     executor = Executor()
     try:
-        outputs = executor.map(node, range(64), window=64)  # eight chunks in flight
+        outputs = executor.map(node, range(64), window=64)  # eight batches in flight
         assert next(outputs) == 0
         outputs.close()
-        gate.set()  # the chunk that took the lock after the first one (if any) ends now
+        gate.set()  # the batch that took the lock after the first one (if any) ends now
         assert executor.run(node, 99) == 99  # the node's lock, after whatever was let in before
         ran = [x for x in node.ran if x != 99]
-        assert ran[:8] == list(range(8)) and len(ran) <= 16, ran  # the first chunk, and at most the next
+        assert ran[:8] == list(range(8)) and len(ran) <= 16, ran  # the first batch, and at most the next
         # ... and none of the others later (they all ran within milliseconds of the gate before): a bound on
         # how long to look for what must not happen, never a reason to fail when it does not
         deadline = time.monotonic() + 1.0

@@ -72,7 +72,7 @@ class HostCore:
         self.flows: dict = {}  # the flows in flight (as keys, in the order they started)
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.walker = Walker()
-        self.chunks: dict = {}  # base → a Chunk in flight (its inputs' job ids are base + place: chunks.py)
+        self.chunk_jobs: dict = {}  # base → a Chunk's job out or waiting (its inputs travel as base + place)
         self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
         self.out: list = []  # actions not yet taken by the loop
 
@@ -103,8 +103,9 @@ class HostCore:
                 continue
             self.flows[flow] = None
             if type(flow) is Chunk:
-                self._enqueue([self.walker.start_chunk(flow)])
-                self.chunks[flow.base] = flow
+                job = self.walker.start_chunk(flow)
+                self.chunk_jobs[job.base] = job
+                self._enqueue([job])
                 continue
             x = flow.x
             if not flow.retries:
@@ -243,13 +244,18 @@ class HostCore:
         others it still owed (done and not reported, or not started) go again: returns their job."""
         job.flow.jobs.discard(job)
         node = running.get(job.base + place, job.piece.entry) if running else job.piece.entry
+        self.chunk_jobs.pop(job.base, None)
         self._lost_running(self.walker.rest_of(job, [place]), worker, ended, node, down)
         others = chunks.still_open(job.flow, sorted(job.pending - {place}))
-        if not others:
-            return []
-        again = self.walker.rest_of(job, others)
+        return [self._rest(job, others)] if others else []
+
+    def _rest(self, job: Job, places: list) -> Job:
+        """A new job of `job`'s chunk for these places (its inputs travel under new ids: an answer meant for
+        `job` is never taken for it)."""
+        again = self.walker.rest_of(job, places)
+        self.chunk_jobs[again.base] = again
         job.flow.jobs.add(again)
-        return [again]
+        return again
 
     def _lost_running(self, job: Job, worker, ended: str, node: str, down: str | None) -> None:
         flow = job.flow
@@ -303,17 +309,14 @@ class HostCore:
         """(Part of) a chunk's answer (chunks.py): each input's outcome delivered; what was handed back goes
         again; the job is over once every place it owed is answered."""
         base = chunk_base(one.jobs[0])
-        chunk = self.chunks.get(base)
-        first = one.jobs[0] - base
-        job = next((j for j in chunk.jobs if j.slot == slot and first in j.pending), None) if chunk else None
-        if job is None:
-            return  # (a place handed on to another worker meanwhile, or a chunk over)
+        job = self.chunk_jobs.get(base)
+        if job is None or job.slot != slot:
+            return  # (a job over: all it owed answered, handed on, or its chunk cancelled)
+        chunk = job.flow
         if stale(job):  # (cancelled: what it owed is dropped as it comes)
             job.pending.difference_update(i - base for i in one.jobs)
             if not job.pending:
-                self.dispatch.give_back(job)
-                chunk.jobs.discard(job)
-                self._deliver_chunk(chunk, [])
+                self._chunk_job_over(job)
             return
         try:
             items, back = chunks.arrived(job, one.oks, one.values, one.jobs, worker)
@@ -322,55 +325,55 @@ class HostCore:
                                                                            f"`{job.piece.entry}`")), []
             job.pending.clear()
         if not job.pending:
-            self.dispatch.give_back(job)
-            chunk.jobs.discard(job)
+            self._chunk_job_over(job)
             self.dispatch.choice.measure(job, one.seconds, now, len(job.places))
         back = chunks.still_open(chunk, back)
         if back:
-            again = self.walker.rest_of(job, back)
-            chunk.jobs.add(again)
-            self.dispatch.waiting.add_first([again])
+            self.dispatch.waiting.add_first([self._rest(job, back)])
         self._deliver_chunk(chunk, items)
+
+    def _chunk_job_over(self, job: Job) -> None:
+        """A chunk's job owes nothing any more (what its worker still says of it is dropped)."""
+        self.dispatch.give_back(job)
+        job.flow.jobs.discard(job)
+        self.chunk_jobs.pop(job.base, None)
 
     def stragglers(self, now: float) -> list:
         """`(slot, job)` of chunks' jobs out for long (an input of theirs is slow: it holds the others behind
         it) while a worker has nothing to do: the loop reads what those workers run and calls `hand_on`."""
-        for base in [b for b, c in self.chunks.items() if c.finished and not c.jobs]:
-            del self.chunks[base]  # (over, its last job dropped on a worker's end or hello)
-        if not self.chunks or self.dispatch.waiting:
+        outstanding = self.dispatch.outstanding
+        for base in [b for b, j in self.chunk_jobs.items() if stale(j) and outstanding.get(j.id) is not j]:
+            del self.chunk_jobs[base]  # (over: dropped on a worker's end or hello, or never sent)
+        if not self.chunk_jobs or self.dispatch.waiting:
             return []
         choice = self.dispatch.choice
         if not any(self.state[s] == READY and not choice.load[s] for s in range(len(self.state))):
             return []
         found = []
-        for chunk in self.chunks.values():
-            for job in chunk.jobs:
-                if job.slot is None or len(job.pending) < 2 or job in self.dispatch.parked[job.slot]:
-                    continue
-                expected = choice.service_s.get(job.piece.id, 0.0) * len(job.places)
-                if now - job.sent_at > max(chunks.STRAGGLER_S, 4 * expected):
-                    found.append((job.slot, job))
+        for job in self.chunk_jobs.values():
+            if job.slot is None or len(job.pending) < 2 or job in self.dispatch.parked[job.slot]:
+                continue
+            expected = choice.service_s.get(job.piece.id, 0.0) * len(job.places)
+            if now - job.sent_at > max(chunks.STRAGGLER_S, 4 * expected):
+                found.append((job.slot, job))
         return found
 
     def hand_on(self, job: Job, running: list) -> None:
-        """A chunk's job out for long (`stragglers`): the inputs it owes, but for the one its worker runs now
-        (`running`, its status page), go to another worker; its worker is asked to drop them (it sends what it
-        has done so far at once: see soma.local.worker). An input that started meanwhile may run twice; its
-        outcome is delivered once (the job it was handed on to is the one that owes it)."""
+        """A chunk's job out for long (`stragglers`): the inputs it owes after the one its worker runs now
+        (`running`, its status page; all it owes when it runs none of them) go to another worker; its worker
+        is asked to drop them (it sends what it has done so far at once: see soma.local.worker). An input that
+        started meanwhile may run twice; its outcome is delivered once (the job it was handed on to owes it)."""
         if self.dispatch.outstanding.get(job.id) is not job or stale(job):
             return
-        now = chunks.running(job, running)
-        rest = chunks.still_open(job.flow, sorted(p for p in job.pending if p != now))
+        now = chunks.running(job, running)  # (a chunk runs in order: those before it are done, not yet reported)
+        rest = chunks.still_open(job.flow, sorted(p for p in job.pending if now is None or p > now))
         if not rest:
             return
         job.pending.difference_update(rest)
         self.out.append(CancelAt(job.slot, [job.base + p for p in rest]))
         if not job.pending:  # (it had not started: all of it goes; what its worker answers for it is dropped)
-            self.dispatch.give_back(job)
-            job.flow.jobs.discard(job)
-        again = self.walker.rest_of(job, rest)
-        job.flow.jobs.add(again)
-        self.dispatch.waiting.add_first([again])
+            self._chunk_job_over(job)
+        self.dispatch.waiting.add_first([self._rest(job, rest)])
         self._pump()
 
     def _deliver_chunk(self, chunk: Chunk, items: list) -> None:
@@ -379,8 +382,6 @@ class HostCore:
         if not chunk.open and not chunk.finished:
             chunk.finished = True
             self.flows.pop(chunk, None)
-        if chunk.finished and not chunk.jobs:
-            self.chunks.pop(chunk.base, None)
 
     def unsent(self, jobs: list, error: NodeError) -> None:
         """These jobs' inputs could not be encoded for their worker (the loop tried): each fails with `error`."""
@@ -424,6 +425,8 @@ class HostCore:
         flow = job.flow
         flow.jobs.discard(job)
         if job.places is not None:  # a chunk's, failed (its outcomes come in _chunk_arrived)
+            if self.chunk_jobs.get(job.base) is job:
+                del self.chunk_jobs[job.base]
             self._deliver_chunk(flow, chunks.failed(flow, job.places, value))
             return
         made = job.then(ok, value)
@@ -438,8 +441,6 @@ class HostCore:
             return
         flow.finished = True  # its queued jobs are dropped by the next pump
         self.flows.pop(flow, None)
-        if type(flow) is Chunk and not flow.jobs:
-            self.chunks.pop(flow.base, None)
         if flow.trace is not None and flow.index is not None:  # (a run's span is its caller's, see Local.run)
             outcome = "ok" if ok else ("cancelled" if ok is None else type(value).__name__)
             flow.trace.interval(f"input {flow.index}", "host", flow.started_ns, time.monotonic_ns(), os.getpid(),

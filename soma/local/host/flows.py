@@ -64,13 +64,12 @@ class Chunk(Flow):
     Each input still ends by itself: `open` holds the places (0 to count - 1) of those not ended yet. Chunks
     are made only for untraced inputs with no timeout and no retries (runner.LocalInflight)."""
 
-    __slots__ = ("count", "open", "base")
+    __slots__ = ("count", "open")
 
     def __init__(self, index, sink, program, xs: list, graph=None):
         super().__init__(index, sink, None, program, xs, 0, graph)
         self.count = len(xs)
         self.open = set(range(self.count))
-        self.base = 0  # its inputs' job ids are base + place (Walker.start_chunk)
 
 
 class Job:
@@ -157,16 +156,16 @@ class Walker:
         """The job that runs every input of `chunk` (its program is one piece)."""
         job = Job(next(self.job_ids), chunk, chunk.program, None, chunk.x, {})
         chunk.x = None  # (the job holds the inputs until they are encoded)
-        chunk.base = job.base = next(self.chunk_bases)
+        job.base = next(self.chunk_bases)
         job.places = list(range(chunk.count))
         job.pending = set(job.places)
         return job
 
     def rest_of(self, job: Job, places: list) -> Job:
         """A job for these places of `job`'s chunk (which it ran, or was to run), to go elsewhere: the same
-        encoded payload travels, and the worker runs only the places named."""
+        encoded payload travels, the worker runs only the places named, under ids of a block of its own."""
         rest = Job(next(self.job_ids), job.flow, job.piece, None, job.value, {})
-        rest.base, rest.places, rest.pending = job.base, places, set(places)
+        rest.base, rest.places, rest.pending = next(self.chunk_bases), places, set(places)
         rest.packed, rest.keep, rest.shared = job.packed, job.keep, job.shared
         return rest
 
