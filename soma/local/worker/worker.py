@@ -18,7 +18,7 @@ from ...run.interpreter import Interpreter, RunState, span
 from ...run.threads import kept_threads, on_threads
 from ...wire import failures, protocol, transport
 from ...wire.protocol import Bundle, Cancel, Free, Outcome, Result, Stop, Task
-from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, unlink_all
+from ...wire.shm import unlink_all
 from ...wire.status import StatusPage
 from .library import Library
 from .resources import Arena, DeviceSetup, private_memory
@@ -207,13 +207,11 @@ class Worker:
                     self.idle -= 1
 
     def trim_if_idle(self) -> None:
-        """Nothing ran for IDLE_TRIM_S: give back the free segments kept for reuse beyond IDLE_KEEP, so that
-        an idle pool does not keep /dev/shm full of values its caller has dropped."""
+        """Between jobs: the store gives back what it keeps for reuse when another process wants room, or when
+        nothing ran for a while (`SegmentStore.idle`)."""
         store = self.store
-        if store is None or store.pooled_bytes() <= IDLE_KEEP or self.running:
-            return
-        if time.monotonic() - self.active_until >= IDLE_TRIM_S:
-            store.trim(IDLE_KEEP)
+        if store is not None and not self.running:
+            store.idle(time.monotonic() - self.active_until)
 
     def receive(self):
         frame = self.receiver.wait(POLL_MS)
