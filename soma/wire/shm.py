@@ -219,7 +219,7 @@ class SegmentStore:
         if name is None:  # no room in /dev/shm, and not the caller's to free (see soma.wire.room)
             name = self._name(room.SPILLED)
             try:
-                room.make_spill_dir(self.prefix, size)
+                room.make_spill_dir(self.prefix, nbytes)
                 room.reserve(name, size)
             except OSError as err:
                 raise SharedMemoryFull.reserving(None, size, f"a segment, nor on disk in {room.spill_dir(self.prefix)} "
