@@ -20,7 +20,8 @@ How a reservation in /dev/shm that fails goes on (`SegmentStore._create`):
     1. the reserving process gives back its own segments kept for reuse;
     2. it says room is wanted (`RoomWanted`: a flag file every process of the pool
        looks at when it next reserves and while it idles; each gives back what it
-       keeps for reuse) and waits up to ROOM_WAIT_S for room others free;
+       keeps for reuse) and waits for room others free, about as long as the spill
+       would take (`room_wait_s`: 40 ms for 20 MiB, at most ROOM_WAIT_S);
     3. then, when the caller's own results hold the room it lacks (the host knows
        that, `SegmentStore.caller_held`), `SharedMemoryFull` naming what they hold:
        only the caller can free that room, and silently going slow would hide it;
@@ -44,7 +45,20 @@ from ..errors import SharedMemoryFull, size_text
 
 SHM_DIR = "/dev/shm"
 SPILLED = "d"  # leads the number of a segment whose file is in the spill directory
-ROOM_WAIT_S = 2.0  # how long a reservation waits for room others free before it spills (step 2)
+# How long a reservation waits for room others free before it spills (step 2): about what the spill would cost
+# (a 100 MiB file written and mapped: ~0.2 s here, so SPILL_BYTES_PER_S), within [ROOM_WAIT_MIN_S, ROOM_WAIT_S]. Waiting
+# as long as the other way costs, then taking it, is never worse than twice the better of the two (the ski-rental
+# rule); a longer wait often cannot end: an ordered map's consumer holds an output until the next one arrives, and
+# that one may be the one waiting. Measured on a map of 20 MiB outputs at 64 MiB: with a flat 2 s wait, 60 MiB/s;
+# with this one, see benchmarks/shm.py.
+SPILL_BYTES_PER_S = 500 << 20
+ROOM_WAIT_MIN_S = 0.02
+ROOM_WAIT_S = 2.0
+
+
+def room_wait_s(size: int) -> float:
+    """How long a reservation of `size` bytes waits for room before it spills (see SPILL_BYTES_PER_S)."""
+    return min(ROOM_WAIT_S, max(ROOM_WAIT_MIN_S, size / SPILL_BYTES_PER_S))
 
 
 def spill_dir(prefix: str) -> str:
@@ -153,11 +167,11 @@ def reserve(name: str, size: int) -> None:
         os.close(fd)
 
 
-def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_held) -> str | None:
-    """`name`, made in /dev/shm with `size` bytes reserved after giving back and waiting for room as this
-    module's docstring says (`give_back(0)`: the bytes this process gave back of what it keeps); None when
-    the segment is to go to the spill directory. SharedMemoryFull when the room it lacks is held by results
-    the caller keeps (`caller_held()`, when there is such a measure)."""
+def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_held, wait_s: float | None) -> str | None:
+    """`name`, made in /dev/shm with `size` bytes reserved after giving back and waiting (up to `wait_s`, by
+    default `room_wait_s(size)`) for room as this module's docstring says (`give_back(0)`: the bytes this process gave back of what it keeps);
+    None when the segment is to go to the spill directory. SharedMemoryFull when the room it lacks is held by
+    results the caller keeps (`caller_held()`, when there is such a measure)."""
     free, total = shm_room()
     if total and size > total:
         return None  # it can never fit
@@ -170,7 +184,7 @@ def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_h
             if err.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise SharedMemoryFull.reserving(None, size, f"a segment ({err.strerror})") from None
         if deadline is None:
-            deadline = time.monotonic() + ROOM_WAIT_S
+            deadline = time.monotonic() + (room_wait_s(size) if wait_s is None else wait_s)
             if give_back(0):
                 continue  # (1) what this process kept for reuse first
             wanted.say()  # (2) and what the others keep
@@ -214,3 +228,24 @@ def unlink_all(prefix: str, owner: int | None = None, keep: set | frozenset = fr
         except OSError:
             pass  # (not there; or not empty: a file kept by `keep`)
     return removed
+
+
+# A segment handed on outside soma (torch.multiprocessing received its file descriptor) is marked so on its
+# file: another process may map it for as long as it likes, so its owner never reuses it, only unlinks it.
+_EXPORTED_BIT = 0o100
+
+
+def mark_exported(path: str) -> None:
+    """Segment file `path` was handed on outside soma: its owner must not reuse it (see `_EXPORTED_BIT`)."""
+    try:
+        os.chmod(path, 0o600 | _EXPORTED_BIT)
+    except FileNotFoundError:
+        pass  # unlinked already: nobody can reuse it
+
+
+def exported(name: str) -> bool:
+    """Segment `name` was handed on outside soma (`mark_exported`)."""
+    try:
+        return bool(os.stat(path_of(name)).st_mode & _EXPORTED_BIT)
+    except FileNotFoundError:
+        return False

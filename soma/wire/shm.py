@@ -64,7 +64,7 @@ from .mapping import (
     unmap,
     view_at,
 )
-from .room import unlink_all, unlink_quietly  # noqa: F401  (the pool's close and a dead worker's sweep use them)
+from .room import exported, mark_exported, unlink_all, unlink_quietly  # noqa: F401  (re-exported: the pool and tensors.py use them)
 
 SHM_DIR = room.SHM_DIR
 GRANULE = 64 * 1024  # segment sizes are rounded up to this, so near sizes reuse one segment
@@ -130,26 +130,6 @@ class _View:
         return self.name, self.mapper is not None
 
 
-# A segment handed on outside soma (torch.multiprocessing received its file descriptor) is marked so on its
-# file: another process may map it for as long as it likes, so its owner never reuses it, only unlinks it.
-_EXPORTED_BIT = 0o100
-
-
-def mark_exported(path: str) -> None:
-    """Segment file `path` was handed on outside soma: its owner must not reuse it (see `_EXPORTED_BIT`)."""
-    try:
-        os.chmod(path, 0o600 | _EXPORTED_BIT)
-    except FileNotFoundError:
-        pass  # unlinked already: nobody can reuse it
-
-
-def _exported(name: str) -> bool:
-    try:
-        return bool(os.stat(room.path_of(name)).st_mode & _EXPORTED_BIT)
-    except FileNotFoundError:
-        return False
-
-
 class SegmentStore:
     """One per process: the segments it owns, the ones it maps, and the receipts it must report.
 
@@ -162,15 +142,20 @@ class SegmentStore:
     `caller_held`: None, or a callable giving the bytes of /dev/shm that results
     the caller keeps hold (the host's measure); a reservation that lacks room the
     caller holds raises `SharedMemoryFull` naming it instead of spilling (see
-    `soma.wire.room`).
+    `soma.wire.room`). `room_wait_s`: how long a reservation waits for room
+    others free before it spills (default: by its size, see `room.room_wait_s`;
+    0 for a thread that must not wait: one that passes on the very frees it
+    would wait for).
     """
 
-    def __init__(self, prefix: str, cap: int, on_release=None, caller_held=None):
+    def __init__(self, prefix: str, cap: int, on_release=None, caller_held=None, room_wait_s: float | None = None):
         self.prefix = prefix
         self.shm_bytes = room.shm_room()[1]
+        self.arena = cap
         self.cap = min(cap, self.shm_bytes // 4) if self.shm_bytes else cap
         self.idle_keep = min(IDLE_KEEP, self.shm_bytes // 16) if self.shm_bytes else IDLE_KEEP
         self.caller_held = caller_held
+        self.room_wait_s = room_wait_s  # (None: `room.room_wait_s`, by the value's size)
         self.wanted = room.RoomWanted(prefix)
         self.pid = os.getpid()
         self._on_release = on_release
@@ -181,8 +166,10 @@ class SegmentStore:
         self._dead: deque = deque()  # records of views that died while the lock was taken
         self._counter = 0
         self._owned: dict[str, _Segment] = {}
-        self._pool: list[_Segment] = []  # free owned segments, reusable
+        self._pool: list[_Segment] = []  # free owned segments in /dev/shm, reusable
         self._pooled_bytes = 0
+        self._spills: list[_Segment] = []  # free owned spilled segments, reusable
+        self._spilled_bytes = 0
         self._views: dict[tuple, _View] = {}  # (segment, by a Mapper?) → this process's live view of it
         self._starts: list[int] = []  # sorted start addresses of the live views (for `locate`)
         self._at: dict[int, _View] = {}  # start address → its view's record
@@ -202,20 +189,27 @@ class SegmentStore:
     def _take_free(self, nbytes: int):
         with self._lock:
             self._bury_dead()
-            best = None
-            for seg in self._pool:
-                # Reuse only a segment that is not much larger: a 1 GiB segment kept for a 4 MiB value wastes memory.
-                if nbytes <= seg.nbytes <= max(2 * nbytes, nbytes + GRANULE) and (best is None or seg.nbytes < best.nbytes):
-                    best = seg
-            if best is not None:
-                self._pool.remove(best)
-                self._pooled_bytes -= best.nbytes
-                best.in_pool = False
-            return best
+            for pool in (self._pool, self._spills):  # (one in /dev/shm first)
+                best = None
+                for seg in pool:
+                    # Reuse only a segment that is not much larger: a 1 GiB segment kept for a 4 MiB value wastes
+                    # memory.
+                    if nbytes <= seg.nbytes <= max(2 * nbytes, nbytes + GRANULE) and (
+                            best is None or seg.nbytes < best.nbytes):
+                        best = seg
+                if best is not None:
+                    pool.remove(best)
+                    if pool is self._pool:
+                        self._pooled_bytes -= best.nbytes
+                    else:
+                        self._spilled_bytes -= best.nbytes
+                    best.in_pool = False
+                    return best
+            return None
 
     def _create(self, nbytes: int) -> _Segment:
         size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
-        name = room.reserve_in_shm(self._name(), size, self.trim, self.wanted, self.caller_held)
+        name = room.reserve_in_shm(self._name(), size, self.trim, self.wanted, self.caller_held, self.room_wait_s)
         if name is None:  # no room in /dev/shm, and not the caller's to free (see soma.wire.room)
             name = self._name(room.SPILLED)
             try:
@@ -253,14 +247,21 @@ class SegmentStore:
         # lock held
         if seg.busy or seg.in_pool:
             return
-        if self.closed or seg.spilled or self._pooled_bytes + seg.nbytes > self.cap or _exported(seg.name):
+        # A spilled one is kept apart, up to the whole arena: it takes no room in /dev/shm, and a warm one costs
+        # what a warm segment in /dev/shm does (its pages are in memory), a fresh one what a fresh one does.
+        kept = self._spilled_bytes + seg.nbytes > self.arena if seg.spilled else self._pooled_bytes + seg.nbytes > self.cap
+        if self.closed or kept or exported(seg.name):
             del self._owned[seg.name]
             unlink_quietly(seg.name)
             unmap(seg.address, seg.nbytes)  # nothing of this process sees it any more (no live view)
             return
         seg.in_pool = True
-        self._pool.append(seg)
-        self._pooled_bytes += seg.nbytes
+        if seg.spilled:
+            self._spills.append(seg)
+            self._spilled_bytes += seg.nbytes
+        else:
+            self._pool.append(seg)
+            self._pooled_bytes += seg.nbytes
 
     # -- sender side -----------------------------------------------------------------------
     def locate(self, address: int, nbytes: int):
@@ -451,16 +452,15 @@ class SegmentStore:
         """This process has had nothing to do for `idle_s` seconds (its owner calls this every so often while it
         idles): give back what it keeps for reuse when another process wants room, and after IDLE_TRIM_S all
         but `idle_keep` of it, so that an idle pool does not keep /dev/shm full of values its caller dropped."""
-        if not self._pool:
-            return
-        if self.wanted.heard():
+        if self._pool and self.wanted.heard():
             self.trim(0)
-        elif idle_s >= IDLE_TRIM_S and self._pooled_bytes > self.idle_keep:
-            self.trim(self.idle_keep)
+        elif idle_s >= IDLE_TRIM_S and (self._pooled_bytes > self.idle_keep or self._spills):
+            self.trim(self.idle_keep, spilled=True)
 
-    def trim(self, keep: int) -> int:
-        """Give back free segments kept for reuse (largest first) until at most `keep` bytes of them are left:
-        unlinked and unmapped (nothing sees them). Returns the bytes given back."""
+    def trim(self, keep: int, spilled: bool = False) -> int:
+        """Give back free segments kept for reuse in /dev/shm (largest first) until at most `keep` bytes of them
+        are left, and with `spilled` every spilled one kept: unlinked and unmapped (nothing sees them). Returns
+        the bytes of /dev/shm given back."""
         given = 0
         with self._lock:
             self._bury_dead()
@@ -468,11 +468,19 @@ class SegmentStore:
             while self._pool and self._pooled_bytes > keep:
                 seg = self._pool.pop()
                 self._pooled_bytes -= seg.nbytes
-                del self._owned[seg.name]
-                unlink_quietly(seg.name)
-                unmap(seg.address, seg.nbytes)
+                self._give_back(seg)
                 given += seg.nbytes
+            while spilled and self._spills:
+                seg = self._spills.pop()
+                self._spilled_bytes -= seg.nbytes
+                self._give_back(seg)
         return given
+
+    def _give_back(self, seg: _Segment) -> None:
+        # lock held; a free segment kept for reuse: nothing sees it
+        del self._owned[seg.name]
+        unlink_quietly(seg.name)
+        unmap(seg.address, seg.nbytes)
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
@@ -481,8 +489,9 @@ class SegmentStore:
             self.closed = True
             for name in list(self._owned):
                 unlink_quietly(name)
-            for seg in self._pool:
+            for seg in self._pool + self._spills:
                 del self._owned[seg.name]
                 unmap(seg.address, seg.nbytes)  # idle: nothing sees it
             self._pool.clear()
-            self._pooled_bytes = 0
+            self._spills.clear()
+            self._pooled_bytes = self._spilled_bytes = 0

@@ -12,6 +12,7 @@ from soma.wire import room
 from soma.wire.mapping import address_of
 from soma.wire.shm import (
     GRANULE,
+    IDLE_TRIM_S,
     SHM_DIR,
     Mapper,
     SegmentStore,
@@ -340,7 +341,7 @@ def _dev_shm_full(monkeypatch):
         return real(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", refuse_in_dev_shm)
-    monkeypatch.setattr(room, "ROOM_WAIT_S", 0.05)
+    monkeypatch.setattr(room, "ROOM_WAIT_S", 0.05)  # (a 20 MiB value would wait 40 ms)
 
 
 def test_a_full_dev_shm_with_nothing_kept_for_reuse_spills_to_a_file_on_disk(prefix, monkeypatch, caplog):
@@ -362,11 +363,15 @@ def test_a_full_dev_shm_with_nothing_kept_for_reuse_spills_to_a_file_on_disk(pre
     del view, view2
     gc.collect()
     owner.free(name, 1)
-    assert owner.pooled_bytes() == 0  # never kept for reuse: its file goes when nobody uses it
-    assert name2 not in os.listdir(spill)
-    del seen
+    assert owner.pooled_bytes() == 0  # (kept apart: it takes no room in /dev/shm)
+    again, same = owner.allocate(GRANULE)  # a spilled one kept for reuse, warm: no new file
+    assert same == name2 and sorted(os.listdir(spill)) == sorted([name, name2])
+    del seen, again
     gc.collect()
-    assert os.listdir(spill) == []
+    owner.idle(0.0)
+    assert sorted(os.listdir(spill)) == sorted([name, name2])  # kept while busy ...
+    owner.idle(IDLE_TRIM_S)
+    assert os.listdir(spill) == []  # ... and given back once idle
     unlink_all(prefix)
     assert not os.path.exists(spill) and files(prefix) == []
 
