@@ -29,6 +29,7 @@ every value, and answers. Contenders:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ REPLY = "@@shm "  # leads the child's answers on its stdout (anything else there
 # A DataLoader worker that cannot put a tensor in a full /dev/shm loses it (its queue's feeder thread prints the
 # error) and the loader waits forever for it by default: with a timeout it raises instead.
 DATALOADER_TIMEOUT_S = 20
+HAVE_PILLOW = importlib.util.find_spec("PIL") is not None  # (the image pipeline makes and decodes JPEGs)
 CONTENDERS = {"local_64": "small", "local_ample": "ample", "dataloader_64": "small", "procpool_64": "small"}
 
 
@@ -68,9 +70,10 @@ class Child:
         self.counts = {"images": {"full": 96, "quick": 48, "smoke": 4}[mode],
                        "big": {"full": 30, "quick": 16, "smoke": 4}[mode]}
         self.local = soma.Local(workers=WORKERS).start()
-        self.items = image_pipeline.inputs(image_pipeline.make_jpegs(self.counts["images"]))
-        self.graph = image_pipeline.graph()
-        self.expected = list(soma.Executor().map(self.graph, self.items))
+        if HAVE_PILLOW:
+            self.items = image_pipeline.inputs(image_pipeline.make_jpegs(self.counts["images"]))
+            self.graph = image_pipeline.graph()
+            self.expected = list(soma.Executor().map(self.graph, self.items))
         self.big = [(i, BIG_MIB) for i in range(self.counts["big"])]
         self.loaders: dict = {}
         self.procpool = None
@@ -240,8 +243,11 @@ def main(argv) -> None:
         for where in ("small", "ample"):
             children[where] = Remote(where, suite.mode)
         counts = {"full": (96, 30), "quick": (48, 16), "smoke": (4, 4)}[suite.mode]
-        measure(suite, children, "images", "images/s", counts[0], failed)
-        print("  images done", flush=True)
+        if HAVE_PILLOW:
+            measure(suite, children, "images", "images/s", counts[0], failed)
+            print("  images done", flush=True)
+        else:
+            print("images skipped: Pillow is not installed (pip install pillow: an extra of the benchmarks)")
         measure(suite, children, "big", "MiB/s", counts[1] * BIG_MIB, failed)
         print("  big done", flush=True)
     finally:

@@ -1,6 +1,6 @@
 """Running a test's body where /dev/shm is small, as in a container (Docker's default: 64 MiB).
 
-    small_shm(body)                                   a pytest fixture: call it with Python source
+    small_shm(body)                                   a pytest fixture (tests/conftest.py): Python source
       └─ unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec python script.py'
            └─ script.py: the body (it makes and closes its own pools), then the check that nothing
               is left: /dev/shm empty (a fresh tmpfs: anything there is soma's), no spill directory
@@ -21,8 +21,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,12 +68,3 @@ def run_in_small_shm(body: str, tmp_path, mib: int = 64, timeout: float = 240) -
     assert done.returncode == 0 and "NOTHING LEFT" in done.stdout, (
         f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     return done
-
-
-@pytest.fixture
-def small_shm(tmp_path):
-    """`small_shm(body, mib=64)`: run Python source `body` where /dev/shm is `mib` MiB (see the module)."""
-    why = why_no_small_shm()
-    if why is not None:
-        pytest.skip(why)
-    return functools.partial(run_in_small_shm, tmp_path=tmp_path)

@@ -1,7 +1,7 @@
 """soma.Local where /dev/shm is small (a container's 64 MiB: issue 33, SPEC 7.2 "Where /dev/shm is small").
 
 Each test runs its body in a process of its own whose /dev/shm is a 64 MiB tmpfs
-(`tests.small_shm`): values that do not fit wait for room, take back what pools
+(the `small_shm` fixture: tests/small_shm.py): values that do not fit wait for room, take back what pools
 keep, or go through a file on disk; every value is checked, and nothing may be left
 in /dev/shm (or in a spill directory) after `close()`.
 """
@@ -9,8 +9,6 @@ in /dev/shm (or in a spill directory) after `close()`.
 import pytest
 
 pytest.importorskip("numpy")
-
-from tests.small_shm import small_shm  # noqa: E402,F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
