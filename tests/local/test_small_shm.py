@@ -77,3 +77,28 @@ with soma.Local(workers=1) as local:
     print("EMPTY OK")
 """)
     assert "EMPTY OK" in done.stdout
+
+
+def test_a_killed_workers_spilled_files_are_swept_and_the_next_run_works(small_shm):
+    # The worker keeps the spilled segment of a dropped 100 MiB result for reuse; killed, it cannot unlink it:
+    # the host sweeps a dead worker's files in the spill directory as in /dev/shm.
+    done = small_shm(HEAD + """
+import glob, signal
+with soma.Local(workers=1) as local:
+    a = local.run(Graph.somatize(Make()), (4, 100))
+    check(a, 4, 100)
+    del a
+    [pid] = local.pids()
+    spilled = glob.glob(os.path.join(tempfile.gettempdir(), "*-spill", f"*-{pid}-d*"))
+    assert spilled, "the worker's spilled segment is not kept for reuse"
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(p) for p in spilled) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(p) for p in spilled), spilled
+    a = local.run(Graph.somatize(Make()), (9, 100))
+    check(a, 9, 100)
+    del a
+    print("SWEPT")
+""")
+    assert "SWEPT" in done.stdout
