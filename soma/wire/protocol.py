@@ -103,6 +103,7 @@ class Task(NamedTuple):
     jobs: list
     frees: list
     forget: list
+    held: int = 0  # bytes of /dev/shm the caller's results hold now (a worker short of room says so: soma.wire.room)
 
 
 class Result(NamedTuple):
@@ -150,8 +151,9 @@ def parse(secret: bytes, frame: bytes, origin: str):
         fields = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
         kind = fields[0]
         if kind == TASK:
-            code, pieces, jobs, frees, forget = fields[1:]
-            return Task(code, pieces, [JobSpec(*u) if len(u) == 4 else Bundle(*u) for u in jobs], frees, forget)
+            code, pieces, jobs, frees, forget, held = fields[1:]
+            return Task(code, pieces, [JobSpec(*u) if len(u) == 4 else Bundle(*u) for u in jobs], frees, forget,
+                        held)
         if kind == RESULT:
             worker, pid, outcomes, releases, leaving = fields[1:]
             return Result(worker, pid, [Outcome(*o) for o in outcomes], releases, leaving)

@@ -92,6 +92,7 @@ class Worker:
         self.status = StatusPage(args.status, create=True)
         self.store = None
         self.store_lock = threading.Lock()
+        self.caller_held = 0  # bytes of /dev/shm the caller's results hold, as the last Task said (SegmentStore)
         self.allocator = Arena(self.get_store)  # ctx.empty / ctx.empty_array
         self.local = threading.local()
         self.devices = DeviceSetup(self.device, max(1, args.threads))  # torch's threads, CUDA's device
@@ -245,6 +246,7 @@ class Worker:
                 self.forget(task.forget)
             if task.frees:
                 self.free(task.frees)
+            self.caller_held = task.held  # (what the host last said the caller's results hold)
             if task.code or task.pieces:
                 # Registered while this thread still receives: a later job that counts on this code
                 # (the host sends it once per worker) may run on another thread before it gets here.
@@ -629,7 +631,7 @@ class Worker:
                 if self.store is None:
                     from ...wire.shm import SegmentStore
 
-                    self.store = SegmentStore(self.prefix, self.arena)
+                    self.store = SegmentStore(self.prefix, self.arena, caller_held=lambda: self.caller_held)
         return self.store
 
     def free(self, frees: list) -> None:
