@@ -174,6 +174,7 @@ class SegmentStore:
         self._starts: list[int] = []  # sorted start addresses of the live views (for `locate`)
         self._at: dict[int, _View] = {}  # start address → its view's record
         self._pending: list[tuple[str, int]] = []
+        self._received_bytes = 0  # of the views over other processes' segments (received_bytes)
         self.closed = False
 
     # -- owner side ----------------------------------------------------------------------
@@ -375,6 +376,8 @@ class SegmentStore:
             self._at[address] = rec
             if seg is not None:
                 seg.local_live += 1
+            else:
+                self._received_bytes += nbytes
         # Not at exit: a finalizer run then would unmap memory that arrays still alive at exit point into.
         weakref.finalize(view, self._view_died, rec).atexit = False
         return view
@@ -421,8 +424,10 @@ class SegmentStore:
             rec.seg.local_live -= 1
             if self._owned.get(rec.name) is rec.seg:
                 self._maybe_reusable(rec.seg)
-        elif rec.unmaps:
-            unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
+        else:
+            self._received_bytes -= rec.nbytes
+            if rec.unmaps:
+                unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
         return [(rec.name, receipts)] if receipts else []
 
     def releases(self) -> list[tuple[str, int]]:
@@ -443,10 +448,9 @@ class SegmentStore:
 
     def received_bytes(self) -> int:
         """Bytes of other processes' segments this process holds live views of (in the host: what the caller
-        keeps of results, and values on their way through; a `caller_held` measure)."""
-        with self._lock:
-            self._bury_dead()
-            return sum(rec.nbytes for rec in self._views.values() if rec.seg is None and rec.ref() is not None)
+        keeps of results, and values on their way through; a `caller_held` measure). Kept as views come and
+        go: the host asks with every Task it sends."""
+        return self._received_bytes
 
     def idle(self, idle_s: float) -> None:
         """This process has had nothing to do for `idle_s` seconds (its owner calls this every so often while it

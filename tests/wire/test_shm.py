@@ -418,3 +418,15 @@ def test_trim_gives_back_the_largest_free_segments_first_down_to_what_is_kept(pr
     assert store.trim(0) == GRANULE and files(prefix) == [live_name]
     live[0] = 1  # still mapped
     del live
+
+
+def test_received_bytes_counts_the_live_views_of_other_processes_segments(prefix):
+    owner, receiver = SegmentStore(prefix, cap=1 << 30), SegmentStore(prefix, cap=1 << 30)
+    view, name = owner.allocate(3 * GRANULE)
+    assert owner.received_bytes() == 0  # its own: not received
+    seen = receiver.open(name, 3 * GRANULE)
+    assert receiver.received_bytes() == 3 * GRANULE
+    del seen
+    gc.collect()
+    assert receiver.received_bytes() == 0
+    del view
