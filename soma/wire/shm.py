@@ -376,7 +376,7 @@ class SegmentStore:
             self._at[address] = rec
             if seg is not None:
                 seg.local_live += 1
-            else:
+            elif not room.is_spilled(name):
                 self._received_bytes += nbytes
         # Not at exit: a finalizer run then would unmap memory that arrays still alive at exit point into.
         weakref.finalize(view, self._view_died, rec).atexit = False
@@ -425,7 +425,8 @@ class SegmentStore:
             if self._owned.get(rec.name) is rec.seg:
                 self._maybe_reusable(rec.seg)
         else:
-            self._received_bytes -= rec.nbytes
+            if not room.is_spilled(rec.name):
+                self._received_bytes -= rec.nbytes
             if rec.unmaps:
                 unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
         return [(rec.name, receipts)] if receipts else []
@@ -447,9 +448,9 @@ class SegmentStore:
         return self._pooled_bytes
 
     def received_bytes(self) -> int:
-        """Bytes of other processes' segments this process holds live views of (in the host: what the caller
-        keeps of results, and values on their way through; a `caller_held` measure). Kept as views come and
-        go: the host asks with every Task it sends."""
+        """Bytes of /dev/shm in other processes' segments this process holds live views of (in the host: what
+        the caller keeps of results, and values on their way through; a `caller_held` measure). Kept as views
+        come and go: the host asks with every Task it sends."""
         return self._received_bytes
 
     def idle(self, idle_s: float) -> None:
