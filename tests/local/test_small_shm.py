@@ -125,3 +125,27 @@ with soma.Local(workers=1) as local:
     check(a, 4, 20)
     del a
 """)
+
+
+def test_a_killed_hosts_workers_remove_its_spilled_files_and_spill_directory(small_shm):
+    # The host holds a 100 MiB result (in a spilled segment of its worker) and is SIGKILLed: its workers see it
+    # gone and remove what the pool left, the spill directory with it (the postlude checks nothing is left).
+    done = small_shm(HEAD + """
+import glob, signal, subprocess
+host = subprocess.Popen([sys.executable, "-c", '''
+import sys, numpy as np, soma
+from soma import Graph
+from tests.local.shm_nodes import Make, check
+local = soma.Local(workers=1).start()
+a = local.run(Graph.somatize(Make()), (2, 100))
+check(a, 2, 100)
+print("HOLDING", flush=True)
+sys.stdin.read()
+'''], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+assert host.stdout.readline().strip() == "HOLDING"
+assert glob.glob(os.path.join(tempfile.gettempdir(), "*-spill", "*"))  # the result's file, on disk
+host.kill()
+host.wait()
+print("KILLED")
+""")
+    assert "KILLED" in done.stdout
