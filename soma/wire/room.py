@@ -12,8 +12,10 @@ Why a file on disk and not the socket in pieces, for what cannot have room in
 /dev/shm: a 100 MiB array written into a fresh file in /tmp and mapped by its
 reader took 188-200 ms here; sent through a ZeroMQ socket in 4 MiB pieces and
 copied out, 418-546 ms (a heap copy: 48-56 ms). The file's pages sit in the page
-cache (the file is unlinked long before the kernel writes it back), its reader
-gets a mapping and no copy, and everything else about a segment stays as it is.
+cache, its reader gets a mapping and no copy, and everything else about a segment
+stays as it is. (A spilled segment kept for reuse may have its pages written to
+disk now and then, the kernel's writeback of dirty pages; it is given back after
+5 s with nothing to do.)
 
 How a reservation in /dev/shm that fails goes on (`SegmentStore._create`):
 
