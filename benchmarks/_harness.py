@@ -283,7 +283,7 @@ class Suite:
         self.name = name
         self.args = args
         self.records: list[Record] = []
-        self.started = time.perf_counter()
+        self.started = self._last_done = time.perf_counter()
         self._machine_at_start = MachineShare()
 
     @property
@@ -293,6 +293,12 @@ class Suite:
     def repeat(self, full: int, quick: int = 3, smoke: int = 1) -> int:
         return {"full": full, "quick": quick, "smoke": smoke}[self.mode]
 
+    def done(self, what: str) -> None:
+        """A progress line: `what` is done, in how many seconds since the last one (where a mode's time goes)."""
+        now = time.perf_counter()
+        print(f"  {what} done ({now - self._last_done:.1f} s)", flush=True)
+        self._last_done = now
+
     def add(self, contender: str, params: dict, values, unit: str) -> Record:
         record = Record(self.name, contender, params, list(values), unit)
         self.records.append(record)
@@ -301,6 +307,15 @@ class Suite:
     def add_ratio(self, contender: str, params: dict, numerators, denominators, vs: str) -> Record:
         """A ratio taken round by round; `vs` names what it is relative to (it joins the params)."""
         return self.add(contender, {**params, "vs": vs}, paired_ratios(numerators, denominators), "x")
+
+    def add_rates(self, samples: dict, count: int, unit: str, params: dict, base: str = "local") -> None:
+        """Each contender's rate (`count` over its seconds) and `base`'s speed-up over every other, round by round
+        (the other's seconds over base's: above 1, base is faster)."""
+        for name, seconds in samples.items():
+            self.add(name, params, [count / s for s in seconds], unit)
+        for name in samples:
+            if name != base:
+                self.add_ratio(base, params, samples[name], samples[base], vs=name)
 
     def find(self, contender: str, unit: str | None = None, **params) -> Record | None:
         for r in self.records:

@@ -43,6 +43,19 @@ class BurnTagged(Node):
         return Done(burn_tagged(self.n, x if self.tag is None else self.tag))
 
 
+def burn_pair(pair):
+    """`(x, burn(n))` for the input `(x, n)`: each input says how much work it is (a straggler among cheap ones)."""
+    x, n = pair
+    return x, burn(n)
+
+
+class BurnPair(Node):
+    """`burn_pair`: the input `(x, n)` burns `n` and comes back tagged with `x`."""
+
+    def forward(self, pair, ctx):
+        return Done(burn_pair(pair))
+
+
 class Echo(Node):
     """Returns its input."""
 

@@ -1,6 +1,7 @@
 """batching: a batching model node (forward_batch) against the same node per item and against hand-batched inputs.
 
-    python benchmarks/batching.py [--quick] [--smoke] [--json out.json]   (or: soma bench batching)
+    python benchmarks/batching.py [--quick] [--smoke] [--json out.json] [--plot batching.png]
+    (or: soma bench batching)
 
 Two models with random weights (benchmarks/_models.py: a tiny transformer, whose items
 cost more than moving them, and a small MLP, whose items cost about as much as soma's own
@@ -16,7 +17,10 @@ rounds alternated, every output checked against the model run in-process; for ea
   this machine: a batching node with no model (the most batching could gain here) and the
   same 64 threads making blocking calls through one plain dispatcher thread, no soma;
 * a lone `Local.run` of the batching node against the per-item node, in ms: what a run
-  alone pays for `batch_wait` (nothing: the batch goes at once when nothing else is in flight).
+  alone pays for `batch_wait` (nothing: the batch goes at once when nothing else is in flight);
+* with `--plot FILE.png`, the transformer's throughput against 1, 4, 16 and 64 concurrent callers of
+  `Local.run`: the batching node, the per-item node, and batching by hand (the callers' inputs gathered
+  into one input, one run per gathering), drawn into FILE.png.
 """
 
 from __future__ import annotations
@@ -198,21 +202,100 @@ def lone_run(suite: h.Suite, local) -> None:
     suite.add_ratio("local", {**params, "kind": "batched"}, samples["batched"], samples["per_item"], vs="per_item")
 
 
+LEVELS = (1, 4, 16, 64)  # concurrent callers, in --plot's sweep
+
+
+def callers(suite: h.Suite, local, model: str = m.TRANSFORMER) -> None:
+    """Throughput against concurrent callers (--plot): c threads calling `Local.run` at once through the batching
+    node and through the per-item node, against batching by hand: the c callers' inputs gathered into one input
+    of c items (`HandBatched`), one `Local.run` per gathering, one after another (c callers who each wait for
+    their answer keep one such batch in flight)."""
+    import torch
+
+    n = {"full": 2048, "quick": 512, "smoke": 64}[suite.mode]
+    xs = m.inputs(n, model)
+    expected = m.model(model)(torch.stack(xs))
+    graphs = {"batched": Graph.somatize(m.batched(model)), "per_item": Graph.somatize(m.PerItem(model)),
+              "hand_batched": Graph.somatize(m.HandBatched(model))}
+    for level in LEVELS:
+        pool = cf.ThreadPoolExecutor(level)
+        groups = [xs[i:i + level] for i in range(0, n, level)]
+        sizes = []
+
+        def rate(kind):
+            name = f"local/{kind} from {level} callers"
+            if kind == "hand_batched":
+                elapsed, out = h.timed(lambda: [local.run(graphs[kind], group) for group in groups])
+                rows = [row for group in out for row, _ in group]
+            else:
+                elapsed, out = h.timed(lambda: list(pool.map(lambda x: local.run(graphs[kind], x), xs)))
+                if kind == "batched":
+                    rows, batch = m.counted(name, out)
+                    sizes.append(statistics.mean(batch))
+                else:
+                    rows = [row for row, _ in out]
+            check(name, rows, expected)
+            return n / elapsed
+
+        try:
+            samples = h.alternate({kind: (lambda k=kind: rate(k)) for kind in graphs},
+                                  repeat=suite.repeat(full=5, quick=2, smoke=1), self_timed=True)
+        finally:
+            pool.shutdown()
+        params = {"what": "callers", "model": model, "inputs": n, "callers": level, "workers": WORKERS}
+        for kind, values in samples.items():
+            suite.add("local", {**params, "kind": kind}, values, "items/s")
+        for vs in ("per_item", "hand_batched"):
+            suite.add_ratio("local", {**params, "kind": "batched"}, samples["batched"], samples[vs], vs=vs)
+        suite.add("local", {**params, "kind": "batched", "what": "callers_mean_batch"}, sizes, "inputs")
+        suite.done(f"{level} callers ({model})")
+
+
+def plot(suite: h.Suite, path: str, others: float) -> None:
+    import _plot
+
+    def median(unit, **params):
+        found = suite.find("local", unit, what="callers", **params)
+        return found.median if found else None
+
+    labels = {"batched": "soma.torch.Batched (max_batch 64)", "per_item": "the per-item node",
+              "hand_batched": "batched by hand: the callers' inputs as one"}
+    _plot.draw(path, f"soma bench batching ({suite.mode}), the tiny transformer on Local(workers=2), {h.versions()}; "
+                     f"other programs used {others:.0f}% of a core meanwhile", [
+        _plot.Panel("items/s against concurrent callers of Local.run (higher is better)", x=list(LEVELS),
+                    xlabel="concurrent callers", ylabel="items/s", logx_base=2, labels=labels,
+                    series={kind: [median("items/s", callers=c, kind=kind) for c in LEVELS] for kind in labels}),
+        _plot.Panel("the batching node's items/s over the others' (per round)", x=list(LEVELS),
+                    xlabel="concurrent callers", ylabel="×", logx_base=2,
+                    labels={"per_item": "over the per-item node", "hand_batched": "over batching by hand"},
+                    series={vs: [median("x", callers=c, kind="batched", vs=vs) for c in LEVELS]
+                            for vs in ("per_item", "hand_batched")},
+                    targets={"target at 64 callers: 3.0x the per-item node": 3.0}),
+    ])
+
+
 def main(argv=None) -> list[dict]:
-    args = h.parse_args(argv, __doc__)
+    args = h.parse_args(argv, __doc__, plot=True)
     suite = h.Suite(NAME, args)
+    machine = h.MachineShare()  # (for the plot's title)
     print(f"{NAME}: {h.versions()}; mode {suite.mode}")
     local = soma.Local(workers=WORKERS).start()
     try:
         for model in MODELS:
             maps(suite, local, model)
-            print(f"  maps done ({model})", flush=True)
+            suite.done(f"maps ({model})")
             threads(suite, local, model)
-            print(f"  threads done ({model})", flush=True)
+            suite.done(f"threads ({model})")
         lone_run(suite, local)
+        suite.done("lone run")
+        if args.plot:
+            callers(suite, local)
     finally:
         local.close()
-    return suite.finish(lambda: print_summary(suite))
+    records = suite.finish(lambda: print_summary(suite))
+    if args.plot:
+        plot(suite, args.plot, machine.others()[0])
+    return records
 
 
 def print_summary(suite: h.Suite) -> None:

@@ -87,15 +87,22 @@ class Server:
             return f.read()[-3000:]
 
     def stop(self) -> None:
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self) -> None:
+        """SIGTERM, not waited for: servers stopped together shut down at once, not one after another."""
         self.proc.stdin.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                print(f"{NAME}: the {self.contender} server ignored SIGTERM for 60 s: killed")
-                self.proc.kill()
-                self.proc.wait()
+
+    def wait_stopped(self) -> None:
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            print(f"{NAME}: the {self.contender} server ignored SIGTERM for 60 s: killed")
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 
@@ -152,18 +159,23 @@ def measure(loadgen, servers: dict, workload: str, sizes: dict, rounds: int, sam
                       f"(load generator {got['cpu_ms_per_request']:.2f} ms CPU a request)", flush=True)
 
 
-def run_servers(contenders, workload: str, folder: str, loadgen, sizes, rounds, samples) -> None:
+def run_servers(suite, contenders, workload: str, folder: str, loadgen, sizes, rounds, samples) -> None:
     servers = {c: Server(c, workload, folder) for c in contenders}  # (started together: their starts overlap)
     try:
         for server in servers.values():
             server.wait_ready()
+        suite.done(f"starting {', '.join(contenders)} ({workload})")
         measure(loadgen, servers, workload, sizes, rounds, samples[workload])
+        suite.done(f"measuring them ({workload})")
     finally:
         for server in servers.values():
-            server.stop()
+            server.terminate()
+        for server in servers.values():
+            server.wait_stopped()
+    suite.done(f"stopping them ({workload})")
 
 
-def run_ray_serve(folder: str, loadgen, sizes, rounds, samples) -> None:
+def run_ray_serve(suite, folder: str, loadgen, sizes, rounds, samples) -> None:
     """One Ray Serve for both workloads, the model redeployed between them."""
     server = Server("ray_serve", WORKLOADS[0], folder)
     try:
@@ -172,7 +184,9 @@ def run_ray_serve(folder: str, loadgen, sizes, rounds, samples) -> None:
                 server.wait_ready()
             else:
                 server.switch(workload)
+            suite.done(f"{'starting' if workload == WORKLOADS[0] else 'redeploying'} ray_serve ({workload})")
             measure(loadgen, {"ray_serve": server}, workload, sizes, rounds, samples[workload])
+            suite.done(f"measuring ray_serve ({workload})")
     finally:
         server.stop()
 
@@ -275,9 +289,9 @@ def main(argv) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="soma-bench-serve-") as folder:
             for workload in WORKLOADS:
-                run_servers(UVICORN_CONTENDERS, workload, folder, loadgen, sizes, rounds, samples)
+                run_servers(suite, UVICORN_CONTENDERS, workload, folder, loadgen, sizes, rounds, samples)
             if ray_skipped is None:
-                run_ray_serve(folder, loadgen, sizes, rounds, samples)
+                run_ray_serve(suite, folder, loadgen, sizes, rounds, samples)
     finally:
         loadgen.close()
     figures = {workload: summarize(by_contender) for workload, by_contender in samples.items()}

@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute each)")
     bench.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path")
     bench.add_argument("--json", metavar="FILE", help="write one record per measurement to FILE")
-    bench.add_argument("--plot", metavar="FILE.png", help="draw the benchmark's figures (serve; needs matplotlib)")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw the benchmark's figures (serve, map, batching; needs "
+                                                             "matplotlib)")
     args = parser.parse_args(argv)
     if args.command == "example":
         return _run_example("pipeline")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .device import Device
 from .errors import DeviceError, GraphError
-from .node import Expr, Leaf, Node, check_id, not_a_node, operand
+from .node import Expr, Leaf, Node, composed, not_a_node, operand
 from .placement import Placement
 from .plan import Plan, Step, fold, render
 
@@ -32,15 +32,10 @@ class Graph:
         if not isinstance(expr, Expr):
             raise not_a_node(expr, f"Graph.somatize needs a soma Node or an expression built with >> and |; got "
                                    f"{operand(expr)}")
-        leaves = list(expr.leaves())
-        ids = _assign_ids(leaves)
-        for leaf in leaves:
-            _check_forward(ids[id(leaf)], leaf.node)
-        self._catalog: dict[str, Node] = {ids[id(leaf)]: leaf.node for leaf in leaves}
-        self._topology = expr.to_plan(ids)
-        self._placement = Placement(
-            {ids[id(leaf)]: leaf.device for leaf in leaves if leaf.device is not None}
-        )
+        catalog, topology, placed = composed(expr)
+        self._catalog: dict[str, Node] = catalog
+        self._topology = topology
+        self._placement = Placement(placed)
 
     @classmethod
     def somatize(cls, expr) -> "Graph":
@@ -95,10 +90,10 @@ class Graph:
 
     # -- running and training ---------------------------------------------------------------
     def run(self, x, *, timeout: float | None = None):
-        """Shorthand for `soma.Executor().run(g, x)`."""
-        from .run.executor import Executor
+        """Shorthand for `soma.Executor().run(g, x)`: the run in this process (soma.run.inprocess)."""
+        from .run.inprocess import run_here
 
-        return Executor().run(self, x, timeout=timeout)
+        return run_here(self._catalog, self.devices(), self._topology, x, timeout)
 
     def parameters(self) -> list:
         """The torch parameters of every node that has them, each once, in node order."""
@@ -125,72 +120,6 @@ class Graph:
         if node_id not in self._catalog:
             known = ", ".join(self._catalog)
             raise GraphError(f"no node `{node_id}` in this graph; its nodes are: {known}")
-
-
-def _assign_ids(leaves: list[Leaf]) -> dict[int, str]:
-    """Explicit ids first, then default ids with `_2`, `_3` suffixes in order of appearance."""
-    seen_nodes: dict[int, Leaf] = {}
-    for leaf in leaves:
-        if id(leaf.node) in seen_nodes:
-            first = seen_nodes[id(leaf.node)]
-            raise GraphError(
-                f"the same Node instance ({first.render()}, {type(leaf.node).__name__}) is used twice in one "
-                f"expression: a node holds its own state, so create a second instance"
-            )
-        seen_nodes[id(leaf.node)] = leaf
-    taken: set[str] = set()
-    for leaf in leaves:
-        if leaf.name is not None:
-            if leaf.name in taken:
-                raise GraphError(f"two nodes are named `{leaf.name}`: ids must be unique in a graph")
-            taken.add(leaf.name)
-    ids: dict[int, str] = {}
-    counters: dict[str, int] = {}
-    for leaf in leaves:
-        if leaf.name is not None:
-            ids[id(leaf)] = leaf.name
-            continue
-        base = check_id(leaf.node._default_id(), f"the default id of {type(leaf.node).__name__}")
-        n = counters.get(base, 0)
-        while True:
-            n += 1
-            candidate = base if n == 1 else f"{base}_{n}"
-            if candidate not in taken:
-                break
-        counters[base] = n
-        taken.add(candidate)
-        ids[id(leaf)] = candidate
-    return ids
-
-
-def _check_forward(node_id: str, node: Node) -> None:
-    """A GraphError now, naming the node, when the method soma calls cannot be called as soma calls it:
-    `forward(x, ctx)`, or `forward_batch(xs, ctx)` for a node that takes batches.
-
-    Only a signature that surely refuses two positional arguments is refused:
-    defaults, `*args` and callables without a signature (builtins) pass.
-    """
-    method = "forward_batch" if callable(getattr(node, "forward_batch", None)) else "forward"
-    arg = "xs" if method == "forward_batch" else "x"
-    forward = getattr(node, method, None)
-    cls = type(node).__name__
-    if not callable(forward):
-        raise GraphError(f"node `{node_id}` ({cls}) has no callable forward: soma calls forward(x, ctx)")
-    import inspect  # here, not at the top: `import soma` and the workers do not need it
-
-    try:
-        signature = inspect.signature(forward)
-    except (TypeError, ValueError):
-        return  # no signature to read (a builtin, an odd callable): it may well accept (x, ctx)
-    try:
-        signature.bind(None, None)
-    except TypeError as err:
-        written = getattr(type(node), method, None)  # as the class wrote it: `(self, x)`, not the bound `(x)`
-        shown = inspect.signature(written) if inspect.isfunction(written) else signature
-        raise GraphError(
-            f"node `{node_id}` ({cls}): soma calls {method}({arg}, ctx), but {cls}.{method}{shown} cannot be called "
-            f"that way ({err}); define it as `def {method}(self, {arg}, ctx)`"
-        ) from None
 
 
 def _step_ends(step: Step) -> tuple:

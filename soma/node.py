@@ -7,7 +7,7 @@ subclass need not call `Node.__init__`.
 An expression is an immutable tree of `Leaf` (a node, with an optional explicit
 id and device), `Chain` (`a >> b >> c`) and `Fan` (`a | b | c`). Both operators
 flatten, so a chain never holds a chain and a fan never holds a fan.
-`Graph.somatize` turns an expression into a graph. The expression tree and the
+`Graph.somatize` turns an expression into a graph (what it holds: `composed`). The expression tree and the
 plan tree (`soma.plan`: Step, Seq, Wave) have the same shape, and both exist
 because an expression holds node objects before they have ids (a default id
 depends on the whole graph: `linear`, `linear_2`), while the plan holds ids only.
@@ -19,7 +19,7 @@ import re
 
 from .device import Device
 from .errors import DeviceError, GraphError, NotANodeError
-from .plan import Seq, Step, Wave
+from .plan import Plan, Seq, Step, Wave
 from .values import Done
 
 _CAMEL_1 = re.compile(r"(.)([A-Z][a-z]+)")
@@ -88,13 +88,19 @@ def operand(value) -> str:
 class Expr:
     """Base of the expression tree. Compose with `>>` and `|`."""
 
-    __slots__ = ()
+    __slots__ = ("_runs",)  # what `run` runs: composed once (an expression never changes), kept with it
 
     def run(self, x, *, timeout: float | None = None):
-        """Shorthand for `soma.Executor().run(expr, x)`: the expression's graph is made once and kept."""
-        from .run.executor import Executor
+        """Shorthand for `soma.Executor().run(expr, x)`: the run in this process (soma.run.inprocess), on
+        what `Graph.somatize(expr)` would hold (`composed`, made once and kept with the expression), without
+        a Graph: soma.graph imports this module."""
+        from .run.inprocess import run_here
 
-        return Executor().run(self, x, timeout=timeout)
+        runs = getattr(self, "_runs", None)
+        if runs is None:
+            catalog, plan, placed = composed(self)
+            runs = self._runs = (catalog, {node_id: str(device) for node_id, device in placed.items()}, plan)
+        return run_here(*runs, x, timeout)
 
     def __rshift__(self, other) -> "Chain":
         other = as_expr(other, ">>", self)
@@ -309,3 +315,84 @@ def copy_limit(node_id: str, node) -> int | None:
         raise GraphError(f"node `{node_id}` ({type(node).__name__}) has copies = {copies!r}: it must be None "
                          f"(let the runner decide) or a positive int (1: every input goes through one instance)")
     return copies
+
+
+# -- an expression composed: what a Graph holds -------------------------------------------------
+
+def composed(expr: Expr) -> tuple[dict, Plan, dict]:
+    """What a graph of `expr` holds: its catalog (id → Node, in the order the expression wrote them), its
+    topology (the plan) and the devices its leaves were put on (id → Device); a GraphError for a node used
+    twice, two nodes of one id, or a forward soma cannot call."""
+    leaves = list(expr.leaves())
+    ids = _assign_ids(leaves)
+    for leaf in leaves:
+        _check_forward(ids[id(leaf)], leaf.node)
+    catalog = {ids[id(leaf)]: leaf.node for leaf in leaves}
+    placed = {ids[id(leaf)]: leaf.device for leaf in leaves if leaf.device is not None}
+    return catalog, expr.to_plan(ids), placed
+
+
+def _assign_ids(leaves: list[Leaf]) -> dict[int, str]:
+    """Explicit ids first, then default ids with `_2`, `_3` suffixes in order of appearance."""
+    seen_nodes: dict[int, Leaf] = {}
+    for leaf in leaves:
+        if id(leaf.node) in seen_nodes:
+            first = seen_nodes[id(leaf.node)]
+            raise GraphError(
+                f"the same Node instance ({first.render()}, {type(leaf.node).__name__}) is used twice in one "
+                f"expression: a node holds its own state, so create a second instance"
+            )
+        seen_nodes[id(leaf.node)] = leaf
+    taken: set[str] = set()
+    for leaf in leaves:
+        if leaf.name is not None:
+            if leaf.name in taken:
+                raise GraphError(f"two nodes are named `{leaf.name}`: ids must be unique in a graph")
+            taken.add(leaf.name)
+    ids: dict[int, str] = {}
+    counters: dict[str, int] = {}
+    for leaf in leaves:
+        if leaf.name is not None:
+            ids[id(leaf)] = leaf.name
+            continue
+        base = check_id(leaf.node._default_id(), f"the default id of {type(leaf.node).__name__}")
+        n = counters.get(base, 0)
+        while True:
+            n += 1
+            candidate = base if n == 1 else f"{base}_{n}"
+            if candidate not in taken:
+                break
+        counters[base] = n
+        taken.add(candidate)
+        ids[id(leaf)] = candidate
+    return ids
+
+
+def _check_forward(node_id: str, node: Node) -> None:
+    """A GraphError now, naming the node, when the method soma calls cannot be called as soma calls it:
+    `forward(x, ctx)`, or `forward_batch(xs, ctx)` for a node that takes batches.
+
+    Only a signature that surely refuses two positional arguments is refused:
+    defaults, `*args` and callables without a signature (builtins) pass.
+    """
+    method = "forward_batch" if callable(getattr(node, "forward_batch", None)) else "forward"
+    arg = "xs" if method == "forward_batch" else "x"
+    forward = getattr(node, method, None)
+    cls = type(node).__name__
+    if not callable(forward):
+        raise GraphError(f"node `{node_id}` ({cls}) has no callable forward: soma calls forward(x, ctx)")
+    import inspect  # here, not at the top: `import soma` and the workers do not need it
+
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin, an odd callable): it may well accept (x, ctx)
+    try:
+        signature.bind(None, None)
+    except TypeError as err:
+        written = getattr(type(node), method, None)  # as the class wrote it: `(self, x)`, not the bound `(x)`
+        shown = inspect.signature(written) if inspect.isfunction(written) else signature
+        raise GraphError(
+            f"node `{node_id}` ({cls}): soma calls {method}({arg}, ctx), but {cls}.{method}{shown} cannot be called "
+            f"that way ({err}); define it as `def {method}(self, {arg}, ctx)`"
+        ) from None

@@ -6,6 +6,7 @@ documented shape with positive numbers, never what the numbers are.
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 MODULES = ["gil_wave", "overhead", "tensor", "startup", "memory", "soma_ray", "map", "batching", "aio", "long_jobs",
            "shm"]
 WITHOUT_RAY = importlib.util.find_spec("ray") is None
+PLOTTED = {"map", "batching"}  # the modules whose --plot the smoke run draws too (serve's: tests/test_serve.py)
+WITH_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 KEYS = {"benchmark", "contender", "params", "median", "min", "max", "unit", "n"}
 SIGNED_UNITS = {"% growth", "MiB"}  # growth and memory deltas may be zero or negative; the rest must be > 0
 
@@ -41,7 +44,10 @@ def test_soma_bench_lists_the_benchmarks(capsys):
     for name in MODULES])
 def test_each_benchmark_writes_well_shaped_records(name, tmp_path):
     out = tmp_path / f"{name}.json"
-    done = subprocess.run([sys.executable, "-m", "soma.cli", "bench", name, "--smoke", "--json", str(out)],
+    picture = tmp_path / f"{name}.png"
+    drawn = name in PLOTTED and WITH_MATPLOTLIB  # (its sweep and figure too, where it draws one)
+    done = subprocess.run([sys.executable, "-m", "soma.cli", "bench", name, "--smoke", "--json", str(out)] +
+                          (["--plot", str(picture)] if drawn else []),
                           # a smoke takes 5-30 s quiet (soma_ray ~60 s); soma_ray's took over 300 s once with
                           # both cores busy beside the suite (its Ray start alone over 110 s): a bound on hanging
                           capture_output=True, text=True, timeout=600)
@@ -55,6 +61,13 @@ def test_each_benchmark_writes_well_shaped_records(name, tmp_path):
         if r["unit"] not in SIGNED_UNITS:
             assert r["min"] > 0 or r["unit"] == "% of a core", r
     assert len({r["contender"] for r in records} - {"machine"}) >= 2  # something was compared with something
+    if drawn:
+        assert picture.read_bytes().startswith(b"\x89PNG"), done.stdout[-2000:]
+    if name == "map":  # issue 31's targets, each a line that says what was aimed at, what came out, and whether met
+        lines = [line.strip() for line in done.stdout.splitlines() if ": target: " in line]
+        assert len(lines) == 9, done.stdout[-4000:]
+        assert all(re.search(r"target: (>=|<=) [\d.]+.*, measured: .*, (met|missed|not measured)$", line)
+                   for line in lines), lines
 
 
 def test_a_wrong_value_fails_the_benchmark_naming_the_contender():

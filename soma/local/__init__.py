@@ -1,50 +1,45 @@
 """`soma.Local`: graphs on worker processes of this machine. Two sides, each a package:
 
     runner.py   Local, the public face (the caller's thread)
-    host/       in the caller's process: program.py (compile), scheduler.py + flows.py + choice.py
-                (what becomes of each input, which worker), receiving.py (who receives), pool.py
-                (processes, sockets, leases), procs.py, leases.py
+    host/       in the caller's process. One owner of the host's state: core.py, a pure state machine
+                (events in, actions out: no locks, no sockets, no threads), with its books in dispatch.py
+                (lines, choice.py) and flows.py (an input's walk); loop.py, the only code that locks and
+                the only code that touches the sockets and the core; pool.py (processes, sockets, leases),
+                sending.py (encoding), listener.py, program.py (compile), procs.py, leases.py
     worker/     the `soma-worker` program (`python -m soma.local.worker`): one process of the pool
 
-How one `run(g, x)` goes, top to bottom (each module calls only the ones below it; answers
-come back as return values; the worker's side is drawn in `soma.local.worker`):
+How one `run(g, x)` goes (calls go down, answers come back as return values; the worker's side is drawn in
+`soma.local.worker`):
 
     caller thread
-    Local.run(g, x)            runner.py   the program of (g, placement), compiled once (host/program.py):
+    Local.run(g, x)             runner.py  the program of (g, placement), compiled once (host/program.py):
       │                                    pieces of the plan, each run whole on one worker;
       │                                    PlacementError here, before anything is sent
-      ├─▶ Scheduler.start      scheduler   a Flow for x; flows.Walker turns the program into Jobs
-      │                                    (x encoded once by soma.wire.codec: tensors into shared
-      │                                    segments, handles only) ─▶ the queue
-      │   _pump                            a worker for each job (choice.py: its CUDA device, the
-      │                                    copies it holds, the copies allowed, fewest jobs out);
-      │                                    a batching node alone keeps its inputs unencoded until
-      │                                    here: those going to one worker are encoded together
-      │                                    into Bundles (flows.Walker.bundle)
-      ├─▶ WorkerPool.send      pool        one Task per worker, with the node code and piece specs
-      │                                    it lacks ── ROUTER ── ipc ──────────▶ worker: decode, run
-      │                                                                          (soma.run.interpreter:
-      │                                                                          setup, forward, Done,
-      │                                                                          postcondition), encode
-      ├─▶ Receiving.await_item receiving   the caller receives while nobody else does (or sleeps on
-      │                                    its sink while another caller or the listener thread does):
-      │      pool.frame() ◀── PULL ◀── Result[outcomes, releases] ◀──────────── worker
-      │      pool.handle(frame)  pool      authenticate, decode outputs (map segments), count leases
-      │                                    (leases.py) → [Outcomes(slot, [Arrived job, ...])]
-      │      Scheduler.handle    scheduler the postcondition on what arrived; the job's continuation
-      │                                    returns the next Jobs (queued, pumped) or the flow's end:
-      │                                    (index, ok, value) → the caller's sink
+      ├─▶ HostLoop.start_inputs  loop      a Flow for x, posted to the loop's inbox; whoever holds the
+      │                                    lock (this thread, if it is free) hands it to the core:
+      │     HostCore.start       core      flows.Walker makes the Jobs; dispatch.pump picks a worker for
+      │                                    each (choice.py) → actions: Send(slot, jobs)
+      │     the loop carries out Send: sending.encode (x encoded once, tensors into shared segments,
+      │     handles only; a batching node alone's inputs into one bundle) → pool.send: one Task
+      │                                        ── ROUTER ── ipc ──▶ worker: decode, run, encode
+      ├─▶ HostLoop.await_item    loop      the caller receives while nobody else does (or sleeps on its
+      │                                    sink while another caller or the listener does):
+      │     pool.frame() ◀── PULL ◀── Result[outcomes, releases] ◀──────────── worker
+      │     pool.handle(frame)   pool      authenticate, decode outputs (map segments), count leases
+      │     HostCore.outcomes    core      the postcondition on what arrived (outcomes.py); the job's
+      │                                    continuation: the next jobs, or the flow's end → Deliver
+      │     the lock let go, then each Deliver put in its sink (so a future's callback holds no lock)
       ◀── the output, or the failure, raised
 
-    map(g, xs): soma.run.mapping takes inputs lazily within the window and calls
-    LocalInflight.start (many flows, one sink) and .wait (Receiving.await_item on that sink).
-    A worker that dies: the listener asks pool.find_dead(), drains what it sent, and hands the
-    pool's Lost to Scheduler.handle: the jobs it held fail (WorkerDied), a replacement starts.
-    A timeout: Scheduler.expire reads the status pages, retires the workers running that input's
-    nodes (pool.retire → Lost), and names them (RunTimeout).
-    close(): every flow in flight gets SomaError; STOP to every worker; the listener closes the
-    results socket itself; segments unlinked, the socket directory removed. atexit closes pools
-    left open.
+    map(g, xs): soma.run.mapping takes inputs lazily within the window and calls LocalInflight.start
+    (many flows, one sink) and .wait (HostLoop.await_item on that sink).
+    A worker that dies: whoever holds the lock finds it (pool.find_dead, every PUMP_S), receives what it
+    sent first, ends it (pool.end), and tells the core (`lost`): the jobs it ran fail (WorkerDied) or run
+    again (retries), the ones it had not started go elsewhere; a replacement starts (`spawned`).
+    A timeout: HostLoop.expire reads the status pages of the workers holding the input's jobs; the core
+    ends the input and retires the workers running its nodes (Retire → pool.end → lost), naming them.
+    close(): every flow in flight gets SomaError; STOP to every worker; the listener closes the results
+    socket itself; segments unlinked, the socket directory removed. atexit closes pools left open.
 """
 
 from __future__ import annotations

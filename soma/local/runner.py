@@ -1,8 +1,9 @@
 """`soma.Local`: runs graphs on worker processes. See `soma.local` for the drawing.
 
 This module is the public face: it compiles programs (host/program.py), starts
-inputs on the scheduler (host/scheduler.py), waits for them by receiving
-(host/receiving.py), and owns the life of all three and of the pool (host/pool.py).
+inputs and waits for their outcomes through the host's loop (host/loop.py, the
+one owner of the host's state), and owns the life of the loop and the pool
+(host/pool.py).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from ..run.mapping import Inflight, map_outputs
 from ..run.registry import NodeRegistry
 from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
+from .host.chunks import AHEAD
+from .host.loop import HostLoop
 from .host.pool import WorkerPool
 from .host.program import compile_program, pieces
-from .host.receiving import Receiving
-from .host.scheduler import Scheduler
 
+SWEEP_AT = 1024  # a map's books of its flows are swept of ended chunks once they hold this many (see _popped)
 CLOSE_WAIT_S = 60.0  # a second close() waits this long for the first (which takes a few seconds at most)
 
 
@@ -74,8 +76,7 @@ class Local(RunnerBase):
         self._owner_pid = os.getpid()
         self._start_lock = threading.Lock()
         self._pool: WorkerPool | None = None
-        self._scheduler: Scheduler | None = None
-        self._receiving: Receiving | None = None
+        self._loop: HostLoop | None = None
         self._closed = False
         self._closer = None  # the thread whose close() closes it; the others wait for it (_close_done)
         self._close_done = threading.Event()
@@ -95,16 +96,15 @@ class Local(RunnerBase):
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
                                   preload_torch=self.preload_torch, registry=self._registry,
                                   max_memory=self.max_memory)
-                scheduler = Scheduler(pool, self.worker_devices, tracer=self)
-                receiving = Receiving(pool, scheduler)
+                loop = HostLoop(pool, self.worker_devices)
+                loop.trace = self._trace
                 try:
-                    pool.start_workers()
-                    receiving.start()  # (hellos are received like everything else)
-                    pool.wait_ready(time.monotonic() + self.start_timeout)
+                    loop.start()  # (hellos are received like everything else)
+                    loop.wait_ready(time.monotonic() + self.start_timeout)
                 except BaseException:
-                    _shut_down(pool, receiving)  # no half-started pool: processes, sockets and files go, the error stays
+                    _shut_down(loop, SomaError("this soma.Local could not start"))  # nothing half-started is left
                     raise
-                self._scheduler, self._receiving, self._pool = scheduler, receiving, pool
+                self._loop, self._pool = loop, pool
                 _live_pools.add(self)
         return self
 
@@ -130,9 +130,8 @@ class Local(RunnerBase):
             return
         try:
             _live_pools.discard(self)
-            if self._pool is not None:
-                self._scheduler.close(SomaError("this soma.Local was closed while this run was in flight"))
-                _shut_down(self._pool, self._receiving)
+            if self._loop is not None:
+                _shut_down(self._loop, SomaError("this soma.Local was closed while this run was in flight"))
         finally:
             self._close_done.set()
 
@@ -149,24 +148,22 @@ class Local(RunnerBase):
         RunTimeout are never retried). `timeout`: seconds for the whole input, tries included.
         """
         retries = checked_retries(retries)
-        scheduler, g, program = self._ready(g, "Local.run")
-        self._receiving.check_can_wait("Local.run")  # (before its input starts: nothing is left running)
+        loop, g, program = self._ready(g, "Local.run")
         sink = queue.SimpleQueue()
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
-        flow = scheduler.start(program, [(None, x)], sink, trace, retries, g)[None]
-        receiving = self._receiving
+        flow = loop.start_inputs(program, [(None, x)], sink, trace, retries, g, lead=timeout or 1.0)[None]
         try:
             try:
-                _, ok, value = receiving.await_item(sink, timeout)
+                _, ok, value = loop.await_item(sink, timeout)
             except queue.Empty:
-                err = scheduler.expire(flow, timeout)
-                item = receiving.take_nowait(sink)  # it may have ended while it was being stopped
+                err = loop.expire(flow, timeout)
+                item = loop.take_nowait(sink)  # it may have ended while it was being stopped
                 if item is None:
                     raise err from None
                 _, ok, value = item
             except KeyboardInterrupt:  # the caller gave up (Ctrl-C): its input is not wanted any more
-                scheduler.cancel([flow])
+                loop.cancel([flow])
                 raise KeyboardInterrupt from None  # (the traceback stops here, not deep in soma's receiving)
             if not ok:
                 raise value
@@ -180,22 +177,23 @@ class Local(RunnerBase):
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> InputFuture:
         """`run(g, x)` without waiting: a `concurrent.futures.Future` at once, set when the outcome comes.
 
-        No thread waits for it: the thread that receives the workers' results sets it.
+        No thread waits for it: the thread that receives the workers' results sets it (with no lock held:
+        a done-callback may start the next input, or wait for one).
         `future.cancel()` cancels the input (dropped if not started; its result dropped if it was).
         """
         retries = checked_retries(retries)
-        scheduler, g, program = self._ready(g, "Local.submit")
+        loop, g, program = self._ready(g, "Local.submit")
         future = InputFuture()
-        flow = scheduler.start(program, [(None, x)], FutureSink(future), self._trace, retries, g)[None]
-        future.on_cancel = lambda: scheduler.cancel([flow])
+        flow = loop.start_inputs(program, [(None, x)], FutureSink(future), self._trace, retries, g)[None]
+        future.on_cancel = lambda: loop.cancel([flow])
         if timeout is not None:
-            self._receiving.at(time.monotonic() + timeout, lambda: _expired(scheduler, flow, future, timeout))
+            loop.at(time.monotonic() + timeout, lambda: _expired(loop, flow, future, timeout))
         return future
 
     def _async_inflight(self, g, timeout, retries):
         retries = checked_retries(retries)
-        scheduler, g, program = self._ready(g, "Local.amap")
-        return LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries, asynchronous=True), g
+        loop, g, program = self._ready(g, "Local.amap")
+        return LocalInflight(loop, g, program, self, timeout, retries, asynchronous=True), g
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
             resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
@@ -206,8 +204,8 @@ class Local(RunnerBase):
         host/program.compile_program); with fewer, a wave's branches spread over workers as in `run`.
         """
         retries = checked_retries(retries)
-        scheduler, g, program = self._ready(g, "Local.map", whole=window is None or window >= self.n_workers)
-        inflight = LocalInflight(scheduler, self._receiving, g, program, self, timeout, retries)
+        loop, g, program = self._ready(g, "Local.map", whole=window is None or window >= self.n_workers)
+        inflight = LocalInflight(loop, g, program, self, timeout, retries)
         return map_outputs(inflight, xs, graph=g, window=window, ordered=ordered, progress=progress,
                            timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
                            checkpoint_every=checkpoint_every)
@@ -221,10 +219,8 @@ class Local(RunnerBase):
             raise SomaError(closed_message("Local"))
         program = self._program(g, whole)
         if self._registry.has_dead:
-            dead = self._registry.take_dead()
-            self._scheduler.forget(dead)
-            self._pool.forget(dead)
-        return self._scheduler, g, program
+            self._loop.forget(self._registry.take_dead())
+        return self._loop, g, program
 
     def _program(self, g, whole: bool = False):
         """Compiled once per graph, placement and kind (placing after a run compiles again)."""
@@ -247,7 +243,13 @@ class Local(RunnerBase):
             raise SomaError(f"this soma.Local belongs to process {self._owner_pid}; this is process {os.getpid()} "
                             f"(a fork of it, say): make a new soma.Local in this process")
 
+    def _trace_ending(self, trace: Trace) -> None:
+        if self._loop is not None:
+            self._loop.trace = None
+
     def _trace_started(self, trace: Trace) -> None:
+        if self._loop is not None:
+            self._loop.trace = trace  # (a worker started inside the block shows its start)
         trace.process(os.getpid(), f"host (soma.Local, pid {os.getpid()})")
         if self._pool is not None:
             for slot in range(self.n_workers):
@@ -257,11 +259,10 @@ class Local(RunnerBase):
 
 
 class LocalInflight(Inflight):
-    """Local's in-flight set for map: flows on the scheduler, their outcomes in one queue."""
+    """Local's in-flight set for map: flows on the host's loop, their outcomes in one queue."""
 
-    def __init__(self, scheduler: Scheduler, receiving: Receiving, g, program, tracer, timeout, retries: int,
-                 asynchronous: bool = False):
-        self.scheduler, self.receiving, self.program, self.timeout = scheduler, receiving, program, timeout
+    def __init__(self, loop: HostLoop, g, program, tracer, timeout, retries: int, asynchronous: bool = False):
+        self.loop, self.program, self.timeout = loop, program, timeout
         self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
         self.retries = retries
         self.tracer = tracer  # whose trace block, if any, each input is recorded in when it starts
@@ -269,59 +270,79 @@ class LocalInflight(Inflight):
         # amap: outcomes go to the event loop (made at the first start, in the loop); map: to a queue the
         # iterating thread receives on
         self.sink = None if asynchronous else queue.SimpleQueue()
-        self.flows: dict = {}
+        self.flows: dict = {}  # index → Flow (a chunk's first index → its Chunk) not yet seen to end
+        self.sweep_at = SWEEP_AT
+        # Cheap inputs travel in chunks (host/chunks.py): a program of one piece with no batching node, whose
+        # inputs have no deadline and no retries (a chunk's inputs run one after another at one worker).
+        one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
+        self.chunked = one if one is not None and not one.batch and timeout is None and not retries else None
+        self.workers = len(tracer.worker_devices)
 
     def parallelism(self) -> int:
-        return self.scheduler.parallelism(self.pieces)
+        most = self.loop.parallelism(self.pieces)
+        if self.chunked is not None:
+            most = max(most, self.workers * AHEAD * self.loop.chunk(self.chunked))
+        return most
 
     def start(self, items: list) -> None:
         if self.sink is None:
             self.sink = LoopSink()
-        self.flows.update(self.scheduler.start(self.program, items, self.sink, self.tracer.current_trace,
-                                               self.retries, self.graph))
+        trace = self.tracer.current_trace
+        if self.chunked is not None and trace is None and len(items) > 1:
+            size = min(self.loop.chunk(self.chunked), -(-len(items) // self.workers))
+            if size > 1:
+                self.flows.update(self.loop.start_chunks(self.program, items, self.sink, self.graph, size))
+                return
+        self.flows.update(self.loop.start_inputs(self.program, items, self.sink, trace, self.retries, self.graph))
+
+    def _popped(self, got: list) -> None:
+        flows = self.flows
+        for index, _, _ in got:
+            flows.pop(index, None)
+        if len(flows) > self.sweep_at:  # chunks whose inputs ended in parts (failures) are not popped above
+            self.flows = {index: flow for index, flow in flows.items() if not flow.finished}
+            self.sweep_at = max(SWEEP_AT, 2 * len(self.flows))
 
     def wait(self, timeout):
         try:
-            got = [self.receiving.await_item(self.sink, timeout, "Local.map")]
+            got = [self.loop.await_item(self.sink, timeout)]
         except queue.Empty:
             return []
-        take = self.receiving.take_nowait
+        take = self.loop.take_nowait
         item = take(self.sink)
         while item is not None:
             got.append(item)
             item = take(self.sink)
-        for index, _, _ in got:
-            self.flows.pop(index, None)
+        self._popped(got)
         return got
 
     async def await_wait(self, timeout):
         got = await self.sink.take(timeout)
-        for index, _, _ in got:
-            self.flows.pop(index, None)
+        self._popped(got)
         return got
 
     def expire(self, index: int) -> BaseException:
         flow = self.flows.pop(index)
-        return self.scheduler.expire(flow, self.timeout)
+        return self.loop.expire(flow, self.timeout)
 
     def close(self) -> None:
         if self.flows:
-            self.scheduler.cancel(list(self.flows.values()))
+            self.loop.cancel(list(self.flows.values()))
             self.flows.clear()
 
 
-def _expired(scheduler: Scheduler, flow, future, timeout: float) -> None:
-    """A submitted input's time is up (on the receiving thread): its RunTimeout, unless its outcome came first."""
-    err = scheduler.expire(flow, timeout)
+def _expired(loop: HostLoop, flow, future, timeout: float) -> None:
+    """A submitted input's time is up (on the listener thread): its RunTimeout, unless its outcome came first."""
+    err = loop.expire(flow, timeout)
     if not future.done():
         FutureSink(future).put((None, False, err))
 
 
-def _shut_down(pool: WorkerPool, receiving: Receiving) -> None:
-    """Closing, in order: nothing more is sent but STOP, the receiver lets go of its socket, then the rest."""
-    pool.stop_workers()
-    receiving.close()
-    pool.close()
+def _shut_down(loop: HostLoop, error: SomaError) -> None:
+    """Closing, in order: every input in flight gets `error`, nothing more is sent but STOP, the listener lets
+    go of its socket, then the rest (processes, segments, the socket directory)."""
+    loop.close(error)
+    loop.pool.close()
 
 
 def _pinning(devices, n: int) -> list[str]:

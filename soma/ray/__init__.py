@@ -11,11 +11,12 @@ Each module imports only those below it (calls go down, answers come back up):
                    the settler and tracing call (those two get it handed, never import it)
     settler.py     submit's one thread: every submitted input's Future settled
     gathering.py   concurrent runs of a batching graph submitted together
-    tries.py       the retry-or-finish step, written once (`Tries`): sent again, or finished
+    tries.py       one input's tries (`Tries`): the retry-or-finish loop of run, arun, submit and
+                   map, written once (sent again, finished, or its named error), and how each path waits
     tracing.py     a trace block: the actors' records collected onto the driver's clock
     faults.py      Ray's errors as soma's, timeouts, abandoned inputs
     copies.py      the book of actors (`ActorBook`, `NodeActors`, `CopyActor`): which actor takes an
-                   input; the only module that takes the book's lock
+                   input; the only module that takes the book's lock or changes a copy's load
     submission.py  one input (or a map's batch) through the plan (`Submission`, its `Call`s): every call
                    submitted at once, the plan walked by `soma.plan.fold`
     actor.py       the only module that runs inside Ray actors: one copy of one node (`NodeCopy`)

@@ -260,8 +260,8 @@ class NodeCopy:
             self.broken = Failed(err)
         except BaseException as err:  # the actor stays up, so the driver hears why instead of "actor died"
             self.broken = Failed(NodeError.failed(
-                node_id, f"its code could not be loaded in Ray actor {self.actor_id}: {type(err).__name__}: {err}",
-                remote_traceback=traceback_text(err)))
+                node_id, f"its code could not be loaded in Ray actor {self.actor_id}: {type(err).__name__}: {err} "
+                         f"({nodecode.why_not_loaded(err, 'Ray actor')})", remote_traceback=traceback_text(err)))
         devices = {node_id: device} if device is not None else {}
         tensors_out_of_band()
         self.batching = node is not None and is_batching(node)  # its inputs of one call meet at the node

@@ -29,7 +29,7 @@ import time
 from ..errors import SomaError
 from . import records
 from .spreading import startup_estimate
-from .submission import release, submit
+from .submission import submit
 
 CLOSED = "this soma.Ray is closed; make a new one"
 
@@ -116,6 +116,10 @@ class NodeActors:
                 self.start_actor()  # every actor is busy: one more, for the inputs after this one
         best.load += inputs
         return best
+
+    def give_back(self, actor: CopyActor, inputs: int) -> None:
+        """The call `pick` chose `actor` for was never sent (Ray refused it): its `inputs` are not counted."""
+        actor.load -= inputs
 
     def has_room(self) -> bool:
         """Whether a held input may go now: a copy that is up has no input (while none is up, a starting one has
@@ -214,13 +218,19 @@ class ActorBook:
                 submit(graph, xs, submissions, put)
             except BaseException:
                 for submission in submissions:
-                    release(submission)
+                    self.release(submission)  # (an RLock: taken again here)
                 raise
 
     def release(self, submission, how: str = "ok") -> None:
-        """The try is over (soma.ray.submission.release): its actors may take other inputs."""
+        """The try is over (done, failed, expired, abandoned, or "again": the input goes on in another try): its
+        actors may take other inputs; once only (`submission.over`), however many paths end it."""
         with self._lock:
-            release(submission, how)
+            if submission.over:
+                return
+            submission.over = True
+            for call in submission.calls:
+                call.actor.load -= 1
+        submission.ended(how)
 
     def up_now(self, actors: list) -> list:
         """Those of `actors` that are up (their hello came; never waits)."""

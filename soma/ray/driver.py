@@ -173,9 +173,10 @@ class Driver:
             raise SomaError(CLOSED)
         self.book.submit(graph, xs, submissions, self.ray.put)  # (closed meanwhile: the book refuses too)
 
-    def tries(self, graph: ActorGraph, submission: Submission) -> Tries:
-        """The input's tries (soma.ray.tries): after each try's outcome, sent again or finished."""
-        return Tries(self, graph, submission)
+    def tries(self, graph: ActorGraph, submission: Submission, timeout=None, deadline=None) -> Tries:
+        """The input's tries (soma.ray.tries): after each try's outcome, sent again or finished; `deadline`
+        (time.monotonic): when its time (`timeout`) is up."""
+        return Tries(self, graph, submission, timeout, deadline)
 
     # -- a map's held inputs (soma.ray.spreading) ----------------------------------------------
     def has_room(self, graph: ActorGraph) -> bool:

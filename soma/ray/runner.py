@@ -25,10 +25,11 @@ How one input flows (on the right of each step, the module of soma/ray/ that doe
     Ray.submit(g, x)         a Future at once; settler.py: one thread settles every submitted input
     await Ray.arun(g, x)     the output refs awaited on the event loop (Ray sets their futures)
     Ray.amap(g, xs)          amap_outputs (soma.run.aio) over RayInflight.await_wait
-    after every try          tries.Tries.after, the one retry-or-finish step of run, arun, map and
-                             submit: an input lost to a dead actor is sent again (records.py: what the
-                             actor had started), or tried again from the graph's start, or its WorkerDied;
-                             a finished one is released (and measured: its cost, spreading.py)
+    after every try          tries.Tries, one input's tries, the retry-or-finish loop written once
+                             (run: outcome(), arun: aoutcome(), submit: watch/ready, map: after): an
+                             input lost to a dead actor is sent again (records.py: what the actor had
+                             started), or tried again from the graph's start, or its WorkerDied; a
+                             finished one is released (and measured: its cost, spreading.py)
     Ray.trace(path)          tracing.py: the actors keep their records; the block's end collects them
 """
 
@@ -48,7 +49,6 @@ from . import tracing
 from .devices import checked_options
 from .driver import CLOSED, Driver
 from .inflight import RayInflight, batch_size, parallelism
-from .submission import value_of
 
 
 def _import_ray():
@@ -75,6 +75,25 @@ def _actor_class(ray):
         cls = _actor_classes[id(ray)] = ray.remote(concurrency_groups={"control": 1},
                                                    allow_out_of_order_execution=True)(NodeCopy)
     return cls
+
+
+def _over_inputs(outputs, where: str, doc: str):
+    """Ray's `map` or `amap` (`outputs`: soma.run's map_outputs or amap_outputs), their keywords written once:
+    a RayInflight (map's batches, sized from the window) under the loop every runner's map shares."""
+
+    def over_inputs(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0,
+                    errors="raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
+        g = self.accepting(g, where)  # (closed? before anything else, as every runner checks)
+        retries = checked_retries(retries)
+        driver, g, graph = self._compiled(g, where)
+        batch = batch_size(graph, window or default_window(parallelism(graph, driver.cpus)), timeout)
+        inflight = RayInflight(driver, graph, timeout, ordered, batch, retries, tracer=self, source=g, by_cost=True)
+        return outputs(inflight, xs, graph=g, window=window, ordered=ordered, progress=progress, timeout=timeout,
+                       errors=errors, resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
+
+    over_inputs.__name__, over_inputs.__qualname__ = where.rpartition(".")[2], where
+    over_inputs.__doc__ = doc
+    return over_inputs
 
 
 class Ray(RunnerBase):
@@ -141,30 +160,19 @@ class Ray(RunnerBase):
         retries = checked_retries(retries)
         driver, _, graph = self._compiled(g, "Ray.run")
         trace = self._trace
-        deadline = time.monotonic() + timeout if timeout is not None else None
         timed = timeout is not None
+        deadline = time.monotonic() + timeout if timed else None
         with trace.host_step("run", input=None) if trace is not None else contextlib.nullcontext():
             [submission] = driver.submit_run(graph, x, timed, trace, retries)  # (with concurrent runs: batching)
-            tries = driver.tries(graph, submission)
+            tries = driver.tries(graph, submission, timeout, deadline)
             try:
-                while True:
-                    settled = driver.outcomes([tries.submission], graph, _left(deadline))
-                    if settled is None:
-                        raise driver.expire(tries.submission, timeout) from None
-                    done = tries.after(*settled[0])
-                    if done is not None:
-                        return _outcome(done)
+                return tries.outcome()
             finally:
-                driver.release(tries.submission)
+                tries.release()
                 driver.run_over(graph, timed)
 
-    def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
-            resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
-        """The outputs for the inputs of `xs`, lazily, `window` inputs in flight over the copies (docs/api.md, "map")."""
-        g = self.accepting(g, "Ray.map")
-        return map_outputs(self._inflight(g, "Ray.map", window, ordered, timeout, retries), xs, graph=g,
-                           window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors,
-                           resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
+    map = _over_inputs(map_outputs, "Ray.map", """The outputs for the inputs of `xs`, lazily, `window` inputs in
+        flight over the copies (docs/api.md, "map").""")
 
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> InputFuture:
         """`run(g, x)` without waiting: a `concurrent.futures.Future` at once, set by the driver's one settler
@@ -195,43 +203,15 @@ class Ray(RunnerBase):
             [submission] = await asyncio.to_thread(driver.submit_run, graph, x, timed, self._trace, retries)
         else:
             [submission] = driver.submit_run(graph, x, timed, self._trace, retries)
-        tries = driver.tries(graph, submission)
-        futures: list = []
+        tries = driver.tries(graph, submission, timeout, deadline)
         try:
-            while True:
-                futures = [asyncio.wrap_future(ref.future()) for ref in tries.submission.refs]
-                _, pending = await asyncio.wait(futures, timeout=_left(deadline))
-                if pending:
-                    raise await asyncio.to_thread(driver.expire, tries.submission, timeout) from None
-                values = [value_of(future) for future in futures]
-                if any(isinstance(v, BaseException) for v in values):  # (a dead actor's record may take a Ray task)
-                    done = await asyncio.to_thread(tries.after_values, values)
-                else:
-                    done = tries.after_values(values)
-                if done is not None:
-                    return _outcome(done)
-        except asyncio.CancelledError:
-            driver.abandon(tries.submission)  # what has not started never starts; its result is dropped
-            raise
+            return await tries.aoutcome()
         finally:
-            for future in futures:
-                future.cancel()  # (done ones stay as they are)
-            driver.release(tries.submission)
+            tries.release()
             driver.run_over(graph, timed)
 
-    def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
-             resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
-        """`map` as an async iterator: `async for y in cluster.amap(g, xs)`; `xs` may be an async iterable."""
-        g = self.accepting(g, "Ray.amap")
-        return amap_outputs(self._inflight(g, "Ray.amap", window, ordered, timeout, retries), xs, graph=g,
-                            window=window, ordered=ordered, progress=progress, timeout=timeout, errors=errors,
-                            resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
-
-    def _inflight(self, g, where: str, window, ordered: bool, timeout, retries) -> RayInflight:
-        retries = checked_retries(retries)
-        driver, g, graph = self._compiled(g, where)
-        batch = batch_size(graph, window or default_window(parallelism(graph, driver.cpus)), timeout)
-        return RayInflight(driver, graph, timeout, ordered, batch, retries, tracer=self, source=g, by_cost=True)
+    amap = _over_inputs(amap_outputs, "Ray.amap", """`map` as an async iterator: `async for y in cluster.amap(g,
+        xs)`; `xs` may be an async iterable.""")
 
     def _compiled(self, g, where: str):
         """The driver, the graph of `g` (a Graph, a Node or an expression) and its ActorGraph."""
@@ -249,14 +229,3 @@ class Ray(RunnerBase):
         driver's clock (docs/ray.md)."""
         if self._driver is not None:
             tracing.collect(self._driver, trace)
-
-
-def _left(deadline):
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _outcome(settled: tuple):
-    ok, value = settled
-    if ok:
-        return value
-    raise value

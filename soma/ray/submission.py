@@ -173,6 +173,14 @@ class Submission:
         self.sent_at = 0.0  # when its calls were sent (time.monotonic)
         self.alone = True  # every call went alone to a copy that was up and idle: its time is its cost
 
+    def ended(self, how: str = "ok") -> None:
+        """This try is over (the book gave its actors' loads back: soma.ray.copies.ActorBook.release): a traced
+        input of a map becomes an interval on the driver's track, unless it goes on in another try (`how` is
+        "again"); a run's is its caller's span."""
+        if self.trace is not None and self.index is not None and how != "again":
+            self.trace.interval(f"input {self.index}", "host", self.started_ns, time.monotonic_ns(), os.getpid(),
+                                f"input-{self.token}", {"input": self.index, "outcome": how})
+
     def again(self, counted: bool) -> "Submission":
         """The same input, to be submitted again: another try (`counted`), or the same one sent elsewhere."""
         again = Submission(self.index, self.token, self.timed, self.trace, self.x, self.retries,
@@ -184,9 +192,10 @@ class Submission:
 
 def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
     """Submit every call of one input, or of a map's batch of inputs: one Ray call per node for all of them
-    (called by the book, under its lock: actors are picked here; soma.ray.copies.ActorBook.submit). One input: `call` (exactly the one arg a hand-written
-    actor takes). Several: `call_many`, one return per input, so each input still has its own ref at every
-    node, and downstream calls, failures, checks and spans stay per input.
+    (called by the book, under its lock: soma.ray.copies.ActorBook.submit; its NodeActors pick each call's
+    actor). One input: `call` (exactly the one arg a hand-written actor takes). Several: `call_many`, one
+    return per input, so each input still has its own ref at every node, and downstream calls, failures,
+    checks and spans stay per input.
     """
     entry = graph.entry_nodes[0]
     tensors_out_of_band()  # this process's tensors reach Ray's store out of band too
@@ -243,7 +252,7 @@ def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> l
         else:
             refs = actor.batched("call_many_with", len(submissions)).remote(tuple(metas), *args)
     except Exception as err:
-        actor.load -= len(submissions)  # nothing was sent
+        graph.actors[node_id].give_back(actor, len(submissions))  # nothing was sent
         if graph.shares_input or node_id != graph.entry_nodes[0]:
             raise  # only the entry node's call carries the input itself; the others carry refs
         raise unsendable(node_id, err) from None
@@ -315,19 +324,3 @@ def _rebuild(tree, values):
     if type(tree) is Out:
         return next(values)
     return tuple(_rebuild(item, values) for item in tree)
-
-
-def release(submission: Submission, outcome: str = "ok") -> None:
-    """The try is over (done, failed, expired, abandoned, or `again`: the input goes on in another try): its
-    actors may take other inputs (called by the book, under its lock: soma.ray.copies.ActorBook.release). A traced input of a map becomes an interval on the
-    driver's track once it is over (a run's is its caller's span).
-    """
-    if submission.over:
-        return
-    submission.over = True
-    for call in submission.calls:
-        call.actor.load -= 1
-    if submission.trace is not None and submission.index is not None and outcome != "again":
-        submission.trace.interval(f"input {submission.index}", "host", submission.started_ns, time.monotonic_ns(),
-                                  os.getpid(), f"input-{submission.token}",
-                                  {"input": submission.index, "outcome": outcome})

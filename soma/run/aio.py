@@ -24,7 +24,7 @@ import concurrent.futures as cf
 import threading
 import weakref
 
-from .mapping import MapLoop
+from .mapping import MapLoop, opened
 from .resuming import DEFAULT_EVERY_S, aremaining, remaining
 
 
@@ -158,23 +158,22 @@ def _waker_of(loop) -> _LoopWaker:
         return waker
 
 
-def amap_outputs(inflight, xs, *, graph, window=None, ordered=True, progress=False, timeout=None, errors="raise",
-                 resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
-    """The async iterator behind every runner's `amap`; `inflight` has an `await_wait(timeout)`."""
-    try:
-        loop = MapLoop(inflight, xs, graph=graph, window=window, ordered=ordered, progress=progress,
-                       timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
-                       checkpoint_every=checkpoint_every)
-        if hasattr(xs, "__aiter__"):  # (a TypeError now, not at the first turn)
-            source = xs.__aiter__()
-            if loop.next_index or loop.after_start:
-                source = aremaining(source, loop.next_index, loop.after_start)
-        else:
-            source = remaining(xs, loop.next_index, loop.after_start)
-    except BaseException:
-        inflight.close()  # nothing was started: the runner's in-flight set is given back at once
-        raise
+def amap_outputs(inflight, xs, **options) -> "AsyncMapIterator":
+    """The async iterator behind every runner's `amap`; `inflight` has an `await_wait(timeout)`; `options`
+    are MapLoop's, as `map_outputs`'s. `xs` may be an async iterable."""
+    loop, source = opened(inflight, xs, lambda loop: _source(xs, loop), **options)
     return AsyncMapIterator(_adrive(loop, source), loop)
+
+
+def _source(xs, loop: MapLoop):
+    """amap's inputs, from where `loop` starts: an async iterable's (a TypeError now, not at the first turn),
+    or a plain one's."""
+    if hasattr(xs, "__aiter__"):
+        source = xs.__aiter__()
+        if loop.next_index or loop.after_start:
+            source = aremaining(source, loop.next_index, loop.after_start)
+        return source
+    return remaining(xs, loop.next_index, loop.after_start)
 
 
 class AsyncMapIterator:

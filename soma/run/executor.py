@@ -32,6 +32,7 @@ import weakref
 from ..errors import RunTimeout, SomaError
 from .base import RunnerBase, checked_retries, closed_message
 from .batching import max_batch_of
+from .inprocess import run_plan
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs
 from .resuming import DEFAULT_EVERY_S
@@ -158,17 +159,11 @@ class Executor(RunnerBase):
         try:
             if modes is not None:
                 with modes():  # (torch's grad and inference mode of the thread that asked)
-                    return self._run_plan(interpreter, plan, x, state, spans, timeout)
-            return self._run_plan(interpreter, plan, x, state, spans, timeout)
+                    return run_plan(interpreter, plan, x, state, spans, timeout)
+            return run_plan(interpreter, plan, x, state, spans, timeout)
         finally:
             if trace is not None:
                 _record(trace, spans, devices, index, start)
-
-    @staticmethod
-    def _run_plan(interpreter, plan, x, state, spans, timeout):
-        if timeout is None:
-            return interpreter.run(plan, x, state, spans)
-        return _with_timeout(interpreter, plan, x, state, spans, timeout)
 
     def _interpreter(self, g, devices: dict) -> Interpreter:
         """One per graph and placement (its plan compiled once); placing a node again makes a new one."""
@@ -181,28 +176,6 @@ class Executor(RunnerBase):
 
     def _trace_started(self, trace: Trace) -> None:
         trace.process(os.getpid(), f"host (soma.Executor, pid {os.getpid()})")
-
-
-def _with_timeout(interpreter: Interpreter, plan, x, state: RunState, spans, timeout: float):
-    box: dict = {}
-    modes = thread_modes()
-
-    def whole_run() -> None:
-        try:
-            with modes():
-                box["value"] = interpreter.run(plan, x, state, spans)
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=whole_run, name="run", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        state.cancelled = True
-        raise RunTimeout.after(timeout, dict.fromkeys(state.running_now()), ())
-    if "error" in box:
-        raise box.pop("error")
-    return box["value"]
 
 
 def _record(trace: Trace, spans: list, devices: dict, index, start: int) -> None:

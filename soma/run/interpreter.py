@@ -300,31 +300,62 @@ class Interpreter:
             return value
         return run_wave
 
+    def each(self, plan: Plan, observer):
+        """`plan` as `call(x, job)` for inputs run one after another on this thread (a chunk's, in a worker):
+        `run` without a RunState of its own per input when the plan is one node (what it checks, the same)."""
+        if type(plan) is not Step or plan.id in self._meetings:
+            run = self.compile(plan)
+            return lambda x, job: run(x, RunState(observer, job), None)
+        node_id = plan.id
+        node = self.nodes[node_id]
+        device = self.devices.get(node_id)
+        ctx = Ctx(node_id, device, self.worker, self.allocate)
+        guard = self._guard(node_id, node)
+        forward = self._forward
+
+        def call(x, job):
+            observer.enter(job, node_id)
+            return unwrap(forward(node, node_id, device, ctx, guard, x, None))
+        return call
+
+    def _guard(self, node_id: str, node):
+        guard = self._guards.get(node_id)
+        if guard is None:
+            guard = self._guards[node_id] = guard_of(node)
+        return guard
+
+    def _forward(self, node, node_id: str, device, ctx: Ctx, guard, x, spans: list | None):
+        """setup once, forward, check it returned Done, check the postcondition: the Done's value."""
+        with guard.lock:  # one input at a time per node object
+            if not guard.ready:
+                self.setup(node, node_id, ctx, spans)
+                guard.ready = True
+            try:
+                out = node.forward(x, ctx)
+            except self._caught as exc:
+                raise self.node_failed(node_id, exc, device=device) from exc
+        if type(out) is not Done:
+            raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
+        check_postcondition(node_id, device, out.value)
+        return out.value
+
     def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):
         """Run one node: setup once, forward, check it returned Done, check the postcondition, unwrap."""
         node = self.nodes[node_id]
         device = self.devices.get(node_id)
         ctx = Ctx(node_id, device, self.worker, self.allocate)
-        guard = self._guards.get(node_id)
-        if guard is None:
-            guard = self._guards[node_id] = guard_of(node)
+        guard = self._guard(node_id, node)
         state.enter(node_id)
         start = time.monotonic_ns() if spans is not None else 0
         outcome = "ok"
         try:
-            with guard.lock:  # one input at a time per node object
-                if not guard.ready:
-                    self.setup(node, node_id, ctx, spans)
-                    guard.ready = True
-                    if spans is not None:
-                        start = time.monotonic_ns()  # (the node's own span starts after its setup's)
-                try:
-                    out = node.forward(x, ctx)
-                except self._caught as exc:
-                    raise self.node_failed(node_id, exc, device=device) from exc
-            if type(out) is not Done:
-                raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
-            check_postcondition(node_id, device, out.value)
+            if spans is not None and not guard.ready:
+                with guard.lock:
+                    if not guard.ready:
+                        self.setup(node, node_id, ctx, spans)
+                        guard.ready = True
+                start = time.monotonic_ns()  # (the node's own span starts after its setup's)
+            value = self._forward(node, node_id, device, ctx, guard, x, spans)
         except BaseException as exc:
             # What the node itself raised (under the NodeError that names it), or soma's own verdict.
             cause = exc.__cause__ if type(exc) is NodeError and exc.__cause__ is not None else exc
@@ -334,7 +365,7 @@ class Interpreter:
             state.leave(node_id)
             if spans is not None and start:
                 spans.append(span(node_id, start, outcome))
-        return unwrap(out.value)
+        return unwrap(value)
 
     def setup(self, node, node_id: str, ctx: Ctx, spans: list | None = None) -> None:
         """`node.setup(ctx)`, once per node object, before its first forward (when the node defines it).

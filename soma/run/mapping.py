@@ -47,6 +47,14 @@ from .resuming import (
 ERRORS = ("raise", "yield")
 
 
+class Span(list):
+    """The outputs of consecutive inputs, all ok, reported at once: `(index, True, Span([...]))` from
+    `Inflight.wait` stands for `(index + i, True, span[i])` of each. A runner whose inputs travel in chunks
+    hands a chunk's outputs over in one entry; the loop hands them out one by one, in their turn."""
+
+    __slots__ = ()
+
+
 class Inflight:
     """What a runner provides for `map`. Every method is called from the iterating thread."""
 
@@ -62,7 +70,8 @@ class Inflight:
         raise NotImplementedError
 
     def wait(self, timeout: float | None) -> list:
-        """`(index, ok, value)` for inputs that finished, at least one unless `timeout` (seconds) passed first."""
+        """`(index, ok, value)` for inputs that finished, at least one unless `timeout` (seconds) passed first
+        (or `(index, True, Span)` for consecutive inputs that all finished ok)."""
         raise NotImplementedError
 
     def expire(self, index: int) -> BaseException:
@@ -73,20 +82,25 @@ class Inflight:
         """The map is over: cancel what has not started, let the rest finish, release everything."""
 
 
-def map_outputs(inflight: Inflight, xs, *, graph, window=None, ordered=True, progress=False, timeout=None,
-                errors="raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
-    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs"); `graph` is the Graph
-    it runs (what a state is checked against)."""
-    try:
-        loop = MapLoop(inflight, xs, graph=graph, window=window, ordered=ordered, progress=progress,
-                       timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
-                       checkpoint_every=checkpoint_every)
-        # (a TypeError for something that is not iterable, here, before anything starts)
-        source = remaining(xs, loop.next_index, loop.after_start)
-    except BaseException:
-        inflight.close()  # nothing was started: the runner's in-flight set is given back at once
-        raise
+def map_outputs(inflight: Inflight, xs, **options) -> "MapIterator":
+    """The iterator behind every runner's `map` (see docs/design.md, "Many inputs"); `options` are
+    MapLoop's (`graph`: the Graph it runs, what a state is checked against; window, ordered, ...)."""
+    loop, source = opened(inflight, xs, lambda loop: _guarded(remaining(xs, loop.next_index, loop.after_start), loop),
+                          **options)
     return MapIterator(_drive(loop, source), loop)
+
+
+def opened(inflight: Inflight, xs, source_of, **options) -> tuple:
+    """A map's loop over `inflight` (`options`: MapLoop's) and its source of inputs, `source_of(loop)`, from
+    where the loop starts (`resume=`). Anything refused here (an option, a `resume=` state, an `xs` that is
+    not iterable: a TypeError now, not at the first `next`) gives the in-flight set back at once: nothing
+    was started. Shared by `map_outputs` and `amap_outputs` (soma.run.aio)."""
+    try:
+        loop = MapLoop(inflight, xs, **options)
+        return loop, source_of(loop)
+    except BaseException:
+        inflight.close()
+        raise
 
 
 class MapIterator:
@@ -136,20 +150,19 @@ def _drive(loop: "MapLoop", source):
         loop.close()
 
 
+def _guarded(source, loop: "MapLoop"):
+    """`source`'s items; its end, or its own exception, is told to the loop (and ends this)."""
+    try:
+        yield from source
+    except Exception as exc:
+        loop.source_ended(exc)
+        return
+    loop.source_ended()
+
+
 def _take(source, wanted: int, loop: "MapLoop") -> list:
-    """Up to `wanted` inputs from `source`; its end, or its own exception, is told to the loop."""
-    items = []
-    while len(items) < wanted:
-        try:
-            x = next(source)
-        except StopIteration:
-            loop.source_ended()
-            break
-        except Exception as exc:
-            loop.source_ended(exc)
-            break
-        items.append(x)
-    return items
+    """Up to `wanted` inputs from `source` (`_guarded`: taken at C speed, none lost to its exception)."""
+    return list(islice(source, wanted))
 
 
 WINDOW_LOOK_S = 0.05  # how often a map without `window=` asks the runner how many inputs it works on at once
@@ -162,8 +175,8 @@ class MapLoop:
     place (`.index` set) and the map goes on. The iterable's own exception is raised either way.
     """
 
-    def __init__(self, inflight: Inflight, xs, *, graph, window, ordered: bool, progress, timeout, errors: str,
-                 resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
+    def __init__(self, inflight: Inflight, xs, *, graph, window=None, ordered: bool = True, progress=False,
+                 timeout=None, errors: str = "raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         if errors not in ERRORS:
             raise ValueError(f"map's errors must be 'raise' or 'yield', got {errors!r}")
         self.inflight = inflight
@@ -274,12 +287,12 @@ class MapLoop:
         """Start inputs just taken from the source."""
         if not xs:
             return
-        items = list(zip(islice(self.positions, len(xs)), xs))
+        indices = list(islice(self.positions, len(xs)))
+        items = list(zip(indices, xs))
         self.taken += len(items)
         if self.timeout is not None and not self.inflight.enforces_timeout:
-            deadline = time.monotonic() + self.timeout
-            self.deadlines.update((index, deadline) for index, _ in items)
-        self.pending.update(index for index, _ in items)
+            self.deadlines.update(dict.fromkeys(indices, time.monotonic() + self.timeout))
+        self.pending.update(indices)
         self.inflight.start(items)
 
     # -- 2. handing outputs out ----------------------------------------------------------------------------
@@ -295,7 +308,11 @@ class MapLoop:
                 index = self.next_index
                 if index not in done:
                     break
-                ok, value = done.pop(index)
+                entry = done.pop(index)
+                if type(entry) is Span:
+                    yield from self._span(entry, index)
+                    continue
+                ok, value = entry
                 if not ok and not self.yield_errors:
                     raise _indexed(value, index)  # (not consumed: a state says to run it again)
                 self.next_index = index + 1
@@ -303,7 +320,11 @@ class MapLoop:
                 if not self.arrived:
                     break
                 index = self.arrived.popleft()
-                ok, value = done.pop(index)
+                entry = done.pop(index)
+                if type(entry) is Span:
+                    yield from self._span(entry, index)
+                    continue
+                ok, value = entry
                 if self.failure is not None and index > self.failure[0]:
                     continue  # after a failure: cancelled with the rest
                 consumed = self.consumed
@@ -320,6 +341,28 @@ class MapLoop:
                 self.save()
         if not self.ordered and self.failure is not None and not any(i < self.failure[0] for i in self.pending):
             raise _indexed(self.failure[1], self.failure[0])
+
+    def _span(self, values: Span, index: int):
+        """The outputs of a Span, from input `index` on: outputs() for each, without a turn of its loop each."""
+        ordered, consumed, failure = self.ordered, self.consumed, self.failure
+        for value in values:
+            if ordered:
+                self.next_index = index + 1
+            elif failure is not None and index > failure[0]:
+                index += 1
+                continue  # after a failure: cancelled with the rest
+            elif index == consumed.next and not consumed.stops:
+                consumed.next = index + 1
+            else:
+                consumed.add(index)
+            try:
+                yield self._handed(value)
+            except BaseException:
+                self.out = index
+                raise
+            index += 1
+            if self.checkpoint is not None and time.monotonic() >= self.save_at:
+                self.save()
 
     def _handed(self, value):
         self.yielded += 1
@@ -368,6 +411,12 @@ class MapLoop:
                 results.append((index, False, self.inflight.expire(index)))
         for index, ok, value in results:
             if index not in self.pending:
+                continue
+            if type(value) is Span:  # (untimed: a runner chunks only inputs without deadlines)
+                self.pending.difference_update(range(index, index + len(value)))
+                self.done[index] = value
+                if not self.ordered:
+                    self.arrived.append(index)
                 continue
             self.pending.discard(index)
             deadlines.pop(index, None)

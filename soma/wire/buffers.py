@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import pickle
+import sys
 import threading
 
 import msgpack
@@ -38,6 +39,16 @@ ALIGN = 64  # a copy keeps its source's address modulo this (SIMD loads stay ali
 
 # array handle kinds
 A_INLINE, A_SHM = 0, 1
+
+
+def loaded_torch():
+    """torch when it is imported far enough to have made tensors, else None (never imports it).
+
+    A worker may be importing torch in the background: until `torch.Tensor` exists
+    no value can be a tensor, and a half-imported module must not be touched.
+    """
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "multiprocessing") else None
 
 
 # -- addresses of buffers ----------------------------------------------------------------------------
@@ -194,11 +205,7 @@ def _value_pickler():
     imports cloudpickle."""
     global _PICKLER
     if _PICKLER is None:
-        import sys
-
         import cloudpickle
-
-        from .tensors import loaded_torch
 
         class ValuePickler(cloudpickle.Pickler):
             def __init__(self, file, enc, parts: list, oob: list):

@@ -33,7 +33,14 @@ import threading
 import msgpack
 
 from ..errors import SharedMemoryFull
-from .buffers import INLINE_LIMIT, decode_array, dump_pickle, encode_array, load_pickle
+from .buffers import (
+    INLINE_LIMIT,
+    decode_array,
+    dump_pickle,
+    encode_array,
+    load_pickle,
+    loaded_torch,
+)
 from .mapping import address_of
 from .tensors import (
     SHARED_STORAGES,
@@ -44,7 +51,6 @@ from .tensors import (
     GradCrossing,
     decode_tensor,
     encode_tensor,
-    loaded_torch,
 )
 
 __all__ = ["INLINE_LIMIT", "GradCrossing", "Unsendable", "Encoder", "Decoder", "loaded_torch", "route",

@@ -42,27 +42,41 @@ def loads(blob: bytes):
     return pickle.loads(blob)
 
 
-def why_not_loaded(err: BaseException) -> str:
-    """What to do about `loads` raising `err` in a worker or an actor, said from where it failed.
+# Where a node's code was not found, and what to do: said for the process that loads it.
+_NOT_FOUND = {
+    "worker": ("workers start with the host's sys.path and working directory; define the node in a module they "
+               "can import"),
+    "Ray actor": ("a Ray actor imports the module of each node it runs on whichever machine of the cluster it is "
+                  "on, so that module must be importable there, the same code on every machine: on the actor's "
+                  "sys.path (it searches the driver's sys.path, where those folders exist on its machine), or "
+                  "shipped to every machine with Ray's runtime_env (`soma.Ray(runtime_env={\"working_dir\": "
+                  "...})` or `{\"py_modules\": [...]}`, or a node's `options=`); or define the node in a module "
+                  "every machine can import"),
+}
+
+
+def why_not_loaded(err: BaseException, where: str = "worker") -> str:
+    """What to do about `loads` raising `err` in a `where` ("worker": Local's; "Ray actor"), said from where
+    it failed.
 
     A node of an importable module travels by reference: the worker imports that module, and the module's
     top-level code runs there, with the worker's sys.argv (its own program's arguments). A module that reads
     the command line as it is imported (`int(sys.argv[1])`, `parser.parse_args()`) fails there, and the
-    worker's sys.path, the usual suspect, is not the cause. Anything else: the module could not be found.
+    worker's sys.path, the usual suspect, is not the cause. Anything else: the module could not be found
+    (on a Ray cluster, on the machine the actor is on).
     """
     frame, line = _importing(err)
     if frame is None:
-        return ("workers start with the host's sys.path and working directory; define the node in a module they "
-                "can import")
+        return _NOT_FOUND[where]
     module = frame.f_globals.get("__name__", "?")
     said = (f"importing module `{module}` here ran its top-level code, which raised at {frame.f_code.co_filename}, "
             f"line {line}")
     if {"argv", "parse_args", "parse_known_args"} & set(frame.f_code.co_names):
         given = f" (`{' '.join(sys.argv[1:3])} ...`)" if len(sys.argv) > 1 else ""
-        return (f"{said}: it reads the command line as it is imported, and a worker's sys.argv holds its own "
+        return (f"{said}: it reads the command line as it is imported, and a {where}'s sys.argv holds its own "
                 f"program's arguments{given}, not your script's; read arguments under "
                 f"`if __name__ == \"__main__\":` and give nodes what they need as their attributes")
-    return (f"{said}: a worker imports the module of each node it runs, so that code runs again there; keep "
+    return (f"{said}: a {where} imports the module of each node it runs, so that code runs again there; keep "
             f"what must run once (reading arguments, starting work) under `if __name__ == \"__main__\":`")
 
 

@@ -5,24 +5,43 @@ the records below are the messages, `pack` seals one into a frame and `parse`
 opens a frame into a record. The values inside (a node's input and output) are
 `soma.wire.codec`'s business; how the frames travel is `soma.wire.transport`'s.
 
-    host → worker   Task(code, pieces, jobs, frees, forget)
+    host → worker   Task(code, pieces, jobs, frees, forget, held)
                         code    {node key: the node, pickled}      only what this worker lacks
                         pieces  {piece id: piece spec}             only what this worker lacks
                         jobs   [JobSpec(id, piece, payload, traced)] one input for one piece each,
                                or Bundle(ids, piece, payload)   inputs of a one-node batching piece,
                                                                  encoded together as one list
+                               or Chunk(ids, piece, payload, traced)  consecutive inputs of any other
+                                                                 piece, encoded together as one list
                         frees   [[segment, n]]                     see soma.wire.shm
                         forget  [node key]                         the host let these nodes go
+                        held    bytes of /dev/shm the caller's results hold (see soma.wire.room)
                     Free(frees)      Cancel(job ids: drop them if not started)      Stop()
+                    GiveBack(job ids: those not started come back unrun, named in `returned`)
     worker → host   Hello(worker, pid, device)
-                    Result(worker, pid, outcomes, releases, leaving)
+                    Result(worker, pid, outcomes, releases, leaving, returned)
                         outcomes [Outcome(job, ok, body, spans, seconds)]
                                  body: the encoded output when ok, else an error body (below)
                                  a Bundle's: Outcome(ids, [per id: True | bytes | error body],
                                  the encoded list of the True ones' outputs, None, seconds each)
+                                 a Chunk's: one or more ChunkPart(ids, said, body, spans, seconds, more)
                         releases [[segment, n]]                    receipts whose storages died
                         leaving  over max_memory: it takes nothing more, and the host replaces it
                                  once every job it was sent has come back (answered, or Cancelled)
+                        returned [job id]: given back unstarted (a GiveBack's answer), never to run here
+
+A chunk (the host's choice for inputs measured cheap) is answered input by input,
+in parts: each part a `ChunkPart` of the inputs done since the last, each with its
+own ok or error, seconds and spans, the outputs of those that ran ok encoded as one
+list. The worker sends a part when what is done has waited PART_S (20 ms) while
+the chunk still runs, when a Cancel names one of its inputs that has not started
+(answered Cancelled in that part), when a GiveBack names any of it, and when the
+chunk is over; `more` says whether later parts follow. A GiveBack is always
+answered by one Result, at once, even while an input runs long: it carries the
+parts of what is done and, in `returned`, the named inputs that had not started
+(dropped: the host sends them elsewhere). Every input of a chunk is answered
+exactly once, in a part or in `returned`; an id of 0 is an input not wanted.
+`chunk_outcomes` turns a part into one `Outcome` per input for the host.
 
 A frame is `mac + body`, body = msgpack([kind, *fields]), mac = keyed BLAKE2b of
 the body with the pool's secret. A frame that does not authenticate or decode is
@@ -56,7 +75,7 @@ except ImportError:  # pragma: no cover
 SECRET_ENV = "SOMA_SECRET"
 MAC_SIZE = 16
 
-HELLO, TASK, RESULT, FREE, CANCEL, STOP = range(1, 7)
+HELLO, TASK, RESULT, FREE, CANCEL, STOP, GIVE_BACK = range(1, 8)
 
 
 # -- the messages ----------------------------------------------------------------------------------
@@ -81,6 +100,19 @@ class Bundle(NamedTuple):
     payload: bytes  # the inputs, as one list encoded by soma.wire.codec
 
 
+class Chunk(NamedTuple):
+    """Consecutive inputs of one piece that is not a batching node alone (a map's, measured cheap), encoded
+    together and sent as one entry: the worker runs them one by one, in order, and answers in `ChunkPart`s
+    (the host chunks only pieces without a batching node: one by one, each input would wait at its meeting).
+    `ids[i]` is the job of `payload`'s i-th input, or 0 when that input is not wanted (a chunk sent again:
+    the whole payload travels, only these run); `traced` is False, or each input's JobSpec `traced`."""
+
+    ids: list
+    piece: int
+    payload: bytes  # the inputs, as one list encoded by soma.wire.codec
+    traced: object  # False, or [per input: False, or [its index]]
+
+
 class Outcome(NamedTuple):
     """What became of one job (or of a Bundle's: see the module's docstring)."""
 
@@ -89,6 +121,17 @@ class Outcome(NamedTuple):
     body: object  # the encoded output (bytes) when ok, else an error body (dict)
     spans: list | None  # soma.run.interpreter.span records, when the job was traced
     seconds: float  # how long the job ran in the worker (the host sizes its batches by it)
+
+
+class ChunkPart(NamedTuple):
+    """What became of some inputs of a Chunk (see the module's docstring); `chunk_outcomes` reads it."""
+
+    ids: list  # the inputs answered here, in the chunk's order
+    said: list  # per id: True (its output is the next of `body`'s list), bytes (its output, alone), or error body
+    body: object  # the encoded list of the True ones' outputs, or None
+    spans: list | None  # None when no input here was traced, else per id: its spans, or None
+    seconds: list  # per id: how long it ran in the worker
+    more: bool  # inputs of the chunk are still to be answered, in later parts
 
 
 class Hello(NamedTuple):
@@ -109,9 +152,10 @@ class Task(NamedTuple):
 class Result(NamedTuple):
     worker: str
     pid: int
-    outcomes: list
+    outcomes: list  # Outcome, or ChunkPart
     releases: list
     leaving: bool = False
+    returned: list = []  # job ids given back unstarted (GiveBack); (never changed in place: one default for all)
 
 
 class Free(NamedTuple):
@@ -126,7 +170,13 @@ class Stop(NamedTuple):
     pass
 
 
-_KIND_OF = {Hello: HELLO, Task: TASK, Result: RESULT, Free: FREE, Cancel: CANCEL, Stop: STOP}
+class GiveBack(NamedTuple):
+    """The host wants these jobs back if they have not started (a straggler holds up the rest of a chunk)."""
+
+    jobs: list
+
+
+_KIND_OF = {Hello: HELLO, Task: TASK, Result: RESULT, Free: FREE, Cancel: CANCEL, Stop: STOP, GiveBack: GIVE_BACK}
 
 
 _local = ThreadPacker(use_bin_type=True)  # (see soma.wire.codec: one Packer per thread)
@@ -152,11 +202,11 @@ def parse(secret: bytes, frame: bytes, origin: str):
         kind = fields[0]
         if kind == TASK:
             code, pieces, jobs, frees, forget, held = fields[1:]
-            return Task(code, pieces, [JobSpec(*u) if len(u) == 4 else Bundle(*u) for u in jobs], frees, forget,
-                        held)
+            return Task(code, pieces, [_entry(u) for u in jobs], frees, forget, held)
         if kind == RESULT:
-            worker, pid, outcomes, releases, leaving = fields[1:]
-            return Result(worker, pid, [Outcome(*o) for o in outcomes], releases, leaving)
+            worker, pid, outcomes, releases, leaving, returned = fields[1:]
+            return Result(worker, pid, [Outcome(*o) if len(o) == 5 else ChunkPart(*o) for o in outcomes], releases,
+                          leaving, returned)
         if kind == HELLO:
             return Hello(*fields[1:])
         if kind == FREE:
@@ -165,11 +215,56 @@ def parse(secret: bytes, frame: bytes, origin: str):
             return Cancel(*fields[1:])
         if kind == STOP and len(fields) == 1:
             return Stop()
+        if kind == GIVE_BACK:
+            return GiveBack(*fields[1:])
     except Exception as err:
         _dropped(origin, f"an authenticated message that did not decode ({type(err).__name__}: {err})")
         return None
     _dropped(origin, f"an authenticated message of unknown shape (kind {fields[0]!r}, {len(fields)} fields)")
     return None
+
+
+def _entry(fields: list):
+    """A Task's entry: a JobSpec (4 fields, one id), a Bundle (3 fields) or a Chunk (4 fields, a list of ids)."""
+    if len(fields) == 3:
+        return Bundle(*fields)
+    return Chunk(*fields) if type(fields[0]) is list else JobSpec(*fields)
+
+
+def chunk_outcomes(part: ChunkPart, unpack, undecodable) -> list[Outcome]:
+    """Each input of a chunk's part as the `Outcome` its job would have had alone, with its output decoded:
+    `Outcome(job, ok, body, spans, seconds)`, `body` the output when ok (`unpack`: the host's
+    `Decoder.unpack`, called once for the list, and once for each output that travels alone) and the error
+    body when not. An output that cannot be decoded is `ok` with `undecodable(the exception)` for body (each
+    output of a list that cannot be decoded gets it)."""
+    said, ids = part.said, part.ids
+    listed = [answer is True for answer in said]
+    outputs: list = []
+    count = sum(listed)
+    if count:
+        try:
+            outputs = unpack(part.body)
+            if type(outputs) is not list or len(outputs) != count:
+                raise ValueError(f"a chunk's outputs decoded to {type(outputs).__name__} of "
+                                 f"{len(outputs) if type(outputs) is list else '?'} values, not {count}")
+        except Exception as err:
+            outputs = [undecodable(err)] * count
+    spans = part.spans if part.spans is not None else [None] * len(ids)
+    if count == len(ids):  # (the common case: every input ran ok)
+        return [Outcome(*o) for o in zip(ids, listed, outputs, spans, part.seconds)]
+    out, values = [], iter(outputs)
+    for job_id, answer, spans_of, seconds in zip(ids, said, spans, part.seconds):
+        if answer is True:
+            out.append(Outcome(job_id, True, next(values), spans_of, seconds))
+        elif type(answer) is bytes:
+            try:
+                value = unpack(answer)
+            except Exception as err:
+                value = undecodable(err)
+            out.append(Outcome(job_id, True, value, spans_of, seconds))
+        else:
+            out.append(Outcome(job_id, False, answer, spans_of, seconds))
+    return out
 
 
 def mac(secret: bytes, body: bytes) -> bytes:

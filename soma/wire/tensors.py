@@ -27,7 +27,6 @@ import functools
 import io
 import os
 import pickle
-import sys
 import weakref
 
 from .buffers import INLINE_LIMIT
@@ -49,16 +48,6 @@ class GradCrossing(Exception):
                 f"or soma.Trainer; when only the values are meant to travel, run the model under "
                 f"`with torch.no_grad():`, freeze it with model.requires_grad_(False), or {fix} "
                 f"(soma.torch.Module and Batched do this for you on workers)")
-
-
-def loaded_torch():
-    """torch when it is imported far enough to have made tensors, else None (never imports it).
-
-    A worker may be importing torch in the background: until `torch.Tensor` exists
-    no value can be a tensor, and a half-imported module must not be touched.
-    """
-    torch = sys.modules.get("torch")
-    return torch if torch is not None and hasattr(torch, "Tensor") and hasattr(torch, "multiprocessing") else None
 
 
 _KINDS: dict = {}  # torch dtype → (its name, bytes per element, complex?): str(dtype) costs more than the lookup

@@ -159,7 +159,7 @@ def test_garbage_and_forged_frames_to_a_worker_are_dropped(local):
     for frame in (b"garbage", protocol.pack(b"x" * 32, protocol.Stop()),
                   protocol.mac(secret, b"\x91\x4d") + b"\x91\x4d",
                   protocol.mac(secret, b"\x92\x02\x01") + b"\x92\x02\x01"):
-        with local._pool._send_lock:
+        with local._loop.lock:  # (the one lock under which the sockets are used)
             local._pool._tasks.send_multipart([worker.identity, frame])
     heals(local)
     assert worker.alive()  # a forged STOP did not stop it

@@ -6,11 +6,13 @@ here returns where and when it ran; the test reads the intervals per process.
 """
 
 import os
+import threading
 import time
 
 import pytest
 
 from soma import Done, Graph, Node
+from soma.local.worker.turns import LETS_GO_AFTER, Turns
 from tests.local.nodes import burn
 
 pytestmark = pytest.mark.timeout(120)
@@ -86,3 +88,73 @@ def test_branches_that_let_go_of_the_gil_still_run_at_once_in_a_worker(local):
         took = max(end for _, _, end in stamps) - min(start for _, start, _ in stamps)
         best = took if best is None else min(best, took)
     assert best < 0.55, best
+
+
+def job(turns: Turns, piece: int, work) -> None:
+    """One job of `piece` as a worker's lane runs it: measured between enter and leave."""
+    token = turns.enter(piece, None)
+    try:
+        work()
+    finally:
+        turns.leave(piece, token)
+
+
+def at_once(turns: Turns, works: dict) -> None:
+    """A job of each piece, each on its own thread, started together (as a wave's branches in one worker)."""
+    threads = [threading.Thread(target=job, args=(turns, piece, work)) for piece, work in works.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="turns measure from /proc")
+def test_jobs_that_share_the_gil_are_never_judged_to_let_go_of_it():
+    """Two pieces seen to let go of the GIL (they slept) now compute on two threads of one process at once:
+    each gets about half the GIL, so computes about half its wall time. Before Dec 3 that half judged them
+    GIL-releasing again and again (a wave's two pure-Python branches kept overlapping); now they take turns
+    from their next job on. A sleeping job beside a computing one keeps its verdict."""
+    turns = Turns()
+    sleeps_until_let_go(turns, 1, 2)
+    n = burn_size(0.1)
+    at_once(turns, {1: lambda: burn(n), 2: lambda: burn(n)})
+    assert turns.lets_go == {1: 0, 2: 0}, turns.lets_go
+    sleeps_until_let_go(turns, 3)
+    at_once(turns, {1: lambda: burn(3 * n), 3: lambda: time.sleep(0.2)})
+    assert turns.lets_go[1] == 0 and turns.lets_go[3] >= LETS_GO_AFTER, turns.lets_go
+
+
+def sleeps_until_let_go(turns: Turns, *pieces) -> None:
+    """Sleeping jobs of `pieces` at once until each is seen to let go of the GIL (a wake-up that waits long
+    for a core on a busy machine counts as computing: a job may need another try)."""
+    deadline = time.monotonic() + 30
+    while any(turns.lets_go.get(piece, 0) < LETS_GO_AFTER for piece in pieces):
+        assert time.monotonic() < deadline, turns.lets_go
+        at_once(turns, {piece: lambda: time.sleep(0.2) for piece in pieces})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="turns measure from /proc")
+@pytest.mark.parametrize("waits", ["at once", "polling"])
+def test_a_job_waiting_for_a_sibling_in_its_worker_lets_the_sibling_run(waits):
+    """A job holding the turn waits for another job of the same worker (branches that need each other): the
+    other goes once the first is seen blocked, whether it waits in one sleep or polls in 1 ms sleeps (those
+    look like waiting for the GIL at first: it goes after STUCK_S then). Never a deadlock."""
+    turns, ready, done = Turns(), threading.Event(), threading.Event()
+
+    def first():
+        ready.set()
+        if waits == "at once":
+            done.wait(30)
+        else:
+            deadline = time.monotonic() + 30
+            while not done.is_set() and time.monotonic() < deadline:
+                time.sleep(0.001)
+    holder = threading.Thread(target=job, args=(turns, 1, first))
+    holder.start()
+    assert ready.wait(30)
+    start = time.monotonic()
+    job(turns, 2, done.set)  # (takes the turn: not measured yet)
+    took = time.monotonic() - start
+    holder.join(30)
+    assert done.is_set() and not holder.is_alive()
+    assert took < 20, took  # (30 s: the holder gave up waiting; the sibling never ran beside it)

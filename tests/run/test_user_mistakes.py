@@ -284,3 +284,72 @@ def test_a_value_a_node_reads_rebound_after_it_was_sent_is_warned_about_once(run
             "the new value, give it to a new node as its attribute, or pass it in the input")
     assert said == [f"node `add_offset` reads `OFFSET`{tail}", f"node `add_k` reads `k`{tail}"]  # once each
     assert {w.filename for w in caught} == {__file__}  # pointing at the run or map that was given the node
+
+
+ONLY_HERE = """\
+import os
+import sys
+
+from soma import Done, Node
+
+TEST_PROCESS = {pid}  # the test's process imports this module; any other process reads the command line
+if os.getpid() != TEST_PROCESS:
+    COUNT = int(sys.argv[1])
+
+
+class {cls}(Node):
+    def forward(self, x, ctx):
+        return Done(x)
+"""
+
+
+def _node_only_here(tmp_path, module: str, cls: str):
+    """A node of module `module` (in `tmp_path`, which the caller puts on sys.path): importable in this
+    process only, since anywhere else it reads the command line as it is imported."""
+    import importlib
+    import os
+
+    (tmp_path / f"{module}.py").write_text(ONLY_HERE.format(pid=os.getpid(), cls=cls))
+    return getattr(importlib.import_module(module), cls)()
+
+
+@pytest.mark.parametrize("case", ["reads_argv", "not_there"])
+def test_node_code_a_copy_cannot_load_says_why_and_what_to_do_on_every_runner(runner, tmp_path, case):
+    """A node's copy (Local's worker, Ray's actor) imports the node's module: when that fails, the error names
+    the node and the process and says what to do, in words for that runner: the module reads the command line
+    as it is imported (the copy's sys.argv is its own program's), or it cannot be found where the copy runs
+    (on Ray: importable on every machine of the cluster, or shipped with the runtime_env)."""
+    import re
+    import sys
+
+    if isinstance(runner, soma.Executor):
+        pytest.skip("the Executor runs the node object itself: nothing is loaded")
+    if case == "reads_argv" and isinstance(runner, soma.Local):
+        pytest.skip("Local's workers search the sys.path they started with: test_a_node_module_that_reads_the_"
+                    "command_line_as_it_is_imported_says_so_from_the_worker starts them with the module's folder")
+    module = f"only_here_{case}_{type(runner).__name__.lower()}"
+    sys.path.insert(0, str(tmp_path))  # (a Ray actor searches the driver's sys.path as it was when it started)
+    try:
+        node = _node_only_here(tmp_path, module, "OnlyHere")
+        if case == "not_there":
+            (tmp_path / f"{module}.py").unlink()  # (imported here already: it travels by reference)
+        where = r"worker w\d" if isinstance(runner, soma.Local) else r"Ray actor \w+"
+        who = "worker" if isinstance(runner, soma.Local) else "Ray actor"
+        for _ in range(2):  # and again: the copy did not keep the failure as "loaded"
+            with pytest.raises(NodeError) as info:
+                runner.run(node, 1)
+            said = str(info.value)
+            assert re.match(rf"node `only_here` failed: its code could not be loaded in {where}: ", said), said
+            if case == "reads_argv":
+                assert re.search(rf"ValueError: .*\(importing module `{module}` here ran its top-level code, which "
+                                 rf"raised at .*{module}\.py, line 8: it reads the command line as it is imported, "
+                                 rf"and a {who}'s sys.argv holds its own program's arguments", said), said
+            elif who == "worker":
+                assert "ModuleNotFoundError" in said and "define the node in a module they can import" in said
+            else:
+                assert "ModuleNotFoundError" in said and all(words in said for words in (
+                    "importable there, the same code on every machine", "runtime_env", "working_dir",
+                    "py_modules")), said
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(module, None)

@@ -11,7 +11,10 @@ from soma.wire import failures, protocol
 from soma.wire.protocol import (
     Bundle,
     Cancel,
+    Chunk,
+    ChunkPart,
     Free,
+    GiveBack,
     Hello,
     JobSpec,
     Outcome,
@@ -32,8 +35,13 @@ SECRET = b"s" * 32
            [["seg", 1]]),
     Result("w1", 99, [Outcome([4, 6, 8], [True, b"\x05", {"node": "a", "message": "m", "kind": "node"}], b"\x91\x01",
                               None, 0.01)], []),
+    Task({}, {}, [Chunk([4, 0, 6], 3, b"\x93\x01\x02\x03", [[0], False, [2]]), JobSpec(7, 3, b"\x01", False)], [], []),
+    Result("w1", 99, [ChunkPart([4, 6], [True, {"node": "a", "message": "m", "kind": "node"}], b"\x91\x01",
+                                [[["a", 1, 2, 3, "ok"]], None], [0.01, 0.02], True),
+                      Outcome(7, True, b"\x01", None, 0.5)], [], False, [8, 9]),
     Free([["seg", 3]]),
     Cancel([1, 2, 3]),
+    GiveBack([4, 6]),
     Stop(),
 ], ids=lambda m: type(m).__name__)
 def test_every_message_round_trips_as_the_same_record(message):

@@ -1,11 +1,11 @@
-"""Which worker takes a job: what the scheduler knows of each worker, and how it chooses.
+"""Which worker takes a job: what the core knows of each worker (its books: dispatch.py), and how it chooses.
 
     choose(piece, usable slots, depth) → a slot, or None (no worker can take one more of its jobs)
 
 A worker pinned to the piece's CUDA device, if it has one, and, for a batching
 node alone, one with none of its sends (bundles) out, or one out while a full
 bundle waits (GATHER_SENDS: one running, the next queued behind it): what comes
-meanwhile waits here and goes as one bundle (the scheduler fills a bundle at the
+meanwhile waits here and goes as one bundle (dispatch fills a bundle at the
 worker chosen for its first job, `fits`, before it chooses again); among those, the one with the
 fewest jobs outstanding, preferring the worker that already holds copies
 of most of the piece's nodes (their state lives there), then the one that holds
@@ -15,12 +15,13 @@ lane), so at most `depth` of them wait there, and at most `cap(piece)` jobs of a
 pieces are out at it when it takes one more.
 
 `depth` comes from measuring: how long a piece's jobs take in a worker, and how
-long their way there and back takes. Everything here runs under the scheduler's
-lock; nothing here sends or receives.
+long their way there and back takes. Everything here is the core's books (pure:
+no lock, no I/O); nothing here sends or receives.
 """
 
 from __future__ import annotations
 
+from .chunks import size as chunk_size
 from .program import Piece
 
 MAX_DEPTH = 64  # at most this many jobs per worker in flight when inputs are tiny (see depth)
@@ -152,11 +153,12 @@ class WorkerChoice:
                 self.copies_at[slot] -= 1
 
     # -- measuring ---------------------------------------------------------------------------------------
-    def measure(self, job, service_s: float, now: float) -> None:
+    def measure(self, job, service_s: float, now: float, count: int = 1) -> None:
         """Learn how long a piece's jobs take in a worker, and how long the way there and back takes.
 
         The way is measured only on jobs that found their worker idle: the time one spends
         queued behind others is not latency, and counting it would let the depth feed on itself.
+        `service_s` is one input's time; a chunk's job ran `count` of them.
         """
         piece = job.piece.id
         known = self.service_s.get(piece)
@@ -165,7 +167,7 @@ class WorkerChoice:
             return
         self.service_s[piece] = service_s if known is None else known + EMA * (service_s - known)
         if job.behind == 0:
-            latency = max(0.0, now - job.sent_at - service_s)
+            latency = max(0.0, now - job.sent_at - service_s * count)
             known = self.latency_s.get(piece)
             self.latency_s[piece] = latency if known is None else known + EMA * (latency - known)
 
@@ -181,6 +183,10 @@ class WorkerChoice:
         # A piece with a batching node keeps two batches' worth at each worker: one running, the next one
         # queuing behind it (with one batch's worth, the worker waited while outcomes went and inputs came).
         return max(2, 2 * piece.batch, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
+
+    def chunk(self, piece: Piece) -> int:
+        """How many inputs of `piece` a chunk holds (see chunks.size): 1 until measured."""
+        return chunk_size(self.service_s.get(piece.id))
 
     def parallelism(self, pieces: list) -> int:
         """How many inputs of a program (its `pieces`) the pool works on at once: map's default window

@@ -1,11 +1,14 @@
-"""What the worker pool hands up to whoever receives: events, what happened (it never calls back up).
+"""What crosses between the pool, the loop and the core: what happened, and what is to be done.
 
-    Ready      a worker said hello: it takes jobs now
-    Outcomes   the Arrived jobs (and Bundled ones) one Result brought (values decoded, or Undecodable)
-    Lost       a worker is gone, with what its status page said it was running
+    pool → loop (events: the pool returns them from `handle(frame)`; the loop hands them to the core)
+      Ready      a worker said hello: it takes jobs now
+      Outcomes   the Arrived jobs (and Bundled ones) one Result brought (values decoded, or Undecodable)
+    core → loop (actions: `HostCore.take()`; the loop carries them out in order)
+      Send       jobs to a worker          CancelAt   drop these unless started
+      Retire     kill and replace a worker Spawn      try to start a worker again
+      Deliver    an input's outcome, for its sink (put there once the loop has let go of its lock)
 
-The pool returns these from `handle(frame)` and `retire(slot)`; the receiver gives
-them to the scheduler (`Scheduler.handle`). Nothing here knows either of them.
+Plain records: nothing here knows the pool, the loop or the core.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from .procs import WorkerProcess
 
 
 class Undecodable:
-    """An output that arrived but could not be decoded (the scheduler names the node)."""
+    """An output that arrived but could not be decoded (the core names the node)."""
 
     __slots__ = ("error",)
 
@@ -56,15 +59,7 @@ class Outcomes(NamedTuple):
     slot: int
     worker: WorkerProcess
     arrived: list  # [Arrived | Bundled]
-
-
-class Lost(NamedTuple):
-    """The worker of `slot` is gone (it died, or the pool replaced it): the jobs it held are lost."""
-
-    slot: int
-    worker: WorkerProcess
-    ended: str  # how: "was killed by signal 9 (SIGKILL; ...)", "was stopped because ..."
-    running: list  # [(job id, node id)] its status page said it was running
+    leaving: bool  # the worker went over max_memory: it takes nothing more (the core retires it once idle)
 
 
 class Gone:
@@ -72,3 +67,39 @@ class Gone:
 
     def __init__(self, pid: int):
         self.pid = pid
+
+
+class Send(NamedTuple):
+    """Send these jobs to the worker of `slot`, in one Task (the loop encodes the ones not encoded yet)."""
+
+    slot: int
+    jobs: list
+    groups: list  # the jobs as they travel (flows.entries): each alone, a batching node alone's in bundles
+
+
+class CancelAt(NamedTuple):
+    """Ask the worker of `slot` to drop these jobs unless they have started (their outcomes still come)."""
+
+    slot: int
+    job_ids: list
+
+
+class Retire(NamedTuple):
+    """Kill the worker of `slot` and start its replacement; its end comes back as the `lost` event."""
+
+    slot: int
+    why: str | None
+
+
+class Spawn(NamedTuple):
+    """Try to start a worker for `slot` again (it could not be started before, and inputs wait for it): the
+    answer is the `spawned` event, or `down` with why not."""
+
+    slot: int
+
+
+class Deliver(NamedTuple):
+    """An input's outcome, `(index, ok, value)`, for its sink (put there once the loop has let go of its lock)."""
+
+    sink: object
+    item: tuple

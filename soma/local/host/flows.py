@@ -1,16 +1,16 @@
 """An input's way through a program: the `Flow`, its `Job`s, and the walk that makes them.
 
-    start(program, x) ─ Piece ─ Job(piece, x encoded)             → handed to the scheduler to queue
+    start(program, x) ─ Piece ─ Job(piece, x)                    → handed to the core to queue
                       ├ Seq   ─ the first item now; each next one when the previous job's outcome arrives
-                      └ Wave  ─ every branch now, on the same x (encoded once); the join when all are back:
-                                the tuple, or the first failure in branch order with the others as notes
+                      └ Wave  ─ every branch now, on the same x (encoded once: twins); the join when all are
+                                back: the tuple, or the first failure in branch order with the others as notes
 
 A program is compiled once into a starter (a fold over its tree). Continuations
-(`then(ok, value)`) carry outcomes on: the scheduler calls a job's `then` when its
+(`then(ok, value)`) carry outcomes on: the core calls a job's `then` when its
 outcome arrives and gets back the jobs that outcome makes (the next piece, none
 while a wave waits for its other branches). The last continuation is the flow
-itself: it records the input's outcome, which the scheduler then delivers. Nothing
-here calls the scheduler; answers come back as return values.
+itself: it records the input's outcome, which the core then delivers. Pure: nothing
+here encodes, sends or calls the core; answers come back as return values.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from ...errors import NodeError, SharedMemoryFull
 from ...plan import fold
 from ...run.interpreter import wave_outcome
-from ...wire import codec
 from .program import Piece
 
 
@@ -48,9 +46,9 @@ class Flow:
         self.finished = False
         self.jobs: set = set()  # its jobs of the current try, queued or outstanding
         self.started_ns = time.monotonic_ns() if trace is not None else 0
-        self.outcome = None  # (ok, value) once its walk has ended, until the scheduler delivers it
+        self.outcome = None  # (ok, value) once its walk has ended, until the core delivers it
         self.program = program
-        self.x = x if retries else None  # (kept only for a try to come)
+        self.x = x  # its input: until its first try starts, and kept after only for a try to come (retries)
         self.retries = retries
         self.tries = 1
 
@@ -60,53 +58,69 @@ class Flow:
         return []
 
 
+class Chunk(Flow):
+    """Consecutive inputs of a map, `index` on, through a program of one piece, as one flow: one job runs them
+    at one worker, one after another, and their outputs come back in one message (see core.py, "Chunks").
+    Each input still ends by itself: `open` holds the places (0 to count - 1) of those not ended yet. Chunks
+    are made only for untraced inputs with no timeout and no retries (runner.LocalInflight)."""
+
+    __slots__ = ("count", "open", "base")
+
+    def __init__(self, index, sink, program, xs: list, graph=None):
+        super().__init__(index, sink, None, program, xs, 0, graph)
+        self.count = len(xs)
+        self.open = set(range(self.count))
+        self.base = 0  # its inputs' job ids are base + place (Walker.start_chunk)
+
+
 class Job:
     """One input for one piece: queued, then outstanding at a worker.
 
-    A job of a bundled piece (`piece.bundle`, a batching node alone) is not encoded when it is made:
-    it keeps its input (`value`) until it is sent, when the jobs going to one worker are encoded
-    together into a `Bundle` (`Walker.bundle`); from then on it is `position` in that bundle.
+    A job carries its input as a value (`value`) until it is sent: then the loop encodes it (sending.py),
+    alone (`payload`, `shared`, `keep`) or, for a batching node alone, together with the others going to the
+    same worker into a bundle (`packed`, and its `position` there). `twins`: the jobs made from the same
+    value in one step (a wave's branches) share one encoding through it.
     """
 
     __slots__ = ("id", "flow", "try_", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
-                 "behind", "traced", "value", "bundle", "position", "send")
+                 "behind", "traced", "value", "twins", "packed", "position", "send", "base", "places", "pending")
 
-    def __init__(self, job_id: int, flow: Flow, piece: Piece, encoded, then, value=None):
+    def __init__(self, job_id: int, flow: Flow, piece: Piece, then, value, twins: dict):
         self.id = job_id
         self.flow = flow
         self.try_ = flow.tries  # the try of its flow it belongs to
         self.piece = piece
-        # `keep` holds the encoder as long as the job lives: every tensor its handles name stays held by
-        # the host until the job is over, so a segment cannot be reused under the worker (before the send
-        # is counted), and a job its worker never started can be sent again, as it is, to another.
-        self.payload, self.shared, self.keep = encoded
+        # Once encoded, `keep` holds the encoder as long as the job lives: every tensor its handles name stays
+        # held by the host until the job is over, so a segment cannot be reused under the worker (before the
+        # send is counted), and a job its worker never started can be sent again, as it is, to another.
+        self.payload, self.shared, self.keep = None, (), None
         self.then = then  # then(ok, value) → the jobs it makes, when the job is over
         self.slot = None
         self.sent_at = 0.0
         self.behind = 0  # jobs already at its worker when it was sent (its wait there, unseen)
         self.sent_ns = 0  # when traced
         self.traced = flow.trace is not None
-        self.value = value  # a bundled piece's input, until it is encoded in a bundle
-        self.bundle = None  # that Bundle, once it is
-        self.position = 0  # its input's place in the bundle's payload
-        self.send = None  # the Send it went out in, while it is out (a batching node alone's: Scheduler)
+        self.value = value  # its input, until it is encoded
+        self.twins = twins  # id(value) → its encoding, shared by the jobs made from it in one step
+        self.packed = None  # the bundle its input was encoded in (sending.Packed), if any
+        self.position = 0  # its input's place in that bundle's payload
+        self.send = None  # the SendCount it went out in, while it is out (a batching node alone's)
+        # A Chunk's job: the places in its chunk of the inputs it runs (`places`, ascending); the input at place
+        # p travels as job id `base + p` (the job's own `id` never travels). `pending`: its places whose
+        # outcomes have not come back (a worker answers a chunk in parts). None for a job of one input.
+        self.base, self.places, self.pending = 0, None, None
+
+    def chunk_ids(self) -> list:
+        """The job ids of the inputs it still owes, as they travel (a Chunk's job)."""
+        base = self.base
+        return [base + p for p in sorted(self.pending)]
 
     def wire(self) -> tuple:
         """The JobSpec's fields (protocol.JobSpec), as the pool packs them."""
         return self.id, self.piece.id, self.payload, [self.flow.index] if self.traced else False
 
 
-class Bundle:
-    """Inputs of a bundled piece encoded together: one payload (a list), the segments it lends, and the
-    encoder that keeps what its handles name alive (every job of the bundle holds it: see Job.keep)."""
-
-    __slots__ = ("piece", "payload", "shared", "keep", "size")
-
-    def __init__(self, piece: Piece, payload: bytes, encoder, size: int):
-        self.piece, self.payload, self.shared, self.keep, self.size = piece, payload, encoder.shared, encoder, size
-
-
-class Send:
+class SendCount:
     """One send of a batching node alone's inputs to a worker (a bundle, or one job): how many of its jobs are
     still out there. When none is, the worker has one send fewer out (WorkerChoice.send_over)."""
 
@@ -116,118 +130,64 @@ class Send:
         self.slot, self.piece_id, self.left = slot, piece_id, left
 
 
-class BundleSend:
-    """What one send of a bundle carries: its payload, and the ids of the jobs of it that run now (0 for an
-    input whose job is elsewhere or over: a bundle sent again after its worker left carries its whole
-    payload, and the worker runs only the inputs named)."""
+MAX_CHUNK = 1024  # inputs in one chunk at most
+CHUNK_IDS = 1 << 48  # chunks' job ids: blocks of MAX_CHUNK from here, apart from single jobs' (from 1)
 
-    __slots__ = ("bundle", "ids", "piece", "shared", "jobs")
 
-    def __init__(self, bundle: Bundle, jobs: list):
-        self.bundle, self.piece, self.shared, self.jobs = bundle, bundle.piece, bundle.shared, jobs
-        self.ids = [0] * bundle.size
-        for job in jobs:
-            self.ids[job.position] = job.id
-
-    def wire(self) -> tuple:
-        """The Bundle's fields (protocol.Bundle), as the pool packs them."""
-        return self.ids, self.piece.id, self.bundle.payload
+def chunk_base(job_id: int) -> int | None:
+    """The `base` of the chunk a job id travelling from a worker is of, or None for a single job's id."""
+    if job_id < CHUNK_IDS:
+        return None
+    return job_id - (job_id - CHUNK_IDS) % MAX_CHUNK
 
 
 class Walker:
     """Turns a program and an input into jobs, and carries outputs on through `Seq`s and `Wave`s.
 
-    `get_store` gives the host's shared-memory store (inputs are encoded here).
+    Pure: a job carries its input as a value (`Job.value`) until it is sent; the loop encodes it then
+    (sending.py), once per value for a wave's pieces (`Job.twins`), a batching node's together in a Bundle.
     """
 
-    def __init__(self, get_store):
-        self.get_store = get_store
+    def __init__(self):
         self.job_ids = itertools.count(1)
+        self.chunk_bases = itertools.count(CHUNK_IDS, MAX_CHUNK)  # a block of job ids for each chunk
         self._starters: dict = {}  # program → its starter
 
+    def start_chunk(self, chunk: Chunk) -> Job:
+        """The job that runs every input of `chunk` (its program is one piece)."""
+        job = Job(next(self.job_ids), chunk, chunk.program, None, chunk.x, {})
+        chunk.x = None  # (the job holds the inputs until they are encoded)
+        chunk.base = job.base = next(self.chunk_bases)
+        job.places = list(range(chunk.count))
+        job.pending = set(job.places)
+        return job
+
+    def rest_of(self, job: Job, places: list) -> Job:
+        """A job for these places of `job`'s chunk (which it ran, or was to run), to go elsewhere: the same
+        encoded payload travels, and the worker runs only the places named."""
+        rest = Job(next(self.job_ids), job.flow, job.piece, None, job.value, {})
+        rest.base, rest.places, rest.pending = job.base, places, set(places)
+        rest.packed, rest.keep, rest.shared = job.packed, job.keep, job.shared
+        return rest
+
     def start(self, flow: Flow, x) -> list:
-        """The first jobs of a try of `flow` on input `x` (a NodeError when `x` cannot be sent)."""
+        """The first jobs of a try of `flow` on input `x`."""
         program = flow.program
         starter = self._starters.get(program)
         if starter is None:
             starter = self._starters[program] = fold(program, self._piece, _seq, _wave)
         return starter(x, flow, flow, {})
 
-    @staticmethod
-    def stale(job: Job) -> bool:
-        """Whether `job` is of no use any more: its flow is over, or it belongs to an earlier try."""
-        return job.flow.finished or job.try_ != job.flow.tries
-
     def _piece(self, piece: Piece):
-        def start_piece(x, flow: Flow, then, encoded: dict) -> list:
-            if piece.bundle and flow.trace is None:  # encoded with the others that go where it goes (bundle)
-                return [Job(next(self.job_ids), flow, piece, _UNENCODED, then, x)]
-            return [Job(next(self.job_ids), flow, piece, self.encode(x, piece, flow, encoded), then)]
+        def start_piece(x, flow: Flow, then, twins: dict) -> list:
+            return [Job(next(self.job_ids), flow, piece, then, x, twins)]
         return start_piece
-
-    def encode(self, x, piece: Piece, flow: Flow, encoded: dict):
-        """`(payload, shared segment names, what keeps copies alive)`; once per value for a wave's pieces."""
-        found = encoded.get(id(x))
-        if found is not None:
-            return found
-        encoder = codec.Encoder(self.get_store)
-        step = flow.trace.host_step("encode input", node=piece.entry, input=flow.index) if flow.trace else None
-        if step is not None:
-            with step as args:
-                payload = _packed(encoder.pack, x, piece.entry)
-                args.update(bytes=len(payload), shm_copies=encoder.copied)
-        else:
-            payload = _packed(encoder.pack, x, piece.entry)
-        found = encoded[id(x)] = (payload, encoder.shared, encoder)
-        return found
-
-    def bundle(self, piece: Piece, jobs: list) -> tuple[list, list]:
-        """Encode the inputs of `jobs` (of one bundled piece, going to one worker) together: `(the jobs now
-        in a bundle, [(job, the NodeError its input raised)])`. One encoder pass for all; when that fails,
-        each input goes in a bundle of its own, so a bad input fails by itself and the others still go."""
-        try:
-            return self._bundled(piece, jobs), []
-        except NodeError:
-            pass
-        bundled, failed = [], []
-        for job in jobs:
-            try:
-                bundled += self._bundled(piece, [job])
-            except NodeError as err:
-                failed.append((job, err))
-        return bundled, failed
-
-    def _bundled(self, piece: Piece, jobs: list) -> list:
-        encoder = codec.Encoder(self.get_store)
-        payload = _packed(encoder.pack_each, [job.value for job in jobs], piece.entry)
-        bundle = Bundle(piece, payload, encoder, len(jobs))
-        for position, job in enumerate(jobs):
-            job.bundle, job.position, job.keep, job.value = bundle, position, encoder, None
-        return jobs
-
-
-_UNENCODED = (None, (), None)  # a bundled piece's job before its bundle: no payload, no segments, nothing kept
-
-
-def _packed(pack, x, entry: str) -> bytes:
-    """`pack(x)` (an encoder's); what stops it is a NodeError of node `entry` that says why."""
-    try:
-        return pack(x)
-    except codec.GradCrossing as err:
-        raise NodeError.failed(entry, err.reason("its input is")) from None
-    except codec.Unsendable as err:
-        raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
-    except SharedMemoryFull as err:
-        raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
-    except OSError as err:  # a segment that could not be made or mapped (too many open files, ...)
-        raise NodeError.failed(entry, f"its input could not be put in shared memory: {type(err).__name__}: "
-                                      f"{err}") from err
 
 
 def _seq(_, items: list):
     """A sequence: the first item now; each next one on the previous one's output, when it comes."""
-    def start_seq(x, flow: Flow, then, encoded: dict) -> list:
-        return items[0](x, flow, _Next(items, 0, flow, then), encoded)
+    def start_seq(x, flow: Flow, then, twins: dict) -> list:
+        return items[0](x, flow, _Next(items, 0, flow, then), twins)
     return start_seq
 
 
@@ -248,17 +208,14 @@ class _Next:
         items, i = self.items, self.i
         if not ok or i + 1 == len(items):
             return self.then(ok, value)
-        try:
-            return items[i + 1](value, self.flow, _Next(items, i + 1, self.flow, self.then), {})
-        except NodeError as err:  # the next piece's input cannot be sent: the input fails there
-            return self.then(False, err)
+        return items[i + 1](value, self.flow, _Next(items, i + 1, self.flow, self.then), {})
 
 
 def _wave(_, branches: list):
     """A wave: every branch now, on the same input; the join once every branch is back."""
-    def start_wave(x, flow: Flow, then, encoded: dict) -> list:
+    def start_wave(x, flow: Flow, then, twins: dict) -> list:
         join = _Join(len(branches), then)
-        return [job for i, branch in enumerate(branches) for job in branch(x, flow, _Branch(join, i), encoded)]
+        return [job for i, branch in enumerate(branches) for job in branch(x, flow, _Branch(join, i), twins)]
     return start_wave
 
 
@@ -291,3 +248,29 @@ class _Branch:
 
     def __call__(self, ok, value) -> list:
         return self.join.branch_over(self.i, ok, value)
+
+
+def stale(job: Job) -> bool:
+    """Whether `job` is of no use any more: its flow is over, or it belongs to an earlier try."""
+    return job.flow.finished or job.try_ != job.flow.tries
+
+
+def entries(jobs: list) -> list:
+    """How jobs going to one worker travel, as lists of jobs: each job alone, and a batching node alone's
+    untraced ones in bundles of at most its max_batch (those sent before in a bundle, whose worker left
+    before starting them: in that bundle again). The core counts sends by these; the loop encodes them."""
+    out, fresh, again = [], {}, {}
+    for job in jobs:
+        if job.places is not None:
+            out.append([job])  # a chunk: one entry (sending.py)
+        elif job.packed is not None:
+            again.setdefault(id(job.packed), []).append(job)
+        elif job.piece.bundle and not job.traced:
+            fresh.setdefault(job.piece, []).append(job)
+        else:
+            out.append([job])
+    for piece, members in fresh.items():
+        for first in range(0, len(members), piece.bundle):
+            out.append(members[first:first + piece.bundle])
+    out += again.values()
+    return out

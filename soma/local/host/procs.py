@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
@@ -26,7 +25,7 @@ class WorkerProcess:
         self.spawned_ns = time.monotonic_ns()  # (a trace shows its start: from here to its hello)
         self.identity = f"{self.id}.{self.pid}".encode()  # its socket's identity (see soma.local.worker)
         self.status_path = status_path
-        self.ready = threading.Event()  # set by its HELLO
+        self.ready = False  # it said hello
         self._checked = 0.0
         self.retired = False  # its death has been handled
         self.leaving = False  # it said it leaves (over max_memory): it takes nothing more, its replacement will

@@ -17,7 +17,7 @@ from collections import deque
 
 
 class Waiting:
-    """Jobs waiting for a worker, per piece (the scheduler's, under its lock)."""
+    """Jobs waiting for a worker, per piece (the core's books: dispatch.py)."""
 
     __slots__ = ("lines",)
 

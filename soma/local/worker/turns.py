@@ -2,12 +2,15 @@
 
     run_lane ── job of piece p ──▶ Turns.enter(p)      p holds the GIL (measured), or is not measured yet:
                                      │                 wait while another such job computes here; go at once
-                                     │                 when none does, or when the one(s) holding the turn
+                                     │                 when none does, or when the jobs running here all
                                      ▼                 stopped computing (blocked: I/O, a sleep, a sibling)
                                  run the job
                                      │
-                                 Turns.leave(p) ──▶ p's last job: computing for ≥ HOLDS of its wall time
-                                                    (on a core, or waiting for one)? then p holds the GIL
+                                 Turns.leave(p) ──▶ p's job computed for ≥ HOLDS of its wall time (on a
+                                                    core, or waiting for one), or slept as a thread waiting
+                                                    for the GIL does? then p holds the GIL; it lets go after
+                                                    LETS_GO_AFTER jobs in a row that computed under HOLDS
+                                                    while no job beside them computed
 
 Why: a wave with more branches than workers gives a worker several branches at
 once, each on its own lane thread. Two pure-Python branches on two threads of one
@@ -26,25 +29,47 @@ wall time. A native op that computes without the GIL (a torch or numpy kernel on
 this thread) counts as computing too: the worker's share of the cores (`threads=`)
 is for one such op at a time. Pieces whose jobs take under MIN_S are left alone
 (their threads rarely meet, and measuring costs microseconds).
+
+Waiting for the GIL is not computing to the kernel (the thread sleeps), so a job
+that ran beside a computing one is never judged by its share alone: two
+pure-Python jobs let through together (a holder that looked blocked while it
+waited for another thread's GIL) each computed about half their wall time, and
+before Dec 3 that half judged both GIL-releasing, so they overlapped in every wave
+after. Now a job computing under HOLDS lets go only if the worker's other jobs
+together did not compute meanwhile either (one clock, `_computed`, sums them); if
+they did, its sleeps tell: CPython wakes a thread waiting for the GIL every
+switch interval (5 ms), so sleeps that short on average mean it shared the GIL
+(holds), and longer ones leave the verdict as it was. Threads that run no job
+(receiving, importing) are not on the clock: LETS_GO_AFTER clean jobs in a row
+keep one hiccup from turning a piece. The same clock decides when a waiting job
+may go: every job running here counts (a holder waiting for another job's GIL is
+not blocked), and they must have slept in stretches of two switch intervals or
+more (a holder waiting for the GIL of a thread that runs no job, a receiver
+decoding or a piece's first job importing, is not blocked either), or for STUCK_S.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
 HOLDS = 0.5  # a job that computed for at least this share of its wall time holds the GIL
 MIN_S = 0.001  # jobs of a piece whose last one took less than this take no turn (and are not measured)
-CHECK_S = 0.01  # a waiting job looks this often at whether the turn's holder still computes ...
-BLOCKED_S = 0.05  # ... and runs beside it once it computed under HOLDS of a window this long (it waits on something)
+CHECK_S = 0.01  # a waiting job looks this often at whether the jobs running here still compute ...
+BLOCKED_S = 0.05  # ... and runs beside them once they computed under HOLDS of a window this long (they wait) ...
+STUCK_S = 1.0  # ... in long sleeps, not as threads waiting for the GIL do; or after this long of such windows
+LETS_GO_AFTER = 2  # a piece lets go of the GIL once this many of its jobs in a row were seen to (not one hiccup)
 
 
 class Turns:
     def __init__(self):
         self.cv = threading.Condition(threading.Lock())
-        self.holders: dict = {}  # thread ident → [its schedstat descriptor, busy ns, at ns] (the last look)
-        self.lets_go: dict = {}  # piece id → True when its last measured job let go of the GIL
+        self.running: dict = {}  # thread ident → [its schedstat descriptor, busy ns, wakes when its job began]
+        self.holders: set = set()  # threads whose job holds the turn
+        self.retired = [0, 0]  # busy ns and wakes of the jobs that ran here and ended (see `_computed`)
+        self.lets_go: dict = {}  # piece id → how many of its last measured jobs in a row let go of the GIL
         self.local = threading.local()
 
     def enter(self, piece_id: int, pace: float | None):
@@ -55,46 +80,83 @@ class Turns:
         fd = self._fd()
         if fd is None:
             return None
-        takes_turn = not self.lets_go.get(piece_id, False)
-        if takes_turn:
-            me = threading.get_ident()
-            with self.cv:
-                while self.holders and not self._all_blocked():
-                    self.cv.wait(CHECK_S)
-                self.holders[me] = [fd, *_busy(fd)]
-        return (takes_turn, *_busy(fd))
+        takes_turn = self.lets_go.get(piece_id, 0) < LETS_GO_AFTER
+        me = threading.get_ident()
+        with self.cv:
+            look = None
+            while takes_turn and self.holders:
+                look = self._still_computing(look)
+                if look is None:
+                    break
+                self.cv.wait(CHECK_S)
+            busy, wakes, at = _busy(fd)
+            others = self._computed()[0]
+            self.running[me] = [fd, busy, wakes]
+            if takes_turn:
+                self.holders.add(me)
+        return takes_turn, busy, wakes, at, others
 
     def leave(self, piece_id: int, token) -> None:
         """After the job: learn whether the piece computes, and hand the turn on."""
         if token is None:
             return
-        took_turn, busy0, at0 = token
-        busy, at = _busy(self._fd())
-        if at - at0 >= MIN_S * 1e9:  # (a job dropped unstarted says nothing of its piece)
-            self.lets_go[piece_id] = (busy - busy0) < HOLDS * (at - at0)
-        if took_turn:
-            with self.cv:
-                self.holders.pop(threading.get_ident(), None)
+        took_turn, busy0, wakes0, at0, others0 = token
+        with self.cv:
+            busy, wakes, at = _busy(self._fd())
+            mine = busy - busy0
+            others = self._computed()[0] - others0 - mine  # what the worker's other jobs computed meanwhile
+            del self.running[threading.get_ident()]
+            self.retired[0] += mine
+            self.retired[1] += wakes - wakes0
+            if took_turn:
+                self.holders.discard(threading.get_ident())
                 self.cv.notify()
+        wall = at - at0
+        if wall < MIN_S * 1e9:  # (a job dropped unstarted says nothing of its piece)
+            return
+        if mine >= HOLDS * wall:
+            self.lets_go[piece_id] = 0
+        elif mine + others < HOLDS * wall:  # neither it nor a job beside it computed: it waited on something
+            self.lets_go[piece_id] = min(LETS_GO_AFTER, self.lets_go.get(piece_id, 0) + 1)
+        elif wall - mine < 2 * sys.getswitchinterval() * 1e9 * max(1, wakes - wakes0):
+            self.lets_go[piece_id] = 0  # jobs beside it computed, and it slept as a thread waiting for the GIL
+            # does (CPython wakes it every switch interval until it gets it): it shared the GIL
+        # else it slept longer at a time, beside jobs that computed: it says nothing
 
-    def forget(self, piece_ids) -> None:
-        for piece_id in piece_ids:
+    def forget_unknown(self, known) -> None:
+        """Forget what was learnt of pieces not in `known` (the host let them go)."""
+        # list(): one copy in C, atomic under the GIL (lane threads write `lets_go` without the lock)
+        for piece_id in [p for p in list(self.lets_go) if p not in known]:
             self.lets_go.pop(piece_id, None)
 
-    def _all_blocked(self) -> bool:
-        """Whether every holder of the turn computed for less than HOLDS of the last BLOCKED_S (it waits on
-        something: its job lets go of the GIL, or waits for a sibling, so another may run beside it). A window,
-        not one look: a computing thread also waits a few ms for the GIL now and then. Lock held."""
-        blocked = True
-        for look in self.holders.values():
-            busy, at = _busy(look[0])
-            if at - look[2] < BLOCKED_S * 1e9:
-                blocked = False  # (not long enough to tell)
-                continue
-            if busy - look[1] >= HOLDS * (at - look[2]):
-                blocked = False
-            look[1], look[2] = busy, at
-        return blocked
+    def _computed(self) -> tuple:
+        """`(ns computed or waited for a core, wakes)` of all the jobs measured here so far, the running ones
+        up to now: a clock that runs while any job here computes. Lock held."""
+        busy, wakes = self.retired
+        for fd, busy0, wakes0 in self.running.values():
+            now = _busy(fd)
+            busy, wakes = busy + now[0] - busy0, wakes + now[1] - wakes0
+        return busy, wakes
+
+    def _still_computing(self, look):
+        """`look` for the next call while the jobs running here compute (or it is too soon to tell); None
+        once they wait on something (I/O, a sleep, a sibling), so that a waiting job may run beside them:
+        they computed under HOLDS of the last BLOCKED_S, in few long sleeps (a thread waiting for the GIL
+        of another thread wakes every switch interval: that is not waiting on something), or did so for
+        STUCK_S (never wait forever: a job may poll for a sibling in short sleeps). Every job counts, not
+        only the holders. A window, not one look: a computing thread also waits for the GIL now and then.
+        Lock held."""
+        busy, wakes = self._computed()
+        now = (busy, wakes, time.monotonic_ns(), None)
+        if look is None or now[2] - look[2] < BLOCKED_S * 1e9:
+            return look or now
+        window = now[2] - look[2]
+        if busy - look[0] >= HOLDS * window:
+            return now  # (they compute)
+        if len(self.running) * window - (busy - look[0]) >= 2e9 * sys.getswitchinterval() * (wakes - look[1]):
+            return None  # (they slept for 2 switch intervals a wake or more: not for the GIL)
+        quiet_since = look[3] or look[2]
+        return None if now[2] - quiet_since >= STUCK_S * 1e9 else (busy, wakes, now[2], quiet_since)
 
     def _fd(self):
         """This thread's /proc/thread-self/schedstat, opened once (None where there is none: no turns)."""
@@ -109,9 +171,9 @@ class Turns:
 
 
 def _busy(fd: int) -> tuple:
-    """`(ns the thread has computed or waited for a core, now in ns)`."""
+    """`(ns the thread has computed or waited for a core, times it was put on a core, now in ns)`."""
     try:
-        on_cpu, waiting, _ = os.pread(fd, 128, 0).split()
-        return int(on_cpu) + int(waiting), time.monotonic_ns()
+        on_cpu, waiting, runs = os.pread(fd, 128, 0).split()
+        return int(on_cpu) + int(waiting), int(runs), time.monotonic_ns()
     except (OSError, ValueError):
-        return 0, time.monotonic_ns()
+        return 0, 0, time.monotonic_ns()

@@ -4,7 +4,7 @@ NodeError that names the node (the encoder's sends counted before it goes: see c
 from __future__ import annotations
 
 from ...errors import NodeError, SharedMemoryFull
-from ...wire import codec
+from ...wire import codec, failures
 
 
 def decode_input(payload: bytes, entry: str, worker: str, get_store):
@@ -26,6 +26,23 @@ def encode_outputs(values: list, producer: str, get_store) -> bytes:
     on arrival); a NodeError when any of them cannot be (the caller encodes them one by one then)."""
     encoder = codec.Encoder(get_store)
     return _encoded(encoder, encoder.pack_each, values, producer, get_store, "an output of its batch")
+
+
+def encode_listed(values: list, producer: str, get_store) -> tuple:
+    """`(body, said)` for outputs that travel together (a Bundle's, a chunk's part): `body` the encoded list
+    of those `said` True for, in order, or None; `said[i]` True, or the i-th output encoded alone (bytes) when
+    the list cannot be encoded, or its error body when it cannot be encoded at all (it fails by itself)."""
+    try:
+        return encode_outputs(values, producer, get_store), [True] * len(values)
+    except NodeError:
+        pass
+    said: list = []
+    for value in values:
+        try:
+            said.append(encode_output(value, producer, get_store))
+        except NodeError as err:
+            said.append(failures.error_body(err))
+    return None, said
 
 
 def _encoded(encoder, pack, value, producer: str, get_store, what: str) -> bytes:

@@ -1,0 +1,132 @@
+"""What becomes of a chunk's inputs: the core's rules for `Chunk` flows (core.py calls these; pure).
+
+    a map of a one-piece program, untraced, no timeout, no retries (runner.LocalInflight), inputs measured
+    cheap ──▶ Chunk(index, [x0 .. xk-1]) ── one Job (ids base+0 .. base+k-1) ── one Bundle ──▶ worker:
+    each input run by itself, in order ──▶ one Outcome: each input's own output or error (a Bundled here)
+      ├ the ok ones, consecutive ──▶ (index + p, True, Span([...]))   handed out one by one by the map
+      ├ a failed one ─────────────▶ (index + p, False, its error)     in its place, like any input's
+      └ handed back unstarted ───▶ a job of those places, sent again (same payload, only they run)
+    its worker dies: the input it was running fails (WorkerDied), the others go again elsewhere.
+
+Each input of a chunk ends once, with its own outcome: `Chunk.open` holds the places not ended yet.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ...errors import Cancelled
+from ...run.mapping import Span
+from .events import Undecodable
+from .flows import Job
+from .outcomes import checked
+
+CHUNK_S = 0.005  # a chunk holds about this much work (measured), so a straggler holds little behind it
+MAX_FILL = 1024  # and at most this many inputs
+AHEAD = 2  # chunks per worker a map keeps in flight: one running, the next waiting behind it
+STRAGGLER_S = 0.02  # a chunk's job out this long (and 4 times what it should take) while a worker idles:
+#                     what it has not started goes to that worker
+
+
+def size(service_s: float | None) -> int:
+    """How many inputs a chunk of a piece holds whose jobs take `service_s` each (None: not measured yet: 1)."""
+    if service_s is None:
+        return 1
+    return max(1, min(MAX_FILL, int(CHUNK_S / max(service_s, 1e-7))))
+
+
+def arrived(job: Job, oks: list, values: list, ids: list, worker) -> tuple[list, list]:
+    """(Part of) a chunk's answer (ids, oks, values in the order of its places): `([(index, ok, value) to
+    deliver], [places handed back unstarted])`. Only the job's pending places count (what was handed on to
+    another worker meanwhile is that job's, and an input that ended already is not delivered twice); those
+    answered are no longer pending, nor open once delivered."""
+    chunk = job.flow
+    base, index, piece, pending, open_ = job.base, chunk.index, job.piece, job.pending, chunk.open
+    out, back = [], []
+    places = [i - base for i in ids]
+    if (False not in oks and not piece.devices and Undecodable not in map(type, values)
+            and pending.issuperset(places) and open_.issuperset(places)):
+        _runs(out, index, places, values)  # (the common case: all ok, all wanted, nothing to look at)
+        pending.difference_update(places)
+        open_.difference_update(places)
+        return out, back
+    run_places, run_values = [], []
+    for place, ok, value in zip(places, oks, values):
+        if place not in pending:
+            continue
+        pending.discard(place)
+        if not ok and type(value) is Cancelled:
+            back.append(place)
+            continue
+        if place not in open_:
+            continue
+        if ok:
+            value, ok = checked(job, value, worker)
+        open_.discard(place)
+        if ok:
+            run_places.append(place)
+            run_values.append(value)
+            continue
+        out.append((index + place, False, value))
+    _runs(out, index, run_places, run_values)
+    return out, back
+
+
+def _runs(out: list, index: int, places: list, values: list) -> None:
+    """The ok outputs as Spans of consecutive places."""
+    if not places:
+        return
+    if places[-1] - places[0] == len(places) - 1:
+        out.append((index + places[0], True, Span(values)))
+        return
+    start = 0
+    for i in range(1, len(places) + 1):
+        if i == len(places) or places[i] != places[i - 1] + 1:
+            out.append((index + places[start], True, Span(values[start:i])))
+            start = i
+
+
+def failed(chunk, places, error: BaseException) -> list:
+    """`(index, False, error)` for each of these places of `chunk` still open (each its own copy of `error`:
+    a map hands each out with its own `.index`); they are no longer open."""
+    out = []
+    for place in places:
+        if place in chunk.open:
+            chunk.open.discard(place)
+            out.append((chunk.index + place, False, _copy(error) if out else error))
+    return out
+
+
+def lost(job: Job, running: dict | None) -> int | None:
+    """The place of `job`'s chunk its dead worker was running (its status page: `running`, job id → node;
+    None when unreadable: its first place still pending counts as running), or None when it ran none."""
+    pending = sorted(job.pending)
+    if running is None:
+        return pending[0]
+    base = job.base
+    for place in pending:
+        if base + place in running:
+            return place
+    return None
+
+
+def still_open(chunk, places) -> list:
+    """Those of `places` (of `chunk`) whose inputs have not ended."""
+    return [p for p in places if p in chunk.open]
+
+
+def running(job: Job, running: list) -> int | None:
+    """The place of `job`'s chunk its worker runs now (its status page: `running`, [(job id, node)]), or None."""
+    pending = job.pending
+    for job_id, _ in running:
+        place = job_id - job.base
+        if place in pending:
+            return place
+    return None
+
+
+def _copy(error: BaseException) -> BaseException:
+    try:
+        return copy.copy(error)
+    except Exception:  # (an exception that cannot be copied: shared, rather than lost)
+        return error

@@ -1,0 +1,439 @@
+"""The host's one loop: the only code that locks, and the only code that touches the sockets and the core.
+
+    any thread: start / cancel / forget ──▶ inbox (events) ──┐
+                                                             ▼  whoever holds `lock` takes the inbox in,
+    the holder of `lock` (a caller waiting for its outcome,     hands every event to the core (core.py),
+    or the listener thread when no caller waits)                and carries out the actions it gets back:
+          │  frames ◀── pool (PULL) ◀── workers                   Send → sending.encode → pool.send
+          │  pool.handle(frame) → Ready / Outcomes events         CancelAt → pool.cancel
+          │  pool.find_dead() every PUMP_S → core.lost             Retire → pool.end → core.lost, then a
+          ▼                                                                  replacement: core.spawned
+    release the lock, then Deliver each outcome into its sink (a queue, a future, an event loop):
+    a future's done-callback runs with no lock held, so it may start or even wait for the next input
+
+A caller waiting for its outcome receives it itself while nobody else does (one
+thread hand-off fewer per run: on two cores a wake-up costs about what a small
+run's Python does); otherwise it sleeps on its sink until its outcome comes, or
+until the receiver leaving with work still out hands it the receiving (`_LEAD`).
+The listener receives when no caller does; it polls the socket's descriptor
+outside the lock and never blocks while holding it.
+
+A thread that posts an event and cannot take the lock never waits for it: the
+holder takes the inbox in before it lets go, and looks once more after letting
+go (so nothing posted meanwhile is stranded).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+from ...errors import SomaError, WorkerDied
+from .core import HostCore
+from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
+from .flows import Chunk, Flow
+from .listener import PUMP_S, Listener
+from .sending import encode
+
+LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
+_LEAD = object()  # put in a waiting caller's sink: "nobody is receiving: you do"
+
+
+class HostLoop:
+    """The owner of the host's state (see the module's docstring): `core` and the pool's sockets."""
+
+    def __init__(self, pool, worker_devices: list[str]):
+        self.pool = pool
+        self.core = HostCore(worker_devices)
+        self.lock = threading.Lock()  # its holder runs the core and uses the sockets
+        self.inbox: deque = deque()  # (core method, args) posted by threads that did not get the lock
+        self.trace = None  # the runner's open trace block (a worker's start is shown in it), set by the runner
+        self.closing = False
+        self.all_ready = threading.Event()  # every slot has a worker that said hello
+        self._deliveries: list = []  # outcomes to put in their sinks once the lock is let go
+        self._unreachable: dict = {}  # slot → items its worker's connection did not take yet (tried again)
+        self.leading = False  # a caller holds the lock to receive its own outcome (the listener sleeps)
+        self._waiters: deque = deque()  # callers asleep on their sinks, who could receive next
+        self._looked_at = 0.0
+        self.listener = Listener(self)
+
+    # -- life ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn every worker and open the sockets; the listener receives their hellos."""
+        for slot in range(len(self.core.state)):
+            self._spawn(slot)
+        self.pool.open_sockets()
+        self._act()
+        self.listener.start()
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until every worker has said hello; WorkerDied naming the first that cannot, or did not in time."""
+        while not self.all_ready.wait(max(0.0, min(PUMP_S, deadline - time.monotonic()))):
+            for slot, why in enumerate(self.core.why_down):  # (read without the lock: what the listener saw)
+                if why is not None:
+                    worker = self.pool.worker(slot)
+                    raise WorkerDied(f"worker w{slot} {why}", worker=f"w{slot}",
+                                     pid=getattr(worker, "pid", None), node=None)
+            if time.monotonic() >= deadline:
+                slot = next((s for s, state in enumerate(self.core.state) if state != "ready"), 0)
+                worker = self.pool.worker(slot)
+                raise WorkerDied(f"worker w{slot} (pid {getattr(worker, 'pid', '?')}) did not say hello in time",
+                                 worker=f"w{slot}", pid=getattr(worker, "pid", None), node=None)
+
+    def close(self, error: SomaError) -> None:
+        """Every input in flight gets `error`; STOP to every worker; the listener lets go of the socket and ends."""
+        with self._held():
+            self.core.close(error)
+            self.closing = True
+            self.pool.stop_workers()
+        self.listener.stop()  # (it lets go of the results socket on the way out)
+
+    # -- what callers post ------------------------------------------------------------------------------
+    def start_inputs(self, program, items: list, sink, trace, retries: int, graph, lead: float = 0.0) -> dict:
+        """Start `(index, x)` inputs; each one's `(index, ok, value)` goes to `sink` once. Returns index → Flow.
+
+        `lead`: the caller waits for them next (Local.run): when the lock is free it keeps it and receives for
+        up to that many seconds right away (one taking of the lock for the whole run, not two)."""
+        flows = {index: Flow(index, sink, trace, program, x, retries, graph) for index, x in items}
+        return self._started(program, flows, lead)
+
+    def start_chunks(self, program, items: list, sink, graph, size: int) -> dict:
+        """Start `(index, x)` inputs of a map in chunks (flows.Chunk) of up to `size` consecutive ones; an ok
+        run's outcome comes as `(index, True, Span)` (core.py, chunks.py). Returns first index → Chunk."""
+        flows = {}
+        first, last = items[0][0], items[-1][0]
+        if last - first == len(items) - 1:  # (consecutive: the common case, sliced at C speed)
+            xs = [x for _, x in items]
+            for at in range(0, len(xs), size):
+                flows[first + at] = Chunk(first + at, sink, program, xs[at:at + size], graph)
+            return self._started(program, flows)
+        run = []
+        for item in items:
+            if run and (len(run) == size or item[0] != run[-1][0] + 1):
+                flows[run[0][0]] = Chunk(run[0][0], sink, program, [x for _, x in run], graph)
+                run = []
+            run.append(item)
+        if run:
+            flows[run[0][0]] = Chunk(run[0][0], sink, program, [x for _, x in run], graph)
+        return self._started(program, flows)
+
+    def chunk(self, piece) -> int:
+        """How many inputs of `piece` a chunk holds now (1: its inputs go one by one: not measured, or slow)."""
+        return self.core.chunk(piece)  # (read without the lock: a hint, as parallelism is)
+
+    def _started(self, program, flows: dict, lead: float = 0.0) -> dict:
+        if lead and self.lock.acquire(blocking=False):
+            self._take_inbox()
+            self.core.start(program, list(flows.values()))
+            self._lead(min(lead, LEAD_S))
+        else:
+            self._post(self.core.start, program, list(flows.values()))
+        return flows
+
+    def cancel(self, flows) -> None:
+        self._post(self.core.cancel, list(flows))
+
+    def forget(self, keys: list) -> None:
+        """Nodes the host let go: the core and the workers forget their copies."""
+        self._post(self._forget, keys)
+
+    def _forget(self, keys: list) -> None:
+        self.pool.forget(keys)
+        self.core.forget(keys)
+
+    def expire(self, flow: Flow, timeout: float):
+        """The input's time is up: the RunTimeout that names what still ran (its workers are replaced)."""
+        with self._held():
+            running = {slot: self.pool.running(slot) for slot in self.core.where(flow)}
+            return self.core.expire(flow, timeout, running)
+
+    def parallelism(self, program_pieces: list) -> int:
+        return self.core.parallelism(program_pieces)  # (read without the lock: a hint, as map uses it)
+
+    def at(self, when: float, call) -> None:
+        """Call `call()` on the listener thread once time.monotonic() reaches `when` (within ~PUMP_S)."""
+        self.listener.at(when, call)
+
+    def _post(self, method, *args) -> None:
+        self.inbox.append((method, args))
+        while self.inbox and self.lock.acquire(blocking=False):
+            self._release()
+
+    # -- holding the lock -------------------------------------------------------------------------------
+    def _held(self):
+        """A context that holds the lock (waiting for it) and lets go the one way (`_release`)."""
+        return _Held(self)
+
+    def _take_inbox(self) -> None:
+        inbox = self.inbox
+        while inbox:
+            method, args = inbox.popleft()
+            method(*args)
+
+    def _act(self) -> None:
+        """Carry out what the core decided, until it decides nothing more (lock held)."""
+        core = self.core
+        self._take_inbox()
+        actions = core.take()
+        while actions:
+            for action in actions:
+                kind = type(action)
+                if kind is Deliver:
+                    self._deliveries.append(action)
+                elif kind is Send:
+                    self._send(action.slot, action.jobs, action.groups)
+                elif kind is CancelAt:
+                    self.pool.cancel(action.slot, action.job_ids)
+                elif kind is Retire:
+                    self._end(self.pool.worker(action.slot), action.why)
+                elif kind is Spawn:
+                    self._start_due(action.slot, wanted=True)
+            self._take_inbox()
+            actions = core.take()
+
+    def _release(self) -> None:
+        """Take in what was posted, carry out the actions, let go of the lock, then deliver the outcomes; look
+        once more at the inbox after letting go (something posted meanwhile would wait for the next holder)."""
+        while True:
+            try:
+                self._act()
+            finally:
+                deliveries, self._deliveries = self._deliveries, []
+                self.lock.release()
+            for delivery in deliveries:
+                delivery.sink.put(delivery.item)
+            if not self.inbox or not self.lock.acquire(blocking=False):
+                return
+
+    def _send(self, slot: int, jobs: list, groups: list) -> None:
+        now = time.monotonic()
+        for job in jobs:
+            job.sent_at = now
+            if job.traced:
+                job.sent_ns = time.monotonic_ns()
+        items, failed = encode(self.pool.get_store, groups)
+        for job, err in failed:
+            self.core.unsent([job], err)
+        if items and self.pool.send(slot, items) is None:  # its connection is still completing: soon again
+            self._unreachable.setdefault(slot, []).extend(items)
+
+    def _send_unreachable(self) -> None:
+        for slot in list(self._unreachable):
+            items = self._unreachable.pop(slot)
+            if self.pool.send(slot, items) is None:
+                self._unreachable[slot] = items
+
+    # -- workers coming and going ------------------------------------------------------------------------
+    def _spawn(self, slot: int) -> None:
+        """The first worker of `slot`, or why there is none (the machine refused it: tried again soon)."""
+        try:
+            worker = self.pool.spawn(slot)
+        except OSError as err:
+            self.core.down(slot, f"could not be started: {type(err).__name__}: {err}")
+            return
+        self.all_ready.clear()
+        self.core.spawned(slot, worker)
+
+    def _start_due(self, slot: int | None = None, wanted: bool = False) -> None:
+        """Slots whose next worker is due start it (`wanted`: the core asked, for inputs wait for it)."""
+        started = self.pool.start_due(slot, wanted)
+        for due, worker in started:
+            if worker is not None:
+                self.all_ready.clear()
+                self.core.spawned(due, worker)
+            elif self.core.state[due] in ("down", "asked"):
+                self.core.down(due, self.pool.why_down(due))
+        if wanted and not started and self.core.state[slot] == "asked":  # (not due: backing off)
+            self.core.down(slot, self.pool.why_down(slot))
+
+    def _end(self, worker, why: str | None) -> None:
+        """A worker's end (it died, or the core retired it): the core hears what it held, then a replacement
+        is started (unless closing)."""
+        if worker is None:
+            return
+        slot = worker.slot
+        ended, running = self.pool.end(worker, why)
+        self._unreachable.pop(slot, None)
+        started = [] if self.closing else self.pool.start_due(slot)
+        replacement = started[0][1] if started else None
+        down = None if replacement is not None else (
+            "was not replaced: the pool is closing" if self.closing else self.pool.why_down(slot))
+        self.core.lost(slot, worker, ended, running, down)
+        if replacement is not None:
+            self.all_ready.clear()
+            self.core.spawned(slot, replacement)
+
+    def _look_at_workers(self) -> None:
+        """Dead workers: what they sent before dying is received first (still a result), then their end; a slot
+        that could not be started again is tried again (lock held)."""
+        dead = self.pool.find_dead()
+        if dead:
+            self._drain()
+            for worker in dead:
+                self._end(worker, None)
+        self._start_due()
+
+    def _on_frame(self, frame: bytes) -> None:
+        for event in self.pool.handle(frame):
+            if type(event) is Outcomes:
+                self.core.outcomes(event.slot, event.worker, event.arrived, time.monotonic())
+                if event.leaving:
+                    self.core.leaving(event.slot)
+            elif type(event) is Ready:
+                self._ready(event.slot)
+        self._act()
+
+    def _ready(self, slot: int) -> None:
+        worker = self.pool.worker(slot)
+        trace = self.trace
+        if trace is not None:  # a worker started inside a trace block: its start (imports, connecting) is a span
+            trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
+            trace.thread(worker.pid, 0, "start")
+            trace.span(f"start worker {worker.id}", "start", worker.spawned_ns, time.monotonic_ns(), worker.pid, 0,
+                       {"worker": worker.id})
+        self.core.ready(slot)
+        if all(state == "ready" for state in self.core.state):
+            self.all_ready.set()
+
+    def _drain(self) -> None:
+        """Handle every frame queued now (lock held)."""
+        pool = self.pool
+        frame = pool.frame_now()
+        while frame is not None:
+            self._on_frame(frame)
+            frame = pool.frame_now()
+
+    def service(self) -> None:
+        """The listener's turn, when no caller receives: take the lock if it is free, handle what came, look at
+        the workers now and then, let go."""
+        if self.closing or not self.lock.acquire(blocking=False):
+            return
+        try:
+            self._drain()
+            self._now_and_then()
+        finally:
+            self._release()
+
+    def let_go_of_results(self) -> None:
+        """The listener's last act: the results socket is closed, by the lock's holder, for good."""
+        with self.lock:
+            self.pool.close_results()
+
+    def _now_and_then(self) -> None:
+        now = time.monotonic()
+        if now - self._looked_at >= PUMP_S:
+            self._looked_at = now
+            self._look_at_workers()
+            for slot, job in self.core.stragglers(now):
+                self.core.hand_on(job, self.pool.running(slot))
+            if self._unreachable:
+                self._send_unreachable()
+            self.pool.flush_frees()
+            self.pool.trim_if_idle(self.core.busy())
+
+    # -- callers waiting for outcomes ---------------------------------------------------------------------
+    def await_item(self, sink, timeout: float | None):
+        """The next item put in `sink` (queue.Empty after `timeout` seconds), received on this thread while
+        nobody else receives; else asleep on the sink until it comes or the receiving is handed over."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter = _Waiter(sink)
+        while True:
+            item = self.take_nowait(sink)
+            if item is not None:
+                return item
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise queue.Empty
+            if self.lock.acquire(blocking=False):
+                self._lead(LEAD_S if remaining is None else min(LEAD_S, remaining))
+                continue
+            waiter.handed = False
+            self._waiters.append(waiter)
+            try:
+                item = sink.get(timeout=remaining)
+            except queue.Empty:
+                item = None
+            if not waiter.handed:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:  # (handed the receiving just now: take it)
+                    pass
+            if item is _LEAD or item is None:
+                continue
+            if waiter.handed:
+                self._pass_on()
+            return item
+
+    def take_nowait(self, sink):
+        """The next item in `sink` if there is one, else None; never a hand-off token (one found here came after
+        its caller stopped waiting: it is passed on, so nobody is left thinking someone receives)."""
+        while True:
+            try:
+                item = sink.get_nowait()
+            except queue.Empty:
+                return None
+            if item is not _LEAD:
+                return item
+            self._pass_on()
+
+    def _lead(self, seconds: float) -> None:
+        """Receive on this thread (lock held on entry) until an outcome is ready to deliver or `seconds` pass;
+        then let go, deliver, and hand the receiving on when work is still out there."""
+        self.leading = True
+        try:
+            if not self.closing:
+                self._act()
+                deadline = time.monotonic() + seconds
+                wait_ms = max(1, int(seconds * 1000))
+                pool = self.pool
+                while not self._deliveries and time.monotonic() < deadline:
+                    frame = pool.frame(wait_ms)
+                    if frame is not None:
+                        self._on_frame(frame)
+                self._drain()
+                self._now_and_then()
+        finally:
+            self.leading = False
+            self._release()
+        self._pass_on()
+
+    def _pass_on(self) -> None:
+        """Nobody receives now: a waiting caller is handed the receiving, or the listener is woken, when work is
+        still out there."""
+        if not self.core.busy() or self.lock.locked():
+            return
+        try:
+            waiter = self._waiters.popleft()
+        except IndexError:
+            self.listener.notify()
+            return
+        waiter.handed = True
+        waiter.sink.put(_LEAD)
+
+class _Held:
+    """`with loop._held():` the lock, waited for (the listener is woken so it lets go soon)."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: HostLoop):
+        self.loop = loop
+
+    def __enter__(self):
+        loop = self.loop
+        if not loop.lock.acquire(blocking=False):
+            loop.listener.wake()  # (it lets go soon: it never waits while holding the lock)
+            loop.lock.acquire()
+        loop._take_inbox()
+
+    def __exit__(self, *exc):
+        self.loop._release()
+
+
+class _Waiter:
+    __slots__ = ("sink", "handed")
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.handed = False  # a leader has put _LEAD in its sink

@@ -1,0 +1,53 @@
+"""What the host makes of a job's outcome as it arrives: checked, and recorded when traced (core.py's helpers).
+
+The postcondition is checked again on the host, on what arrived (a transport that moved a tensor is
+caught), and an output that could not be decoded is the producing node's named error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from ...errors import NodeError, PostconditionError
+from ...plan import last_step
+from ...run.postcondition import check_postcondition
+from .events import Undecodable
+from .flows import Job
+
+
+def checked(job: Job, value, worker):
+    """The host's look at what arrived: it decoded, and the postcondition holds after the crossing."""
+    piece = job.piece
+    if type(value) is Undecodable:
+        err = value.error
+        return NodeError.failed(last_step(piece.plan), f"its output could not be received from worker "
+                                                       f"{worker.id}: {type(err).__name__}: {err}"), False
+    if piece.devices:
+        start = time.monotonic_ns() if job.traced else 0
+        try:
+            for node_id, declared, item in piece.checked_outputs(value):
+                check_postcondition(node_id, declared, item)
+        except PostconditionError as err:
+            return err, False
+        finally:
+            if job.traced and job.flow.trace is not None:
+                job.flow.trace.span("postcondition", "host", start, time.monotonic_ns(), os.getpid(),
+                                    threading.get_native_id(), {"node": last_step(piece.plan), "input": job.flow.index})
+    return value, True
+
+
+def record(job: Job, worker, arrived) -> None:
+    """A traced job's spans, as its worker measured them, into its flow's trace."""
+    trace, index = job.flow.trace, job.flow.index
+    trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
+    trace.node_spans(arrived.spans, worker.pid, worker.id, job.piece.devices, index)
+    if arrived.decode is not None:
+        pid, tid = os.getpid(), threading.get_native_id()
+        start, end, nbytes = arrived.decode
+        trace.thread(pid, tid, threading.current_thread().name)
+        trace.span("decode output", "host", start, end, pid, tid,
+                   {"node": last_step(job.piece.plan), "input": index, "bytes": nbytes})
+        trace.interval(f"job {job.piece}", "host", job.sent_ns, start, pid, f"job-{job.id}",
+                       {"input": index, "worker": worker.id})

@@ -1,0 +1,147 @@
+"""Cheap inputs of a map travel in chunks (soma/local/host/chunks.py): each input still its own outcome.
+
+Every test warms the graph up first (a map's inputs go one by one until the piece's pace is measured; then
+several travel together), then checks what a caller sees: every output right and in its place, errors in
+their place with their own index, a worker killed in the middle of a chunk, a straggler that never holds its
+neighbours, and a map left in the middle.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from soma import Done, Graph, Node
+from soma.errors import NodeError, WorkerDied
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 3000
+
+
+class Inc(Node):
+    def forward(self, x, ctx):
+        return Done(x + 1)
+
+
+class FailsOnSevens(Node):
+    def forward(self, x, ctx):
+        if x % 7 == 3:
+            raise ValueError(f"no {x}")
+        return Done(x * 2)
+
+
+class DiesOn(Node):
+    """Kills its own worker at input `at`, the first time (a file says it happened)."""
+
+    def __init__(self, at: int, flag: str):
+        self.at, self.flag = at, flag
+
+    def forward(self, x, ctx):
+        if x == self.at and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return Done(x + 1)
+
+
+class WaitsAt(Node):
+    """Input `at` waits until `flag` exists (at most 60 s): a straggler the test lets go of."""
+
+    def __init__(self, at: int, flag: str):
+        self.at, self.flag = at, flag
+
+    def forward(self, x, ctx):
+        if x == self.at:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.flag) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return Done(x)
+
+
+class Arrays(Node):
+    def forward(self, x, ctx):
+        return Done(np.full(4, x, dtype=np.int64))
+
+
+def warm(local, g, xs=range(500)):
+    list(local.map(g, xs))
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_every_output_of_a_chunked_map_is_its_own(local, ordered):
+    g = Graph.somatize(Inc())
+    warm(local, g)
+    outs = list(local.map(g, range(N), ordered=ordered))
+    assert (outs if ordered else sorted(outs)) == [x + 1 for x in range(N)]
+
+
+def test_arrays_held_from_a_chunked_map_never_change(local):
+    g = Graph.somatize(Arrays())
+    warm(local, g)
+    held = list(local.map(g, range(N)))
+    again = list(local.map(g, range(N, 2 * N)))  # (segments reused under held outputs would show here)
+    for i, out in enumerate(held):
+        assert out.tolist() == [i] * 4
+    for i, out in enumerate(again):
+        assert out.tolist() == [N + i] * 4
+
+
+def test_each_failure_in_a_chunk_is_yielded_in_its_place_with_its_own_index(local):
+    g = Graph.somatize(FailsOnSevens())
+    warm(local, g, [0, 1, 2, 4, 5, 6] * 80)
+    outs = list(local.map(g, range(N), errors="yield"))
+    for i, out in enumerate(outs):
+        if i % 7 == 3:
+            assert isinstance(out, NodeError) and out.index == i and f"no {i}" in str(out), (i, out)
+        else:
+            assert out == 2 * i, (i, out)
+
+
+def test_the_first_failure_in_a_chunk_is_raised_after_every_output_before_it(local):
+    g = Graph.somatize(FailsOnSevens())
+    warm(local, g, [0, 1, 2, 4, 5, 6] * 80)
+    got = []
+    with pytest.raises(NodeError, match="no 3") as info:
+        for out in local.map(g, range(N)):
+            got.append(out)
+    assert info.value.index == 3 and got == [0, 2, 4]
+
+
+def test_a_worker_killed_in_the_middle_of_a_chunk_fails_only_the_input_it_ran(local, tmp_path):
+    flag = str(tmp_path / "died")
+    g = Graph.somatize(DiesOn(N // 2 + 7, flag))
+    warm(local, g)
+    outs = list(local.map(g, range(N), errors="yield"))
+    assert os.path.exists(flag)
+    dead = [i for i, out in enumerate(outs) if isinstance(out, WorkerDied)]
+    assert dead == [N // 2 + 7], dead
+    assert all(out == i + 1 for i, out in enumerate(outs) if i not in dead)
+    assert list(local.map(g, range(100))) == [x + 1 for x in range(100)]  # (the pool works on)
+
+
+def test_a_straggler_never_holds_its_neighbours(local, tmp_path):
+    """Input S waits until every other output has arrived: its chunk's other inputs must come without it."""
+    flag = str(tmp_path / "go")
+    straggler = N // 3
+    g = Graph.somatize(WaitsAt(straggler, flag))
+    warm(local, g, range(N, N + 1000))
+    seen = []
+    for out in local.map(g, range(N), ordered=False):
+        seen.append(out)
+        if len(seen) == N - 1:
+            open(flag, "w").close()
+    assert seen[-1] == straggler, "the straggler's neighbours waited for it"
+    assert sorted(seen) == list(range(N))
+
+
+def test_leaving_a_chunked_map_early_leaves_the_pool_ready(local):
+    g = Graph.somatize(Inc())
+    warm(local, g)
+    it = local.map(g, range(10 * N))
+    assert [next(it) for _ in range(10)] == list(range(1, 11))
+    it.close()
+    assert list(local.map(g, range(N))) == [x + 1 for x in range(N)]

@@ -1,0 +1,336 @@
+"""Chunks on the worker's side (issue 31): consecutive inputs of a piece that is not a batching node alone travel
+as one `Chunk`, run one by one, and come back in `ChunkPart`s that `protocol.chunk_outcomes` turns into one
+`Outcome` per input. The chunk code runs here on real pieces (real node code through nodecode, a real
+Interpreter, a real status page and shared-memory store), and every part crosses the real codec and protocol."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+
+from soma import Done, Node
+from soma.errors import Cancelled, NodeError
+from soma.local.worker import chunks
+from soma.local.worker.lanes import Lane, Lanes
+from soma.local.worker.resources import DeviceSetup
+from soma.local.worker.running import JobRunner
+from soma.local.worker.segments import Segments
+from soma.local.worker.turns import Turns
+from soma.plan import Step
+from soma.wire import codec, failures, nodecode, protocol
+from soma.wire.protocol import (
+    Chunk,
+    ChunkPart,
+    GiveBack,
+    JobSpec,
+    Outcome,
+    Result,
+    Task,
+)
+from soma.wire.shm import pool_prefix
+from soma.wire.status import StatusPage
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"k" * 32
+PIECE = 7
+
+
+class Half(Node):
+    """x / 2, and a ZeroDivisionError (the node's own failure) for x == 13; records what it ran."""
+
+    def __init__(self):
+        self.ran: list = []
+
+    def forward(self, x, ctx):
+        self.ran.append(x)
+        if x == 13:
+            raise ZeroDivisionError("13 is unlucky")
+        return Done(x / 2)
+
+
+STARTED, GO = threading.Event(), threading.Event()  # (a node's copy is unpickled here: events cannot travel)
+
+
+class Gate(Node):
+    """Holds the input `hold` until GO is set (a straggler among cheap inputs); sleeps `nap` s on the others."""
+
+    def __init__(self, hold=None, nap=0.0):
+        self.hold, self.nap = hold, nap
+        self.ran: list = []
+        STARTED.clear()
+        GO.clear()
+
+    def forward(self, x, ctx):
+        self.ran.append(x)
+        if x == self.hold:
+            STARTED.set()
+            assert GO.wait(30), "the test never let the straggler go"
+        elif self.nap:
+            time.sleep(self.nap)
+        return Done([x, x])
+
+
+class Worker:
+    """The worker's core with one piece of one node, as a real worker has it (no sockets)."""
+
+    def __init__(self, node, tmp):
+        self.segments = Segments(pool_prefix(os.getpid(), os.urandom(4).hex()), 1 << 20)
+        self.runner = JobRunner("w9", StatusPage(os.path.join(tmp, "status"), create=True), DeviceSetup("cpu", 1),
+                                self.segments.get_store, 0)
+        self.runner.library.register({1: nodecode.dumps(node)},
+                                     {PIECE: protocol.pack_piece(Step("n"), {"n": 1}, {})})
+        self.node = self.runner.library.node("n", 1)  # (the worker's copy: its `ran` is what ran here)
+        self.sent: list = []  # parts sent while the chunk ran
+
+    def chunk(self, ids, xs, traced=False) -> chunks.ChunkRun:
+        return chunks.ChunkRun(Chunk(ids, PIECE, codec.Encoder(self.segments.get_store).pack_each(xs), traced))
+
+    def run(self, run):
+        return chunks.run_chunk(self.runner, run, Lane(), Turns(), self.sent.append)
+
+    def close(self):
+        self.segments.close()
+
+
+@pytest.fixture
+def tmp():
+    with tempfile.TemporaryDirectory() as path:
+        yield path
+
+
+def host_reads(*parts, returned=()) -> tuple:
+    """What the host makes of the parts: one sealed Result crossing the protocol, then `chunk_outcomes`."""
+    frame = protocol.pack(SECRET, Result("w9", 1, list(parts), [], False, list(returned)))
+    result = protocol.parse(SECRET, frame, "a test")
+    decoder = codec.Decoder(lambda create=True: None)
+    outcomes = []
+    for part in result.outcomes:
+        assert type(part) is ChunkPart
+        outcomes += protocol.chunk_outcomes(part, decoder.unpack, lambda err: ("undecodable", err))
+    return {o.job: o for o in outcomes}, result
+
+
+def test_a_chunk_runs_each_input_in_order_and_answers_each_alone(tmp):
+    w = Worker(Half(), tmp)
+    try:
+        part = w.run(w.chunk([11, 0, 12, 13, 14], [2, 99, 4, 13, 6.5]))
+        assert w.node.ran == [2, 4, 13, 6.5]  # in order; the input of id 0 is not wanted
+        assert part.more is False and all(sent.more for sent in w.sent)  # (a part went early on a slow machine)
+        got, _ = host_reads(*w.sent, part)
+        assert list(got) == [11, 12, 13, 14]
+        assert got[11] == Outcome(11, True, 1.0, None, got[11].seconds) and got[14].body == 3.25
+        assert got[12].ok and got[12].body == 2.0
+        failed = got[13]
+        assert not failed.ok
+        err = failures.error_from(failed.body)
+        assert isinstance(err, NodeError) and err.node == "n" and "13 is unlucky" in str(err)
+        assert all(o.seconds > 0 for o in got.values()) and len({o.seconds for o in got.values()}) > 1
+    finally:
+        w.close()
+
+
+def test_a_traced_chunk_gives_each_traced_input_its_own_spans(tmp):
+    w = Worker(Half(), tmp)
+    try:
+        part = w.run(w.chunk([1, 2, 3], [0, 2, 4], traced=[[40], False, [42]]))
+        got, _ = host_reads(*w.sent, part)
+        assert got[2].spans is None
+        for job in (1, 3):
+            names = [s[0] for s in got[job].spans]
+            assert "n" in names
+        assert len(got[1].spans) > len(got[3].spans)  # the piece's load is a span of its first traced input
+    finally:
+        w.close()
+
+
+def test_a_cancel_answers_the_unstarted_input_cancelled_at_once_and_it_never_runs(tmp):
+    w = Worker(Half(), tmp)
+    try:
+        run = w.chunk([1, 2, 3], [2, 4, 6])
+        parts: list = []
+        assert chunks.answer_now(w.runner, run, {2, 99}, False, parts) == []
+        got, _ = host_reads(*parts)
+        assert list(got) == [2] and not got[2].ok
+        assert isinstance(failures.error_from(got[2].body), Cancelled)
+        assert parts[0].more is True
+        last = w.run(run)
+        rest, _ = host_reads(*w.sent, last)
+        assert list(rest) == [1, 3] and w.node.ran == [2, 6]
+    finally:
+        w.close()
+
+
+def test_give_back_returns_what_has_not_started_behind_a_straggler_with_what_is_done(tmp):
+    w = Worker(Gate(hold=3), tmp)
+    try:
+        run = w.chunk([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
+        answer: list = []
+        runner = threading.Thread(target=lambda: answer.append(w.run(run)))
+        runner.start()
+        assert STARTED.wait(20)  # input 3 runs, and runs long
+        parts: list = []
+        returned = chunks.answer_now(w.runner, run, {1, 2, 3, 4, 5}, True, parts)
+        assert returned == [4, 5]  # not started: dropped here, for the host to send elsewhere
+        # (what was done went with the answer, or earlier when inputs 1 and 2 took PART_S on a slow machine)
+        got, result = host_reads(*w.sent, *parts, returned=returned)
+        assert list(got) == [1, 2] and got[1].body == [1, 1] and result.returned == [4, 5]
+        assert all(part.more for part in w.sent + parts)  # input 3 is still to come
+        GO.set()
+        runner.join(20)
+        last, _ = host_reads(answer[0])
+        assert list(last) == [3] and last[3].body == [3, 3] and answer[0].more is False
+        assert w.node.ran == [1, 2, 3]
+    finally:
+        GO.set()
+        w.close()
+
+
+def test_what_is_done_goes_in_parts_while_a_long_chunk_runs(tmp):
+    w = Worker(Gate(nap=0.008), tmp)
+    try:
+        ids = list(range(1, 9))
+        last = w.run(w.chunk(ids, ids))
+        assert w.sent, "every output waited for the whole chunk"
+        assert all(part.more for part in w.sent) and last.more is False
+        got, _ = host_reads(*w.sent, last)
+        assert sorted(got) == ids  # each input answered once, across the parts
+        assert [o.body for o in got.values()] == [[i, i] for i in ids]
+    finally:
+        w.close()
+
+
+def test_a_chunk_whose_piece_cannot_load_fails_each_input_with_that_error(tmp):
+    w = Worker(Half(), tmp)
+    try:
+        run = chunks.ChunkRun(Chunk([1, 2], 404, codec.Encoder(w.segments.get_store).pack_each([1, 2]), False))
+        last = chunks.run_chunk(w.runner, run, Lane(), Turns(), w.sent.append)
+        got, _ = host_reads(*w.sent, last)
+        assert [o.ok for o in got.values()] == [False, False]
+        assert "never told about" in str(failures.error_from(got[1].body))
+    finally:
+        w.close()
+
+
+def test_lanes_give_back_waiting_jobs_and_name_the_chunks_that_hold_an_id():
+    lanes = Lanes()
+    lanes.add(JobSpec(1, PIECE, b"", False))
+    lanes.add(Chunk([2, 3], PIECE, b"", False))
+    lanes.add(JobSpec(4, PIECE, b"", False))
+    lanes.cancel({4})
+    returned, named = lanes.give_back({1, 3, 4})
+    assert sorted(returned) == [1, 4] and len(named) == 1 and named[0].chunk.ids == [2, 3]
+    turn, dropped = lanes.take_turn(lanes.lanes[PIECE], {})
+    assert turn == named and dropped == set()  # the chunk, a turn of its own; job 4 is gone, not cancelled
+    assert lanes.take_turn(lanes.lanes[PIECE], {}) is None
+
+
+def test_chunk_messages_cross_the_protocol():
+    task = Task({}, {}, [JobSpec(1, 2, b"x", False), Chunk([3, 0, 4], 2, b"xs", [[0], False, [2]])], [], [])
+    parsed = protocol.parse(SECRET, protocol.pack(SECRET, task), "a test")
+    assert parsed.jobs == task.jobs and [type(j) for j in parsed.jobs] == [JobSpec, Chunk]
+    assert protocol.parse(SECRET, protocol.pack(SECRET, GiveBack([3, 4])), "a test") == GiveBack([3, 4])
+    plain = Result("w0", 1, [Outcome(5, True, b"\x01", None, 0.5)], [], False)
+    assert protocol.parse(SECRET, protocol.pack(SECRET, plain), "a test") == plain._replace(returned=[])
+
+
+def test_chunk_outcomes_keep_outputs_that_travel_alone_and_undecodable_ones():
+    enc = codec.Encoder(lambda create=True: None)
+    err = failures.error_body(NodeError.failed("n", "it broke"))
+    part = ChunkPart([1, 2, 3, 4], [True, enc.pack("alone"), err, True], enc.pack_each(["a", "d"]), None,
+                     [0.1, 0.2, 0.3, 0.4], False)
+    decoder = codec.Decoder(lambda create=True: None)
+    got = protocol.chunk_outcomes(part, decoder.unpack, lambda e: "undecodable")
+    assert [(o.job, o.ok, o.body if o.ok else "error") for o in got] == [
+        (1, True, "a"), (2, True, "alone"), (3, False, "error"), (4, True, "d")]
+    assert [o.seconds for o in got] == [0.1, 0.2, 0.3, 0.4] and got[2].body == err
+    broken = part._replace(body=b"\xc1")
+    assert [o.body for o in protocol.chunk_outcomes(broken, decoder.unpack, lambda e: "undecodable")][::3] == [
+        "undecodable", "undecodable"]
+
+
+
+class FileGate(Node):
+    """In a real worker: holds the input `hold` until the file `go` exists (a straggler), doubles the others."""
+
+    def __init__(self, hold, go):
+        self.hold, self.go = hold, go
+
+    def forward(self, x, ctx):
+        if x == self.hold:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(self.go) and time.monotonic() < deadline:
+                time.sleep(0.002)
+        return Done(x * 2)
+
+
+def test_a_real_worker_answers_a_chunk_and_gives_back_what_a_straggler_holds_up(tmp):
+    """A real `soma-worker` process, driven through its sockets as a host drives it: a chunk whose third input
+    runs long; a GiveBack gets the two done outputs and the three unstarted ids at once, while it runs; a Cancel
+    of one id in a second chunk answers it Cancelled; then the straggler's output comes, and nothing else."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    zctx = zmq.Context()
+    tasks, results = zctx.socket(zmq.ROUTER), zctx.socket(zmq.PULL)
+    for sock in (tasks, results):
+        sock.setsockopt(zmq.LINGER, 0)
+    tasks.bind(f"ipc://{tmp}/tasks")
+    results.bind(f"ipc://{tmp}/results")
+    env = dict(os.environ, SOMA_SECRET=SECRET.hex(), SOMA_SYS_PATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+    worker = subprocess.Popen([sys.executable, "-m", "soma.local.worker", "--tasks", f"ipc://{tmp}/tasks",
+                               "--results", f"ipc://{tmp}/results", "--id", "w9", "--host-pid", str(os.getpid()),
+                               "--prefix", pool_prefix(os.getpid(), os.urandom(4).hex()),
+                               "--status", os.path.join(tmp, "status")], env=env, stdin=subprocess.DEVNULL)
+
+    def receive():
+        assert results.poll(20_000), "the worker did not answer within 20 s"
+        return protocol.parse(SECRET, results.recv(), "the worker")
+
+    def send(message):
+        tasks.send_multipart([f"w9.{worker.pid}".encode(), protocol.pack(SECRET, message)])
+
+    try:
+        assert type(receive()) is protocol.Hello
+        go = os.path.join(tmp, "go")
+        payload = codec.Encoder(lambda create=True: None).pack_each
+        send(Task({1: nodecode.dumps(FileGate(3, go))}, {PIECE: protocol.pack_piece(Step("n"), {"n": 1}, {})},
+                  [Chunk([1, 2, 3, 4, 5, 6], PIECE, payload([1, 2, 3, 4, 5, 6]), False),
+                   Chunk([7, 8], PIECE, payload([7, 8]), False)], [], []))
+        outcomes: dict = {}
+        returned: list = []
+
+        def take(result):
+            decoder = codec.Decoder(lambda create=True: None)
+            for part in result.outcomes:
+                for o in protocol.chunk_outcomes(part, decoder.unpack, lambda err: err):
+                    assert o.job not in outcomes, f"job {o.job} answered twice"
+                    outcomes[o.job] = o
+            returned.extend(result.returned)
+
+        while {1, 2} - set(outcomes):  # a part, unasked: what is done does not wait for the straggler
+            take(receive())
+        assert 3 not in outcomes
+        send(protocol.Cancel([8]))
+        take(receive())
+        assert not outcomes[8].ok and isinstance(failures.error_from(outcomes[8].body), Cancelled)
+        send(GiveBack([3, 4, 5, 6, 7]))
+        take(receive())
+        assert sorted(returned) == [4, 5, 6, 7]  # not started: 3 runs, the others are the host's again
+        open(go, "w").close()
+        while 3 not in outcomes:
+            take(receive())
+        assert {j: o.body for j, o in outcomes.items() if o.ok} == {1: 2, 2: 4, 3: 6}
+        send(Task({}, {}, [JobSpec(9, PIECE, codec.Encoder(lambda create=True: None).pack(5), False)], [], []))
+        last = receive()
+        assert [o.job for o in last.outcomes] == [9] and not results.poll(200)  # nothing of the chunks came again
+    finally:
+        worker.kill()
+        worker.wait(10)
+        zctx.destroy(0)

@@ -1,0 +1,469 @@
+"""The host's core (soma/local/host/core.py) driven without processes: every event, in random interleavings.
+
+Hypothesis's stateful testing plays the loop: it starts inputs on real programs (compiled from real graphs),
+spawns workers and has them say hello, answers jobs (ok, failed, or handed back unstarted), kills workers at
+any point (with or without a readable status page), cancels and expires inputs, and carries out every action
+the core asks for as the loop would. After each step it checks the invariants:
+
+  * every input ends at most once, with its own outcome (the plan computed on its input) or a named error;
+  * nothing is sent to a worker that is not ready (a starting worker's jobs are parked until its hello);
+  * what the core counts as out at each worker is what was sent there and not answered;
+  * a cancelled or expired input is never delivered;
+and at the end, with every worker made to answer, that every input not cancelled ends.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from soma import Done, Graph, Node  # noqa: E402
+from soma.errors import Cancelled, NodeError, RunTimeout, SomaError, WorkerDied  # noqa: E402
+from soma.local.host.core import (  # noqa: E402
+    ASKED,
+    DOWN,
+    READY,
+    STARTING,
+    HostCore,
+)
+from soma.local.host.events import (  # noqa: E402
+    Arrived,
+    Bundled,
+    CancelAt,
+    Deliver,
+    Retire,
+    Send,
+    Spawn,
+)
+from soma.local.host.flows import Chunk, Flow  # noqa: E402
+from soma.local.host.program import compile_program  # noqa: E402
+from soma.plan import Seq, Step, Wave  # noqa: E402
+from soma.run.mapping import Span  # noqa: E402
+
+
+class A(Node):
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class B(A):
+    pass
+
+
+class C(A):
+    pass
+
+
+class D(A):
+    pass
+
+
+class One(A):
+    copies = 1  # a piece of its own
+
+
+class Batch(Node):
+    max_batch = 4
+
+    def forward_batch(self, xs, ctx):
+        return Done(xs)
+
+
+def _programs():
+    graphs = [
+        (Graph.somatize(A()), True),  # one piece
+        (Graph.somatize(A() >> One() >> B()), False),  # [a] >> [one] >> [b]
+        (Graph.somatize(A() >> (B() | C()) >> D()), False),  # [a] >> ([b] | [c]) >> [d]
+        (Graph.somatize(Batch()), False),  # a batching node alone: bundles
+    ]
+    return [compile_program(g, id, ["cpu", "cpu"], whole) for g, whole in graphs]
+
+
+PROGRAMS = _programs()
+
+
+def evaluate(plan, x):
+    """What a worker computes for `plan` on `x`: each node wraps its input in its id."""
+    if isinstance(plan, Step):
+        return f"{plan.id}({x!r})"
+    if isinstance(plan, Seq):
+        for item in plan.items:
+            x = evaluate(item, x)
+        return x
+    if isinstance(plan, Wave):
+        return tuple(evaluate(b, x) for b in plan.branches)
+    return evaluate(plan.plan, x)  # a Piece
+
+
+class Proc:
+    """A fake worker process: what the core needs of one (`.id`, `.pid`)."""
+
+    def __init__(self, slot: int, n: int):
+        self.slot, self.id, self.pid = slot, f"w{slot}", 1000 * (slot + 1) + n
+
+
+class Sink:
+    def __init__(self, machine):
+        self.machine = machine
+
+    def put(self, item):
+        self.machine.delivered(item)
+
+
+class CoreMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.core = HostCore(["cpu", "cpu"])
+        self.procs = [None, None]
+        self.spawns = 0
+        self.inbox = [[], []]  # per slot: jobs sent to its worker and not yet answered (in order)
+        self.started = [set(), set()]  # per slot: ids of jobs its worker began
+        self.cancelled_ids = [set(), set()]  # per slot: ids the core asked it to drop
+        self.retiring = []  # slots the core asked to retire, whose end the loop has not reported yet
+        self.asked = []  # slots the core asked to start again, not yet answered
+        self.inputs = {}  # index → (program, x, retries)
+        self.flows = {}  # index → Flow
+        self.given_up = set()  # indices cancelled or expired by their caller
+        self.outcomes = {}  # index → (ok, value)
+        self.next_index = 0
+        self.sink = Sink(self)
+
+    # -- the loop's side: carrying out actions ---------------------------------------------------------
+    def delivered(self, item):
+        index, ok, value = item
+        if type(value) is Span:  # a chunk's consecutive ok outputs
+            assert ok and value, item
+            for i, one in enumerate(value):
+                self.delivered((index + i, True, one))
+            return
+        assert index not in self.outcomes, f"input {index} delivered twice"
+        assert index not in self.given_up, f"input {index} was given up by its caller but delivered"
+        self.outcomes[index] = (ok, value)
+
+    def act(self):
+        for action in self.core.take():
+            if type(action) is Send:
+                assert self.core.state[action.slot] == READY, f"sent to w{action.slot}, {self.core.state[action.slot]}"
+                self.inbox[action.slot] += action.jobs
+            elif type(action) is CancelAt:
+                self.cancelled_ids[action.slot].update(action.job_ids)
+            elif type(action) is Retire:
+                self.retiring.append(action.slot)
+            elif type(action) is Deliver:
+                action.sink.put(action.item)
+            elif type(action) is Spawn:
+                assert self.core.state[action.slot] == ASKED
+                self.asked.append(action.slot)
+            else:
+                raise AssertionError(f"unknown action {action!r}")
+
+    def answer(self, slot: int, job, ok: bool):
+        if job.places is not None:
+            self.answer_chunk(slot, job, ok)
+            return
+        if job.id in self.cancelled_ids[slot] and job.id not in self.started[slot]:
+            arrived = Arrived(job.id, True, Cancelled(), None, 0.0, None)
+        elif ok:
+            arrived = Arrived(job.id, True, evaluate(job.piece, job.value), None, 1e-4, None)
+        else:
+            arrived = Arrived(job.id, False, NodeError.failed(job.piece.entry, "boom"), None, 1e-4, None)
+        self.inbox[slot].remove(job)
+        self.core.outcomes(slot, self.procs[slot], [arrived], 0.0)
+        self.act()
+
+    def answer_chunk(self, slot: int, job, ok: bool, part: int | None = None):
+        """A chunk's answer: each place's output (the last one fails unless `ok`), or Cancelled for a place
+        the core asked to drop that had not started (as the worker does); `part`: only its first `part` places
+        still owed (the worker sends what it has done when asked to drop the rest)."""
+        ids, oks, values = [], [], []
+        chunk = job.flow
+        places = sorted(job.pending)
+        whole = part is None or part >= len(places)
+        for place in places if whole else places[:part]:
+            job_id = job.base + place
+            x = self.inputs[chunk.index + place][1]
+            ids.append(job_id)
+            if job_id in self.cancelled_ids[slot] and job_id not in self.started[slot]:
+                oks.append(False)
+                values.append(Cancelled())
+            elif ok or place != max(job.pending):
+                oks.append(True)
+                values.append(evaluate(job.piece, x))
+            else:
+                oks.append(False)
+                values.append(NodeError.failed(job.piece.entry, "boom"))
+        if whole:
+            self.inbox[slot].remove(job)
+        self.core.outcomes(slot, self.procs[slot], [Bundled(ids, oks, values, 1e-4)], 0.0)
+        self.act()
+
+    def running(self, slot: int) -> list:
+        """What the worker's status page shows: a job it began (a chunk's: the last input it began)."""
+        shown = []
+        for job in self.inbox[slot]:
+            if job.places is None:
+                if job.id in self.started[slot]:
+                    shown.append((job.id, "?"))
+                continue
+            begun = [job.base + p for p in sorted(job.pending) if job.base + p in self.started[slot]]
+            if begun:
+                shown.append((begun[-1], "?"))
+        return shown
+
+    def end_worker(self, slot: int, readable: bool, down: str | None = None):
+        running = self.running(slot) if readable else None
+        proc = self.procs[slot]
+        self.inbox[slot], self.started[slot], self.cancelled_ids[slot] = [], set(), set()
+        self.core.lost(slot, proc, "was killed by signal 9 (SIGKILL)", running, down)
+        self.act()
+
+    # -- rules: the events ---------------------------------------------------------------------------
+    @initialize()
+    def spawn_all(self):
+        for slot in (0, 1):
+            self.spawn(slot)
+
+    def spawn(self, slot: int):
+        self.spawns += 1
+        self.procs[slot] = Proc(slot, self.spawns)
+        self.core.spawned(slot, self.procs[slot])
+        self.act()
+
+    @rule(program=st.integers(0, len(PROGRAMS) - 1), n=st.integers(1, 6), retries=st.integers(0, 2))
+    def start(self, program, n, retries):
+        items = []
+        for _ in range(n):
+            index = self.next_index
+            self.next_index += 1
+            items.append((index, f"x{index}"))
+            self.inputs[index] = (PROGRAMS[program], f"x{index}", retries)
+        flows = {index: Flow(index, self.sink, None, PROGRAMS[program], x, retries) for index, x in items}
+        self.core.start(PROGRAMS[program], list(flows.values()))
+        self.flows.update(flows)
+        self.act()
+
+    @rule(n=st.integers(1, 6))
+    def start_chunk(self, n):
+        """Consecutive inputs of a map in one chunk (a program of one piece: no retries, no timeout)."""
+        first, xs = self.next_index, []
+        for _ in range(n):
+            index = self.next_index
+            self.next_index += 1
+            xs.append(f"x{index}")
+            self.inputs[index] = (PROGRAMS[0], f"x{index}", 0)
+        chunk = Chunk(first, self.sink, PROGRAMS[0], xs)
+        self.core.start(PROGRAMS[0], [chunk])
+        for i in range(n):
+            self.flows[first + i] = chunk
+        self.act()
+
+    @rule(slot=st.integers(0, 1))
+    def hello(self, slot):
+        if self.core.state[slot] == STARTING:
+            self.core.ready(slot)
+            self.act()
+
+    @rule(slot=st.integers(0, 1), pick=st.integers(0, 63))
+    def begin(self, slot, pick):
+        """The worker begins a job (a chunk's: its next input; the worker runs a chunk's inputs in order)."""
+        waiting = []
+        for job in self.inbox[slot]:
+            if job.places is None:
+                if job.id not in self.started[slot]:
+                    waiting.append(job.id)
+                continue
+            left = [job.base + p for p in sorted(job.pending) if job.base + p not in self.started[slot]]
+            if left:
+                waiting.append(left[0])
+        if waiting:
+            self.started[slot].add(waiting[pick % len(waiting)])
+
+    @rule(slot=st.integers(0, 1), pick=st.integers(0, 63), ok=st.booleans())
+    def finish(self, slot, pick, ok):
+        if self.inbox[slot]:
+            self.answer(slot, self.inbox[slot][pick % len(self.inbox[slot])], ok)
+
+    @rule(slot=st.integers(0, 1), pick=st.integers(0, 63), part=st.integers(1, 5))
+    def answer_part(self, slot, pick, part):
+        """A worker answers the first places a chunk's job still owes (the rest come later)."""
+        owing = [j for j in self.inbox[slot] if j.places is not None and len(j.pending) > 1]
+        if owing:
+            self.answer_chunk(slot, owing[pick % len(owing)], True, part)
+
+    @rule()
+    def stragglers(self):
+        """Chunks out for long while a worker idles: what they have not started goes to that worker."""
+        for slot, job in self.core.stragglers(1e9):
+            self.core.hand_on(job, self.running(slot))
+        self.act()
+
+    @rule(slot=st.integers(0, 1), pick=st.integers(0, 63))
+    def hand_back(self, slot, pick):
+        """The worker drops a job it has not started (over max_memory, say): Cancelled, it goes elsewhere."""
+        waiting = [j for j in self.inbox[slot] if j.id not in self.started[slot] and not (
+            j.places is not None and any(j.base + p in self.started[slot] for p in j.places))]
+        if waiting:
+            job = waiting[pick % len(waiting)]
+            self.inbox[slot].remove(job)
+            if job.places is not None:  # a chunk none of whose inputs began: each handed back
+                ids = [job.base + p for p in sorted(job.pending)]
+                back = Bundled(ids, [False] * len(ids), [Cancelled() for _ in ids], 0.0)
+                self.core.outcomes(slot, self.procs[slot], [back], 0.0)
+            else:
+                self.core.outcomes(slot, self.procs[slot], [Arrived(job.id, True, Cancelled(), None, 0.0, None)],
+                                   0.0)
+            self.act()
+
+    @rule(slot=st.integers(0, 1), readable=st.booleans())
+    def die(self, slot, readable):
+        if self.core.state[slot] not in (DOWN, ASKED):
+            self.end_worker(slot, readable)
+            self.spawn(slot)
+
+    @rule(slot=st.integers(0, 1), readable=st.booleans())
+    def die_and_stay_down(self, slot, readable):
+        """The worker dies and no replacement can be started (out of file descriptors, say)."""
+        if self.core.state[slot] not in (DOWN, ASKED):
+            self.end_worker(slot, readable, down="could not be started again: OSError: [Errno 24]")
+
+    @precondition(lambda self: self.asked)
+    @rule(works=st.booleans())
+    def answer_spawn(self, works):
+        slot = self.asked.pop(0)
+        if works:
+            self.spawn(slot)
+        else:
+            self.core.down(slot, "could not be started again: OSError: [Errno 24]")
+            self.act()
+
+    @precondition(lambda self: self.retiring)
+    @rule(readable=st.booleans())
+    def retired(self, readable):
+        slot = self.retiring.pop(0)
+        if self.core.state[slot] not in (DOWN, ASKED):
+            self.end_worker(slot, readable)
+            self.spawn(slot)
+
+    @rule(slot=st.integers(0, 1))
+    def over_memory(self, slot):
+        if self.core.state[slot] == READY:
+            self.core.leaving(slot)
+            self.act()
+
+    @rule(pick=st.integers(0, 1 << 16))
+    def cancel(self, pick):
+        live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up]
+        if live:
+            index = live[pick % len(live)]
+            flow = self.flows[index]
+            # (a chunk is cancelled whole: every input of it not delivered yet is given up)
+            self.given_up.update(i for i, f in self.flows.items() if f is flow and i not in self.outcomes)
+            self.core.cancel([flow])
+            self.act()
+
+    @rule(pick=st.integers(0, 1 << 16))
+    def expire(self, pick):
+        live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up
+                and type(self.flows[i]) is not Chunk]  # (a chunk's inputs have no timeout)
+        if live:
+            index = live[pick % len(live)]
+            flow = self.flows[index]
+            running = {slot: [(j.id, j.piece.entry) for j in self.inbox[slot] if j.id in self.started[slot]]
+                       for slot in self.core.where(flow)}
+            self.given_up.add(index)
+            err = self.core.expire(flow, 1.0, running)
+            assert isinstance(err, RunTimeout) and str(err).startswith("run timed out after 1.0 s")
+            self.act()
+
+    # -- invariants -------------------------------------------------------------------------------------
+    @invariant()
+    def outcomes_are_right(self):
+        for index, (ok, value) in self.outcomes.items():
+            program, x, retries = self.inputs[index]
+            if ok:
+                assert value == evaluate(program, x), (index, value)
+            else:
+                assert isinstance(value, (NodeError, WorkerDied)), value
+                if isinstance(value, WorkerDied) and str(value).startswith("no worker can run"):
+                    assert "could not be started again" in str(value), value  # (it says why)
+                elif isinstance(value, WorkerDied):
+                    assert value.tries == retries + 1 and value.worker in ("w0", "w1"), value
+
+    @invariant()
+    def counted_out_is_what_was_sent(self):
+        core = self.core
+        for slot in (0, 1):
+            out = [j for j in core.dispatch.outstanding.values() if j.slot == slot and j not in core.dispatch.parked[slot]]
+            assert sorted(j.id for j in out) == sorted(j.id for j in self.inbox[slot]), slot
+            assert core.dispatch.choice.load[slot] == len(out) + len(core.dispatch.parked[slot]), slot
+
+    def teardown(self):
+        """Liveness: every worker says hello and answers everything (no more deaths): every input ends."""
+        for _ in range(10_000):
+            moved = False
+            while self.asked:
+                self.spawn(self.asked.pop(0))
+                moved = True
+            for slot in (0, 1):
+                if self.retiring and self.retiring[0] == slot:
+                    self.retiring.pop(0)
+                    self.end_worker(slot, True)
+                    self.spawn(slot)
+                    moved = True
+                if self.core.state[slot] == DOWN:  # (it could not be started: now it can)
+                    self.spawn(slot)
+                    moved = True
+                if self.core.state[slot] == STARTING:
+                    self.core.ready(slot)
+                    self.act()
+                    moved = True
+                if self.inbox[slot]:
+                    self.answer(slot, self.inbox[slot][0], True)
+                    moved = True
+            if not moved:
+                break
+        left = [i for i in self.inputs if i not in self.outcomes and i not in self.given_up]
+        assert not left, f"inputs that never ended: {left}"
+        assert not self.core.dispatch.outstanding and not self.core.busy()
+
+
+CoreMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_the_core_keeps_its_invariants_in_every_interleaving = CoreMachine.TestCase
+
+
+def test_a_closed_core_ends_every_input_with_its_error():
+    core = HostCore(["cpu"])
+    core.spawned(0, Proc(0, 1))
+    core.ready(0)
+    core.take()
+    got = []
+
+    class Into:
+        put = staticmethod(got.append)
+
+    core.start(PROGRAMS[0], [Flow(0, Into, None, PROGRAMS[0], "a"), Flow(1, Into, None, PROGRAMS[0], "b")])
+    sent = [a for a in core.take() if type(a) is Send]
+    assert len(sent) == 1 and len(sent[0].jobs) == 2
+    error = SomaError("closed")
+    core.close(error)
+    core.start(PROGRAMS[0], [Flow(2, Into, None, PROGRAMS[0], "c")])
+    for action in core.take():
+        action.sink.put(action.item)
+    assert got == [(0, False, error), (1, False, error), (2, False, error)]
+
+
+def test_an_event_out_of_order_is_a_named_error():
+    core = HostCore(["cpu"])
+    core.spawned(0, Proc(0, 1))
+    with pytest.raises(SomaError, match=r"^worker w0 was spawned while the slot was starting"):
+        core.spawned(0, Proc(0, 2))
