@@ -230,3 +230,33 @@ class MakeTimedBy(Node):
 class SizeOf(Node):
     def forward(self, x, ctx):
         return Done(size_of(x))
+
+
+# -- large arrays (benchmarks/shm.py) ------------------------------------------------------------------
+
+def filled(item):
+    """`(i, mib)` → a float64 array of `mib` MiB, every element `i` (so a value mixed up with another shows)."""
+    import numpy
+
+    i, mib = item
+    a = numpy.empty((mib << 20) // 8, numpy.float64)
+    a.fill(i)
+    return a
+
+
+class Filled(Node):
+    def forward(self, x, ctx):
+        return Done(filled(x))
+
+
+class FilledSet:
+    """A map-style dataset for torch's DataLoader: item i is `filled((i, mib))`."""
+
+    def __init__(self, count: int, mib: int):
+        self.count, self.mib = count, mib
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, i):
+        return filled((i, self.mib))

@@ -93,13 +93,36 @@ class SharedMemoryFull(NodeError):
     """
 
     nbytes = 0
+    held = 0  # bytes of /dev/shm the caller's own results hold, when that is why (`caller_holds`)
 
     @classmethod
     def reserving(cls, node: str | None, nbytes: int, what: str) -> "SharedMemoryFull":
-        reason = (f"shared memory is full: could not reserve {_size(nbytes)} in /dev/shm for {what}. Free space in "
+        reason = (f"shared memory is full: could not reserve {size_text(nbytes)} in /dev/shm for {what}. Free space in "
                   f"/dev/shm (`df -h /dev/shm` shows it), or give it more (in docker: `--shm-size=8g`)")
         err = cls.failed(node, reason) if node is not None else cls(None, reason)
         err.nbytes = nbytes
+        return err
+
+    @classmethod
+    def again(cls, node: str, err: "SharedMemoryFull", what: str) -> "SharedMemoryFull":
+        """The store's `err` raised again for `node`, whose `what` it was: the store's reason kept when it said
+        whose the room is (`caller_holds`)."""
+        if not err.held:
+            return cls.reserving(node, err.nbytes, what)
+        again = cls.failed(node, f"{err.args[0]} (for {what})")
+        again.nbytes, again.held = err.nbytes, err.held
+        return again
+
+    @classmethod
+    def caller_holds(cls, nbytes: int, held: int, free: int, total: int) -> "SharedMemoryFull":
+        """The room is the caller's own: results it keeps hold `held` bytes of /dev/shm (raised by the store;
+        whoever knows the node raises it again with `again`, which keeps this reason)."""
+        err = cls(None, f"shared memory is full: could not reserve {size_text(nbytes)} in /dev/shm, which has "
+                        f"{size_text(free)} free of {size_text(total)}, and the results this program keeps hold "
+                        f"{size_text(held)} of it. Let go of results you no longer need (del them, or copy what "
+                        f"you keep: `t.clone()`, `a.copy()`), or give /dev/shm more room (in docker: "
+                        f"`--shm-size=8g`)")
+        err.nbytes, err.held = nbytes, held
         return err
 
 
@@ -155,7 +178,8 @@ def traceback_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
+    """`nbytes` as a person reads it: `20.0 MiB`."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"

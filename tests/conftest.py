@@ -70,6 +70,7 @@ usual, and the fix shows up as XPASS (a failure) until the mark goes.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -221,6 +222,18 @@ def runner(request):
 
         return soma.Executor()
     return request.getfixturevalue("local" if request.param == "local" else "ray_runner")
+
+
+@pytest.fixture
+def small_shm(tmp_path):
+    """`small_shm(body, mib=64)`: run Python source `body` where /dev/shm is `mib` MiB, in a private mount
+    namespace; skipped, saying why, where one cannot be made (tests/small_shm.py)."""
+    from tests.small_shm import run_in_small_shm, why_no_small_shm
+
+    why = why_no_small_shm()
+    if why is not None:
+        pytest.skip(why)
+    return functools.partial(run_in_small_shm, tmp_path=tmp_path)
 
 
 @pytest.fixture(scope="module")

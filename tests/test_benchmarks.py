@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from soma import cli
+from tests.small_shm import why_no_small_shm
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-MODULES = ["gil_wave", "overhead", "tensor", "startup", "memory", "soma_ray", "map", "batching", "aio", "long_jobs"]
+MODULES = ["gil_wave", "overhead", "tensor", "startup", "memory", "soma_ray", "map", "batching", "aio", "long_jobs",
+           "shm"]
 WITHOUT_RAY = importlib.util.find_spec("ray") is None
 PLOTTED = {"map", "batching"}  # the modules whose --plot the smoke run draws too (serve's: tests/test_serve.py)
 WITH_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -34,9 +36,11 @@ def test_soma_bench_lists_the_benchmarks(capsys):
 
 @pytest.mark.timeout(630)
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.skipif(
+    pytest.param(name, marks=[pytest.mark.skipif(
         name == "soma_ray" and WITHOUT_RAY, reason="soma_ray needs ray, which is not installed (pip install "
-                                                   "'soma[ray]'); without it the module prints that it skipped"))
+                                                   "'soma[ray]'); without it the module prints that it skipped"),
+        pytest.mark.skipif(name == "shm" and why_no_small_shm() is not None,
+                           reason=f"shm needs a 64 MiB /dev/shm of its own: {why_no_small_shm()}")])
     for name in MODULES])
 def test_each_benchmark_writes_well_shaped_records(name, tmp_path):
     out = tmp_path / f"{name}.json"

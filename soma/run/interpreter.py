@@ -455,7 +455,7 @@ class Interpreter:
     def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:
         """The NodeError for an exception a node raised (a full /dev/shm has its own)."""
         if isinstance(exc, SharedMemoryFull):
-            return SharedMemoryFull.reserving(node_id, exc.nbytes, "a tensor it made with ctx.empty")
+            return SharedMemoryFull.again(node_id, exc, "a tensor it made with ctx.empty")
         text = traceback_text(exc) if self.remote else None
         what = f"{doing} {type(exc).__name__}" if doing else type(exc).__name__
         missing = missing_device(device)

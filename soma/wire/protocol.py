@@ -5,7 +5,7 @@ the records below are the messages, `pack` seals one into a frame and `parse`
 opens a frame into a record. The values inside (a node's input and output) are
 `soma.wire.codec`'s business; how the frames travel is `soma.wire.transport`'s.
 
-    host → worker   Task(code, pieces, jobs, frees, forget)
+    host → worker   Task(code, pieces, jobs, frees, forget, held)
                         code    {node key: the node, pickled}      only what this worker lacks
                         pieces  {piece id: piece spec}             only what this worker lacks
                         jobs   [JobSpec(id, piece, payload, traced)] one input for one piece each,
@@ -15,6 +15,7 @@ opens a frame into a record. The values inside (a node's input and output) are
                                                                  piece, encoded together as one list
                         frees   [[segment, n]]                     see soma.wire.shm
                         forget  [node key]                         the host let these nodes go
+                        held    bytes of /dev/shm the caller's results hold (see soma.wire.room)
                     Free(frees)      Cancel(job ids: drop them if not started)      Stop()
                     GiveBack(job ids: those not started come back unrun, named in `returned`)
     worker → host   Hello(worker, pid, device)
@@ -145,6 +146,7 @@ class Task(NamedTuple):
     jobs: list
     frees: list
     forget: list
+    held: int = 0  # bytes of /dev/shm the caller's results hold now (a worker short of room says so: soma.wire.room)
 
 
 class Result(NamedTuple):
@@ -199,8 +201,8 @@ def parse(secret: bytes, frame: bytes, origin: str):
         fields = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
         kind = fields[0]
         if kind == TASK:
-            code, pieces, jobs, frees, forget = fields[1:]
-            return Task(code, pieces, [_entry(u) for u in jobs], frees, forget)
+            code, pieces, jobs, frees, forget, held = fields[1:]
+            return Task(code, pieces, [_entry(u) for u in jobs], frees, forget, held)
         if kind == RESULT:
             worker, pid, outcomes, releases, leaving, returned = fields[1:]
             return Result(worker, pid, [Outcome(*o) if len(o) == 5 else ChunkPart(*o) for o in outcomes], releases,

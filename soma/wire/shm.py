@@ -35,6 +35,10 @@ Who frees what, and when (the rules `docs/local.md` explains at length):
   views are dead. Workers report dead receipts to the host (`releases()`).
 * When the pool closes, or a worker dies, its files are unlinked. Mappings
   survive an unlink, so results a caller still holds stay valid after `close()`.
+* Where /dev/shm has no room for a segment, its file goes to the pool's spill
+  directory on disk instead (`soma.wire.room`: what is given back and waited for
+  first, and why a file): the same rules hold for it, except that it is never
+  kept for reuse.
 
 Small values do not use segments (see `soma.wire.codec`): a segment per 0-d tensor
 would cost more than the bytes.
@@ -50,6 +54,7 @@ import weakref
 from collections import deque
 
 from ..errors import SharedMemoryFull
+from . import room
 from .mapping import (
     POPULATE_READ,
     POPULATE_WRITE,
@@ -59,8 +64,9 @@ from .mapping import (
     unmap,
     view_at,
 )
+from .room import exported, mark_exported, unlink_all, unlink_quietly  # noqa: F401  (re-exported: the pool and tensors.py use them)
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = room.SHM_DIR
 GRANULE = 64 * 1024  # segment sizes are rounded up to this, so near sizes reuse one segment
 
 # A process with nothing to do for this long gives back its free segments beyond IDLE_KEEP. Not sooner: a caller
@@ -80,28 +86,6 @@ def owner_pid(name: str) -> int:
     return int(name.rsplit("-", 2)[1])
 
 
-def unlink_quietly(name: str) -> None:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
-
-
-def unlink_all(prefix: str, owner: int | None = None, keep: set | frozenset = frozenset()) -> int:
-    """Unlink this pool's segment files (one owner's only, when `owner` is given), except `keep`."""
-    head = f"{prefix}-" if owner is None else f"{prefix}-{owner}-"
-    removed = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return 0
-    for name in names:
-        if name.startswith(head) and name not in keep:
-            unlink_quietly(name)
-            removed += 1
-    return removed
-
-
 class ShmError(RuntimeError):
     """A handle names a segment this process must not or cannot map."""
 
@@ -109,10 +93,11 @@ class ShmError(RuntimeError):
 class _Segment:
     """A segment this process created: its base mapping, and who still uses it."""
 
-    __slots__ = ("name", "nbytes", "address", "sent", "local_live", "in_pool")
+    __slots__ = ("name", "nbytes", "address", "sent", "local_live", "in_pool", "spilled")
 
-    def __init__(self, name: str, nbytes: int, address: int):
+    def __init__(self, name: str, nbytes: int, address: int, spilled: bool = False):
         self.name = name
+        self.spilled = spilled  # its file is in the spill directory: never kept for reuse
         self.nbytes = nbytes
         self.address = address  # the owner's permanent mapping: already faulted in when reused
         self.sent = 0  # handles sent and not yet settled by the host's free()
@@ -145,105 +130,109 @@ class _View:
         return self.name, self.mapper is not None
 
 
-# A segment handed on outside soma (torch.multiprocessing received its file descriptor) is marked so on its
-# file: another process may map it for as long as it likes, so its owner never reuses it, only unlinks it.
-_EXPORTED_BIT = 0o100
-
-
-def mark_exported(path: str) -> None:
-    """Segment file `path` was handed on outside soma: its owner must not reuse it (see `_EXPORTED_BIT`)."""
-    try:
-        os.chmod(path, 0o600 | _EXPORTED_BIT)
-    except FileNotFoundError:
-        pass  # unlinked already: nobody can reuse it
-
-
-def _exported(name: str) -> bool:
-    try:
-        return bool(os.stat(os.path.join(SHM_DIR, name)).st_mode & _EXPORTED_BIT)
-    except FileNotFoundError:
-        return False
-
-
 class SegmentStore:
     """One per process: the segments it owns, the ones it maps, and the receipts it must report.
 
     `prefix` is the pool's (`pool_prefix`); names outside it are refused. `cap`
-    bounds the bytes of free segments kept for reuse; beyond it a freed segment is
-    unlinked. `on_release` is called (from any thread, lock not held) when a
-    view holding receipts dies; it receives `(name, n)`.
+    bounds the bytes of free segments kept for reuse (and a quarter of /dev/shm
+    does: a small /dev/shm is for values, not for what one process keeps); beyond
+    it a freed segment is unlinked. `on_release` is called (from any thread, lock
+    not held) when a view holding receipts dies; it receives `(name, n)`.
+
+    `caller_held`: None, or a callable giving the bytes of /dev/shm that results
+    the caller keeps hold (the host's measure); a reservation that lacks room the
+    caller holds raises `SharedMemoryFull` naming it instead of spilling (see
+    `soma.wire.room`). `room_wait_s`: how long a reservation waits for room
+    others free before it spills (default: by its size, see `room.room_wait_s`;
+    0 for a thread that must not wait: one that passes on the very frees it
+    would wait for).
     """
 
-    def __init__(self, prefix: str, cap: int, on_release=None):
+    def __init__(self, prefix: str, cap: int, on_release=None, caller_held=None, room_wait_s: float | None = None):
         self.prefix = prefix
-        self.cap = cap
+        self.shm_bytes = room.shm_room()[1]
+        self.arena = cap
+        self.cap = min(cap, self.shm_bytes // 4) if self.shm_bytes else cap
+        self.idle_keep = min(IDLE_KEEP, self.shm_bytes // 16) if self.shm_bytes else IDLE_KEEP
+        self.caller_held = caller_held
+        self.room_wait_s = room_wait_s  # (None: `room.room_wait_s`, by the value's size)
+        self.wanted = room.RoomWanted(prefix)
         self.pid = os.getpid()
         self._on_release = on_release
-        self._name_re = re.compile(rf"^{re.escape(prefix)}-\d+-\d+$")
+        self._name_re = re.compile(rf"^{re.escape(prefix)}-\d+-{room.SPILLED}?\d+$")
         # Not reentrant: a finalizer that runs inside one of our critical sections (the garbage collector runs
         # where it likes) must not change the books under it; it leaves the view for later instead (`_dead`).
         self._lock = threading.Lock()
         self._dead: deque = deque()  # records of views that died while the lock was taken
         self._counter = 0
         self._owned: dict[str, _Segment] = {}
-        self._pool: list[_Segment] = []  # free owned segments, reusable
+        self._pool: list[_Segment] = []  # free owned segments in /dev/shm, reusable
         self._pooled_bytes = 0
+        self._spills: list[_Segment] = []  # free owned spilled segments, reusable
+        self._spilled_bytes = 0
         self._views: dict[tuple, _View] = {}  # (segment, by a Mapper?) → this process's live view of it
         self._starts: list[int] = []  # sorted start addresses of the live views (for `locate`)
         self._at: dict[int, _View] = {}  # start address → its view's record
         self._pending: list[tuple[str, int]] = []
+        self._received_bytes = 0  # of the views over other processes' segments (received_bytes)
         self.closed = False
 
     # -- owner side ----------------------------------------------------------------------
     def allocate(self, nbytes: int):
         """`(view, name)`: a fresh view of at least `nbytes` in a segment this process owns (reused when one is
-        free). The view spans the whole segment and stays this process's view of it until it dies."""
+        free; in the spill directory when /dev/shm has no room, see `soma.wire.room`). The view spans the whole
+        segment and stays this process's view of it until it dies."""
+        if self._pool and self.wanted.heard():
+            self.trim(0)  # another process of the pool lacks room: what this one keeps for reuse goes first
         seg = self._take_free(nbytes) or self._create(nbytes)
         return self._view(seg), seg.name
 
     def _take_free(self, nbytes: int):
         with self._lock:
             self._bury_dead()
-            best = None
-            for seg in self._pool:
-                # Reuse only a segment that is not much larger: a 1 GiB segment kept for a 4 MiB value wastes memory.
-                if nbytes <= seg.nbytes <= max(2 * nbytes, nbytes + GRANULE) and (best is None or seg.nbytes < best.nbytes):
-                    best = seg
-            if best is not None:
-                self._pool.remove(best)
-                self._pooled_bytes -= best.nbytes
-                best.in_pool = False
-            return best
+            for pool in (self._pool, self._spills):  # (one in /dev/shm first)
+                best = None
+                for seg in pool:
+                    # Reuse only a segment that is not much larger: a 1 GiB segment kept for a 4 MiB value wastes
+                    # memory.
+                    if nbytes <= seg.nbytes <= max(2 * nbytes, nbytes + GRANULE) and (
+                            best is None or seg.nbytes < best.nbytes):
+                        best = seg
+                if best is not None:
+                    pool.remove(best)
+                    if pool is self._pool:
+                        self._pooled_bytes -= best.nbytes
+                    else:
+                        self._spilled_bytes -= best.nbytes
+                    best.in_pool = False
+                    return best
+            return None
 
     def _create(self, nbytes: int) -> _Segment:
         size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
-        with self._lock:
-            self._counter += 1
-            name = f"{self.prefix}-{self.pid}-{self._counter}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            # Reserve the pages now: a sparse file on a full /dev/shm would SIGBUS on first touch instead.
+        name = room.reserve_in_shm(self._name(), size, self.trim, self.wanted, self.caller_held, self.room_wait_s)
+        if name is None:  # no room in /dev/shm, and not the caller's to free (see soma.wire.room)
+            name = self._name(room.SPILLED)
             try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                if not self.trim(0):  # our free segments kept for reuse are the first thing given back
-                    raise
-                os.posix_fallocate(fd, 0, size)
-        except OSError as err:
-            os.close(fd)
-            unlink_quietly(name)
-            raise SharedMemoryFull.reserving(None, size, f"a segment ({err.strerror})") from None
-        os.close(fd)
+                room.make_spill_dir(self.prefix, nbytes)
+                room.reserve(name, size)
+            except OSError as err:
+                raise SharedMemoryFull.reserving(None, size, f"a segment, nor on disk in {room.spill_dir(self.prefix)} "
+                                                 f"({err.strerror or err})") from None
         try:
-            address = map_file(path, size, POPULATE_WRITE)  # (the value is copied in next)
+            address = map_file(room.path_of(name), size, POPULATE_WRITE)  # (the value is copied in next)
         except OSError:
             unlink_quietly(name)
             raise
-        seg = _Segment(name, size, address)
+        seg = _Segment(name, size, address, spilled=room.is_spilled(name))
         with self._lock:
             self._owned[name] = seg
         return seg
+
+    def _name(self, kind: str = "") -> str:
+        with self._lock:
+            self._counter += 1
+            return f"{self.prefix}-{self.pid}-{kind}{self._counter}"
 
     def free(self, name: str, n: int) -> None:
         """The host settled `n` of this process's sends of segment `name`."""
@@ -259,14 +248,21 @@ class SegmentStore:
         # lock held
         if seg.busy or seg.in_pool:
             return
-        if self.closed or self._pooled_bytes + seg.nbytes > self.cap or _exported(seg.name):
+        # A spilled one is kept apart, up to the whole arena: it takes no room in /dev/shm, and a warm one costs
+        # what a warm segment in /dev/shm does (its pages are in memory), a fresh one what a fresh one does.
+        kept = self._spilled_bytes + seg.nbytes > self.arena if seg.spilled else self._pooled_bytes + seg.nbytes > self.cap
+        if self.closed or kept or exported(seg.name):
             del self._owned[seg.name]
             unlink_quietly(seg.name)
             unmap(seg.address, seg.nbytes)  # nothing of this process sees it any more (no live view)
             return
         seg.in_pool = True
-        self._pool.append(seg)
-        self._pooled_bytes += seg.nbytes
+        if seg.spilled:
+            self._spills.append(seg)
+            self._spilled_bytes += seg.nbytes
+        else:
+            self._pool.append(seg)
+            self._pooled_bytes += seg.nbytes
 
     # -- sender side -----------------------------------------------------------------------
     def locate(self, address: int, nbytes: int):
@@ -308,7 +304,7 @@ class SegmentStore:
                 found.receipts += 1
                 return view
             seg = self._owned.get(name)
-        path = os.path.join(SHM_DIR, name)
+        path = room.path_of(name)
         if seg is not None:  # one of ours sent back
             if nbytes > seg.nbytes:
                 raise ShmError(f"segment {name} holds {seg.nbytes} bytes, the handle claims {nbytes}")
@@ -380,6 +376,8 @@ class SegmentStore:
             self._at[address] = rec
             if seg is not None:
                 seg.local_live += 1
+            elif not room.is_spilled(name):
+                self._received_bytes += nbytes
         # Not at exit: a finalizer run then would unmap memory that arrays still alive at exit point into.
         weakref.finalize(view, self._view_died, rec).atexit = False
         return view
@@ -426,8 +424,11 @@ class SegmentStore:
             rec.seg.local_live -= 1
             if self._owned.get(rec.name) is rec.seg:
                 self._maybe_reusable(rec.seg)
-        elif rec.unmaps:
-            unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
+        else:
+            if not room.is_spilled(rec.name):
+                self._received_bytes -= rec.nbytes
+            if rec.unmaps:
+                unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
         return [(rec.name, receipts)] if receipts else []
 
     def releases(self) -> list[tuple[str, int]]:
@@ -446,9 +447,25 @@ class SegmentStore:
         """Bytes of free segments kept for reuse."""
         return self._pooled_bytes
 
-    def trim(self, keep: int) -> int:
-        """Give back free segments kept for reuse (largest first) until at most `keep` bytes of them are left:
-        unlinked and unmapped (nothing sees them). Returns the bytes given back."""
+    def received_bytes(self) -> int:
+        """Bytes of /dev/shm in other processes' segments this process holds live views of (in the host: what
+        the caller keeps of results, and values on their way through; a `caller_held` measure). Kept as views
+        come and go: the host asks with every Task it sends."""
+        return self._received_bytes
+
+    def idle(self, idle_s: float) -> None:
+        """This process has had nothing to do for `idle_s` seconds (its owner calls this every so often while it
+        idles): give back what it keeps for reuse when another process wants room, and after IDLE_TRIM_S all
+        but `idle_keep` of it, so that an idle pool does not keep /dev/shm full of values its caller dropped."""
+        if self._pool and self.wanted.heard():
+            self.trim(0)
+        elif idle_s >= IDLE_TRIM_S and (self._pooled_bytes > self.idle_keep or self._spills):
+            self.trim(self.idle_keep, spilled=True)
+
+    def trim(self, keep: int, spilled: bool = False) -> int:
+        """Give back free segments kept for reuse in /dev/shm (largest first) until at most `keep` bytes of them
+        are left, and with `spilled` every spilled one kept: unlinked and unmapped (nothing sees them). Returns
+        the bytes of /dev/shm given back."""
         given = 0
         with self._lock:
             self._bury_dead()
@@ -456,11 +473,19 @@ class SegmentStore:
             while self._pool and self._pooled_bytes > keep:
                 seg = self._pool.pop()
                 self._pooled_bytes -= seg.nbytes
-                del self._owned[seg.name]
-                unlink_quietly(seg.name)
-                unmap(seg.address, seg.nbytes)
+                self._give_back(seg)
                 given += seg.nbytes
+            while spilled and self._spills:
+                seg = self._spills.pop()
+                self._spilled_bytes -= seg.nbytes
+                self._give_back(seg)
         return given
+
+    def _give_back(self, seg: _Segment) -> None:
+        # lock held; a free segment kept for reuse: nothing sees it
+        del self._owned[seg.name]
+        unlink_quietly(seg.name)
+        unmap(seg.address, seg.nbytes)
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
@@ -469,8 +494,9 @@ class SegmentStore:
             self.closed = True
             for name in list(self._owned):
                 unlink_quietly(name)
-            for seg in self._pool:
+            for seg in self._pool + self._spills:
                 del self._owned[seg.name]
                 unmap(seg.address, seg.nbytes)  # idle: nothing sees it
             self._pool.clear()
-            self._pooled_bytes = 0
+            self._spills.clear()
+            self._pooled_bytes = self._spilled_bytes = 0

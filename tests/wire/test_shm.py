@@ -3,13 +3,16 @@
 import ctypes
 import gc
 import os
+import time
 
 import pytest
 
 from soma.local.host.leases import LeaseBook
+from soma.wire import room
 from soma.wire.mapping import address_of
 from soma.wire.shm import (
     GRANULE,
+    IDLE_TRIM_S,
     SHM_DIR,
     Mapper,
     SegmentStore,
@@ -17,6 +20,7 @@ from soma.wire.shm import (
     mark_exported,
     owner_pid,
     pool_prefix,
+    unlink_all,
 )
 
 
@@ -24,13 +28,12 @@ from soma.wire.shm import (
 def prefix():
     p = pool_prefix(os.getpid(), os.urandom(4).hex())
     yield p
-    for name in os.listdir(SHM_DIR):
-        if name.startswith(p):
-            os.unlink(os.path.join(SHM_DIR, name))
+    unlink_all(p)
 
 
 def files(prefix):
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    """The pool's segment files in /dev/shm (not its room-wanted flag)."""
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix) and not n.endswith("-wanted"))
 
 
 def fds():
@@ -328,14 +331,82 @@ def test_a_failed_reservation_first_gives_back_the_free_segments_kept_for_reuse(
     del view
 
 
-def test_nothing_kept_for_reuse_means_a_full_dev_shm_is_shared_memory_full(prefix, monkeypatch):
+def _dev_shm_full(monkeypatch):
+    """posix_fallocate refuses every file in /dev/shm (what a full tmpfs answers); files elsewhere get their room."""
+    real = os.posix_fallocate
+
+    def refuse_in_dev_shm(fd, offset, length):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(SHM_DIR + "/"):
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse_in_dev_shm)
+    monkeypatch.setattr(room, "ROOM_WAIT_S", 0.05)  # (a 20 MiB value would wait 40 ms)
+
+
+def test_a_full_dev_shm_with_nothing_kept_for_reuse_spills_to_a_file_on_disk(prefix, monkeypatch, caplog):
+    _dev_shm_full(monkeypatch)
+    owner, receiver = SegmentStore(prefix, cap=1 << 30), SegmentStore(prefix, cap=1 << 30)
+    with caplog.at_level("WARNING", logger="soma.shm"):
+        view, name = owner.allocate(3 * GRANULE)
+        view2, name2 = owner.allocate(GRANULE)
+    spill = room.spill_dir(prefix)
+    assert files(prefix) == [] and sorted(os.listdir(spill)) == sorted([name, name2])
+    assert os.stat(spill).st_mode & 0o777 == 0o700 and os.stat(room.path_of(name)).st_mode & 0o777 == 0o600
+    assert os.path.exists(os.path.join(SHM_DIR, f"{prefix}-wanted"))  # the others were told room is wanted
+    [warning] = caplog.messages  # one per pool, naming the size, the room and --shm-size
+    assert "192.0 KiB does not fit in /dev/shm" in warning and "free of" in warning and "--shm-size" in warning
+    view[5] = 9
+    owner.note_sent(name)
+    seen = receiver.open(name, 3 * GRANULE)  # the receiver maps it from the spill directory
+    assert seen[5] == 9
+    del view, view2
+    gc.collect()
+    owner.free(name, 1)
+    assert owner.pooled_bytes() == 0  # (kept apart: it takes no room in /dev/shm)
+    again, same = owner.allocate(GRANULE)  # a spilled one kept for reuse, warm: no new file
+    assert same == name2 and sorted(os.listdir(spill)) == sorted([name, name2])
+    del seen, again
+    gc.collect()
+    owner.idle(0.0)
+    assert sorted(os.listdir(spill)) == sorted([name, name2])  # kept while busy ...
+    owner.idle(IDLE_TRIM_S)
+    assert os.listdir(spill) == []  # ... and given back once idle
+    unlink_all(prefix)
+    assert not os.path.exists(spill) and files(prefix) == []
+
+
+def test_a_value_larger_than_dev_shm_spills_at_once(prefix, monkeypatch):
+    monkeypatch.setattr(room, "shm_room", lambda: (8 * GRANULE, 16 * GRANULE))
+    store = SegmentStore(prefix, cap=1 << 30)
+    started = time.monotonic()
+    view, name = store.allocate(17 * GRANULE)  # can never fit: no wait for room
+    assert time.monotonic() - started < room.ROOM_WAIT_S and room.is_spilled(name)
+    del view
+    store.close()
+    unlink_all(prefix)
+    assert not os.path.exists(room.spill_dir(prefix))
+
+
+def test_a_reservation_that_lacks_room_the_caller_holds_is_shared_memory_full_naming_it(prefix, monkeypatch):
     from soma.errors import SharedMemoryFull
 
-    store = SegmentStore(prefix, cap=1 << 30)
-    monkeypatch.setattr(os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
-    with pytest.raises(SharedMemoryFull):
-        store.allocate(GRANULE)
-    assert files(prefix) == []
+    _dev_shm_full(monkeypatch)
+    store = SegmentStore(prefix, cap=1 << 30, caller_held=lambda: 60 << 20)
+    with pytest.raises(SharedMemoryFull, match="the results this program keeps hold 60.0 MiB") as caught:
+        store.allocate(20 << 20)
+    assert caught.value.held == 60 << 20 and files(prefix) == []
+    assert not os.path.exists(room.spill_dir(prefix))
+
+
+def test_a_store_that_hears_room_is_wanted_gives_back_what_it_keeps(prefix):
+    keeper, wanting = SegmentStore(prefix, cap=1 << 30), SegmentStore(prefix, cap=1 << 30)
+    kept = _free_segment(keeper, 4 * GRANULE)
+    keeper.idle(0.0)
+    assert kept in files(prefix)  # nobody wants room: kept
+    wanting.wanted.say()
+    keeper.idle(0.0)
+    assert kept not in files(prefix) and keeper.pooled_bytes() == 0
 
 
 def test_trim_gives_back_the_largest_free_segments_first_down_to_what_is_kept(prefix):
@@ -347,3 +418,15 @@ def test_trim_gives_back_the_largest_free_segments_first_down_to_what_is_kept(pr
     assert store.trim(0) == GRANULE and files(prefix) == [live_name]
     live[0] = 1  # still mapped
     del live
+
+
+def test_received_bytes_counts_the_live_views_of_other_processes_segments(prefix):
+    owner, receiver = SegmentStore(prefix, cap=1 << 30), SegmentStore(prefix, cap=1 << 30)
+    view, name = owner.allocate(3 * GRANULE)
+    assert owner.received_bytes() == 0  # its own: not received
+    seen = receiver.open(name, 3 * GRANULE)
+    assert receiver.received_bytes() == 3 * GRANULE
+    del seen
+    gc.collect()
+    assert receiver.received_bytes() == 0
+    del view

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import defaultdict, deque
 
-from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, owner_pid, unlink_quietly
+from ...wire.shm import owner_pid, unlink_quietly
 
 
 class _Entry:
@@ -119,23 +119,33 @@ class HostSegments:
                 if self.store is None:
                     from ...wire.shm import SegmentStore
 
-                    self.store = SegmentStore(self.prefix, self.arena, on_release=self._release)
+                    # Inputs are encoded on the loop's thread, which passes on the very frees a wait for room
+                    # would wait for: the host never waits (room_wait_s=0); it gives back what it keeps, says
+                    # room is wanted, and spills (soma.wire.room).
+                    self.store = SegmentStore(self.prefix, self.arena, on_release=self._release, room_wait_s=0)
         return self.store
 
     def note_sent(self, name: str) -> None:
         if self.store is not None:
             self.store.note_sent(name)
 
+    def caller_held(self) -> int:
+        """Bytes of /dev/shm the caller's results hold (a Task's `held`). 0 until results delivered to the
+        caller are told apart from outputs still on their way (a map's window, its reorder buffer), which
+        `store.received_bytes()` counts too: a worker short of room those hold must spill, not raise."""
+        return 0
+
     def trim_if_idle(self, busy: bool) -> None:
-        """The host's side of what each worker does: after IDLE_TRIM_S with no job queued or out, the free
-        segments kept for reuse beyond IDLE_KEEP are given back (called by whoever listens)."""
+        """The host's side of what each worker does (`SegmentStore.idle`): with no job queued or out, what it
+        keeps for reuse goes back when another process wants room, and beyond its idle keep after IDLE_TRIM_S
+        (called by whoever listens)."""
         now = time.monotonic()
         if busy:
             self._busy_at = now
             return
         store = self.store
-        if store is not None and store.pooled_bytes() > IDLE_KEEP and now - self._busy_at >= IDLE_TRIM_S:
-            store.trim(IDLE_KEEP)
+        if store is not None:
+            store.idle(now - self._busy_at)
 
     def _release(self, name: str, n: int) -> None:
         self._released.append((name, n))  # any thread, maybe inside GC: only queue it

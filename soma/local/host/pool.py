@@ -186,7 +186,8 @@ class WorkerPool:
                 if key not in worker.loaded and key not in code:
                     code[key] = self.registry.code(node_id, key)
         frees = self._book.take_frees(worker.pid) if self._book.has_frees else []
-        task = Task(code, pieces, [item.wire() for item in items], frees, worker.forget)
+        task = Task(code, pieces, [item.wire() for item in items], frees, worker.forget,
+                    self.segments.caller_held())
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
         if not sent_ok:
             self._book.give_back_frees(worker.pid, frees)

@@ -179,7 +179,7 @@ def _packed(pack, x, entry: str) -> bytes:
     except codec.Unsendable as err:
         raise NodeError.failed(entry, f"its input cannot be sent to a worker: {err}") from None
     except SharedMemoryFull as err:
-        raise SharedMemoryFull.reserving(entry, err.nbytes, "its input") from None
+        raise SharedMemoryFull.again(entry, err, "its input") from None
     except OSError as err:  # a segment that could not be made or mapped (too many open files, ...)
         raise NodeError.failed(entry, f"its input could not be put in shared memory: {type(err).__name__}: "
                                       f"{err}") from err

@@ -1,11 +1,12 @@
 """This worker's shared-memory segments (soma.wire.shm): its store made on first use, segments freed on the host's
-word, free ones given back when the worker has been idle, every one unlinked when the worker ends."""
+word, free ones given back when another process wants room or the worker has been idle, every one unlinked when
+the worker ends."""
 
 from __future__ import annotations
 
 import threading
 
-from ...wire.shm import IDLE_KEEP, IDLE_TRIM_S, SegmentStore
+from ...wire.shm import SegmentStore
 
 
 class Segments:
@@ -13,13 +14,14 @@ class Segments:
         self.prefix, self.arena = prefix, arena
         self.store = None
         self.lock = threading.Lock()
+        self.caller_held = 0  # bytes of /dev/shm the caller's results hold, as the host's last Task said
 
     def get_store(self, create: bool = True):
         """The worker's SegmentStore (made now when `create`), or None when none was needed yet."""
         if self.store is None and create:
             with self.lock:
                 if self.store is None:
-                    self.store = SegmentStore(self.prefix, self.arena)
+                    self.store = SegmentStore(self.prefix, self.arena, caller_held=lambda: self.caller_held)
         return self.store
 
     def free(self, frees: list) -> None:
@@ -33,11 +35,11 @@ class Segments:
         return self.store.releases() if self.store is not None else []
 
     def trim_if_idle(self, idle_s: float) -> None:
-        """Nothing ran for IDLE_TRIM_S (`idle_s`: how long nothing has): give back the free segments kept for
-        reuse beyond IDLE_KEEP, so that an idle pool does not keep /dev/shm full of values its caller dropped."""
+        """Between jobs (`idle_s`: how long nothing has run): the store gives back what it keeps for reuse when
+        another process wants room, or when nothing ran for a while (`SegmentStore.idle`)."""
         store = self.store
-        if store is not None and idle_s >= IDLE_TRIM_S and store.pooled_bytes() > IDLE_KEEP:
-            store.trim(IDLE_KEEP)
+        if store is not None:
+            store.idle(idle_s)
 
     def close(self) -> None:
         """Unlink this worker's segments (it is ending)."""

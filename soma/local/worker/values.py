@@ -51,7 +51,7 @@ def _encoded(encoder, pack, value, producer: str, get_store, what: str) -> bytes
     except codec.GradCrossing as err:
         raise NodeError.failed(producer, err.reason("it returned")) from None
     except SharedMemoryFull as err:
-        raise SharedMemoryFull.reserving(producer, err.nbytes, what) from None
+        raise SharedMemoryFull.again(producer, err, what) from None
     except codec.Unsendable as err:
         hint = "" if err.too_deep else " (return plain data, tensors, or picklable objects)"
         raise NodeError.failed(producer, f"{what} cannot be sent back to the host: {err}{hint}") from None

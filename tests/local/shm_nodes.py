@@ -1,0 +1,54 @@
+"""Nodes of the tests where /dev/shm is small (tests/local/test_small_shm.py): arrays of a given size, each
+element telling which input made it, so a value that went wrong shows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from soma import Done, Node
+
+MIB = 1 << 20
+
+
+class Make(Node):
+    """`(i, mib)` → a float64 array of `mib` MiB, every element `i` (on the heap, or through ctx.empty_array)."""
+
+    def __init__(self, through_ctx: bool = False):
+        self.through_ctx = through_ctx
+
+    def forward(self, x, ctx):
+        i, mib = x
+        n = mib * MIB // 8
+        a = ctx.empty_array(n, np.float64) if self.through_ctx else np.empty(n, np.float64)
+        a.fill(i)
+        return Done(a)
+
+
+class MakeTensor(Node):
+    """`(i, mib)` → a float64 tensor of `mib` MiB through ctx.empty, every element `i`."""
+
+    def forward(self, x, ctx):
+        import torch
+
+        i, mib = x
+        t = ctx.empty((mib * MIB // 8,), dtype=torch.float64)
+        t.fill_(i)
+        return Done(t)
+
+
+class PlusOne(Node):
+    def forward(self, x, ctx):
+        return Done(x + 1)
+
+
+class Size(Node):
+    """What arrived, in brief: its bytes and its first and last elements."""
+
+    def forward(self, x, ctx):
+        return Done((int(x.nbytes), float(x[0]), float(x[-1])))
+
+
+def check(a, i, mib) -> None:
+    """`a` is what Make made for `(i, mib)`: its size, and every element."""
+    assert a.nbytes == mib * MIB, (a.nbytes, mib)
+    assert (a == i).all(), f"array {i}: elements other than {i}"

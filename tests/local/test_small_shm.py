@@ -1,0 +1,151 @@
+"""soma.Local where /dev/shm is small (a container's 64 MiB: issue 33, SPEC 7.2 "Where /dev/shm is small").
+
+Each test runs its body in a process of its own whose /dev/shm is a 64 MiB tmpfs
+(the `small_shm` fixture: tests/small_shm.py): values that do not fit wait for room, take back what pools
+keep, or go through a file on disk; every value is checked, and nothing may be left
+in /dev/shm (or in a spill directory) after `close()`.
+"""
+
+import pytest
+
+pytest.importorskip("numpy")
+
+pytestmark = pytest.mark.timeout(300)
+
+HEAD = """
+import numpy as np
+import soma
+from soma import Graph
+from tests.local.shm_nodes import MIB, Make, MakeTensor, PlusOne, Size, check
+"""
+
+
+def test_a_map_of_20_mib_outputs_goes_through_with_the_default_window(small_shm):
+    done = small_shm(HEAD + """
+with soma.Local(workers=2) as local:
+    for i, a in enumerate(local.map(Graph.somatize(Make()), [(i, 20) for i in range(30)])):
+        check(a, i, 20)
+        del a
+    print("MAPPED", i + 1)
+""")
+    assert "MAPPED 30" in done.stdout
+
+
+def test_an_input_takes_back_the_room_an_idle_worker_keeps_for_reuse(small_shm):
+    # The worker keeps the 40 MiB result's segment for reuse once the caller drops it; the 30 MiB input fits
+    # only when that goes back, without a file on disk (no warning).
+    done = small_shm(HEAD + """
+with soma.Local(workers=1) as local:
+    a = local.run(Graph.somatize(Make()), (7, 40))
+    check(a, 7, 40)
+    del a
+    time.sleep(2)  # (the issue's case: an idle pool, not yet past its idle trim)
+    x = np.full(30 * MIB // 8, 3.0)
+    nbytes, first, last = local.run(Graph.somatize(Size()), x)
+    assert (nbytes, first, last) == (30 * MIB, 3.0, 3.0), (nbytes, first, last)
+    print("INPUT OK")
+""")
+    assert "INPUT OK" in done.stdout
+    assert "does not fit in /dev/shm" not in done.stderr, done.stderr
+
+
+def test_a_value_larger_than_dev_shm_goes_through_a_file_in_and_out_with_one_warning(small_shm):
+    done = small_shm(HEAD + """
+with soma.Local(workers=2) as local:
+    x = np.arange(100 * MIB // 8, dtype=np.float64)
+    for k in range(2):
+        y = local.run(Graph.somatize(PlusOne()), x)
+        assert y.shape == x.shape and (y == x + 1).all()
+        del y
+    print("BIG OK")
+""")
+    assert "BIG OK" in done.stdout
+    assert done.stderr.count("does not fit in /dev/shm") == 1, done.stderr
+    warning = done.stderr[done.stderr.index("a value of"):]
+    assert "100.0 MiB does not fit in /dev/shm" in warning and "of 64.0 MiB" in warning, warning
+    assert "--shm-size" in warning, warning
+
+
+def test_ctx_empty_of_100_mib_in_a_64_mib_dev_shm_gives_a_buffer_that_works(small_shm):
+    done = small_shm(HEAD + """
+with soma.Local(workers=1) as local:
+    a = local.run(Graph.somatize(Make(through_ctx=True)), (5, 100))
+    check(a, 5, 100)
+    t = local.run(Graph.somatize(MakeTensor()), (6, 100))
+    assert t.nbytes == 100 * MIB and bool((t == 6).all())
+    del a, t
+    print("EMPTY OK")
+""")
+    assert "EMPTY OK" in done.stdout
+
+
+def test_a_killed_workers_spilled_files_are_swept_and_the_next_run_works(small_shm):
+    # The worker keeps the spilled segment of a dropped 100 MiB result for reuse; killed, it cannot unlink it:
+    # the host sweeps a dead worker's files in the spill directory as in /dev/shm.
+    done = small_shm(HEAD + """
+import glob, signal
+with soma.Local(workers=1) as local:
+    a = local.run(Graph.somatize(Make()), (4, 100))
+    check(a, 4, 100)
+    del a
+    [pid] = local.pids()
+    spilled = glob.glob(os.path.join(tempfile.gettempdir(), "*-spill", f"*-{pid}-d*"))
+    assert spilled, "the worker's spilled segment is not kept for reuse"
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(p) for p in spilled) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(p) for p in spilled), spilled
+    a = local.run(Graph.somatize(Make()), (9, 100))
+    check(a, 9, 100)
+    del a
+    print("SWEPT")
+""")
+    assert "SWEPT" in done.stdout
+
+
+@pytest.mark.xfail(strict=True, reason="the host does not yet tell the workers what the caller's delivered results "
+                                       "hold (Task.held stays 0: issue 33's host side, after the host's rewrite), "
+                                       "so the output spills instead")
+def test_a_caller_holding_60_mib_of_results_gets_shared_memory_full_saying_so(small_shm):
+    small_shm(HEAD + """
+from soma import SharedMemoryFull
+with soma.Local(workers=1) as local:
+    held = [local.run(Graph.somatize(Make()), (i, 20)) for i in range(3)]
+    try:
+        local.run(Graph.somatize(Make()), (3, 20))
+    except SharedMemoryFull as err:
+        assert "node `make` failed" in str(err) and "the results this program keeps hold 60." in str(err), err
+    else:
+        raise AssertionError("no SharedMemoryFull while the caller holds 60 MiB of results")
+    for i, a in enumerate(held):
+        check(a, i, 20)  # intact
+    del held
+    a = local.run(Graph.somatize(Make()), (4, 20))  # room again once they are let go of
+    check(a, 4, 20)
+    del a
+""")
+
+
+def test_a_killed_hosts_workers_remove_its_spilled_files_and_spill_directory(small_shm):
+    # The host holds a 100 MiB result (in a spilled segment of its worker) and is SIGKILLed: its workers see it
+    # gone and remove what the pool left, the spill directory with it (the postlude checks nothing is left).
+    done = small_shm(HEAD + """
+import glob, signal, subprocess
+host = subprocess.Popen([sys.executable, "-c", '''
+import sys, numpy as np, soma
+from soma import Graph
+from tests.local.shm_nodes import Make, check
+local = soma.Local(workers=1).start()
+a = local.run(Graph.somatize(Make()), (2, 100))
+check(a, 2, 100)
+print("HOLDING", flush=True)
+sys.stdin.read()
+'''], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+assert host.stdout.readline().strip() == "HOLDING"
+assert glob.glob(os.path.join(tempfile.gettempdir(), "*-spill", "*"))  # the result's file, on disk
+host.kill()
+host.wait()
+print("KILLED")
+""")
+    assert "KILLED" in done.stdout
