@@ -1,11 +1,13 @@
 """`soma.Local`: graphs on worker processes of this machine. Two sides, each a package:
 
-    runner.py   Local, the public face (the caller's thread)
+    runner.py   Local, the public face (the caller's thread); inflight.py, its in-flight set for map
     host/       in the caller's process. One owner of the host's state: core.py, a pure state machine
-                (events in, actions out: no locks, no sockets, no threads), with its books in dispatch.py
-                (lines, choice.py) and flows.py (an input's walk); loop.py, the only code that locks and
-                the only code that touches the sockets and the core; pool.py (processes, sockets, leases),
-                sending.py (encoding), listener.py, program.py (compile), procs.py, leases.py
+                (events in, actions out: no locks, no sockets, no threads; with core_workers.py, workers
+                coming and going, and core_chunks.py, a map's chunks: chunks.py), with its books in
+                dispatch.py (lines, choice.py) and flows.py (an input's walk); loop.py, the only code that
+                locks and the only code that touches the sockets and the core (callers.py: callers that wait
+                receive for each other); pool.py (processes, sockets, leases), sending.py (encoding),
+                outcomes.py (decoding, checking), listener.py, program.py (compile), procs.py, leases.py
     worker/     the `soma-worker` program (`python -m soma.local.worker`): one process of the pool
 
 How one `run(g, x)` goes (calls go down, answers come back as return values; the worker's side is drawn in
@@ -31,7 +33,7 @@ How one `run(g, x)` goes (calls go down, answers come back as return values; the
       │     the lock let go, then each Deliver put in its sink (so a future's callback holds no lock)
       ◀── the output, or the failure, raised
 
-    map(g, xs): soma.run.mapping takes inputs lazily within the window and calls LocalInflight.start
+    map(g, xs): soma.run.mapping takes inputs lazily within the window and calls LocalInflight.start (inflight.py)
     (many flows, one sink) and .wait (HostLoop.await_item on that sink).
     A worker that dies: whoever holds the lock finds it (pool.find_dead, every PUMP_S), receives what it
     sent first, ends it (pool.end), and tells the core (`lost`): the jobs it ran fail (WorkerDied) or run

@@ -18,18 +18,17 @@ import weakref
 
 from ..device import Device
 from ..errors import DeviceError, SomaError
-from ..run.aio import FutureSink, InputFuture, LoopSink
+from ..run.aio import FutureSink, InputFuture
 from ..run.base import RunnerBase, checked_retries, closed_message
-from ..run.mapping import Inflight, map_outputs
+from ..run.mapping import map_outputs
 from ..run.registry import NodeRegistry
 from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
-from .host.chunks import AHEAD
 from .host.loop import HostLoop
 from .host.pool import WorkerPool
-from .host.program import compile_program, pieces
+from .host.program import compile_program
+from .inflight import LocalInflight
 
-SWEEP_AT = 1024  # a map's books of its flows are swept of ended chunks once they hold this many (see _popped)
 CLOSE_WAIT_S = 60.0  # a second close() waits this long for the first (which takes a few seconds at most)
 
 
@@ -256,79 +255,6 @@ class Local(RunnerBase):
                 worker = self._pool.worker(slot)
                 if worker is not None:
                     trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
-
-
-class LocalInflight(Inflight):
-    """Local's in-flight set for map: flows on the host's loop, their outcomes in one queue."""
-
-    def __init__(self, loop: HostLoop, g, program, tracer, timeout, retries: int, asynchronous: bool = False):
-        self.loop, self.program, self.timeout = loop, program, timeout
-        self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
-        self.retries = retries
-        self.tracer = tracer  # whose trace block, if any, each input is recorded in when it starts
-        self.pieces = pieces(program)  # (asked for at every turn of the map: found once)
-        # amap: outcomes go to the event loop (made at the first start, in the loop); map: to a queue the
-        # iterating thread receives on
-        self.sink = None if asynchronous else queue.SimpleQueue()
-        self.flows: dict = {}  # index → Flow (a chunk's first index → its Chunk) not yet seen to end
-        self.sweep_at = SWEEP_AT
-        # Cheap inputs travel in chunks (host/chunks.py): a program of one piece with no batching node, whose
-        # inputs have no deadline and no retries (a chunk's inputs run one after another at one worker).
-        one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
-        self.chunked = one if one is not None and not one.batch and timeout is None and not retries else None
-        self.workers = len(tracer.worker_devices)
-
-    def parallelism(self) -> int:
-        most = self.loop.parallelism(self.pieces)
-        if self.chunked is not None:
-            most = max(most, self.workers * AHEAD * self.loop.chunk(self.chunked))
-        return most
-
-    def start(self, items: list) -> None:
-        if self.sink is None:
-            self.sink = LoopSink()
-        trace = self.tracer.current_trace
-        if self.chunked is not None and trace is None and len(items) > 1:
-            size = min(self.loop.chunk(self.chunked), -(-len(items) // self.workers))
-            if size > 1:
-                self.flows.update(self.loop.start_chunks(self.program, items, self.sink, self.graph, size))
-                return
-        self.flows.update(self.loop.start_inputs(self.program, items, self.sink, trace, self.retries, self.graph))
-
-    def _popped(self, got: list) -> None:
-        flows = self.flows
-        for index, _, _ in got:
-            flows.pop(index, None)
-        if len(flows) > self.sweep_at:  # chunks whose inputs ended in parts (failures) are not popped above
-            self.flows = {index: flow for index, flow in flows.items() if not flow.finished}
-            self.sweep_at = max(SWEEP_AT, 2 * len(self.flows))
-
-    def wait(self, timeout):
-        try:
-            got = [self.loop.await_item(self.sink, timeout)]
-        except queue.Empty:
-            return []
-        take = self.loop.take_nowait
-        item = take(self.sink)
-        while item is not None:
-            got.append(item)
-            item = take(self.sink)
-        self._popped(got)
-        return got
-
-    async def await_wait(self, timeout):
-        got = await self.sink.take(timeout)
-        self._popped(got)
-        return got
-
-    def expire(self, index: int) -> BaseException:
-        flow = self.flows.pop(index)
-        return self.loop.expire(flow, self.timeout)
-
-    def close(self) -> None:
-        if self.flows:
-            self.loop.cancel(list(self.flows.values()))
-            self.flows.clear()
 
 
 def _expired(loop: HostLoop, flow, future, timeout: float) -> None:

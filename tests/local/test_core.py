@@ -29,13 +29,8 @@ from hypothesis.stateful import (  # noqa: E402
 
 from soma import Done, Graph, Node  # noqa: E402
 from soma.errors import Cancelled, NodeError, RunTimeout, SomaError, WorkerDied  # noqa: E402
-from soma.local.host.core import (  # noqa: E402
-    ASKED,
-    DOWN,
-    READY,
-    STARTING,
-    HostCore,
-)
+from soma.local.host.core import HostCore  # noqa: E402
+from soma.local.host.core_workers import ASKED, DOWN, READY, STARTING  # noqa: E402
 from soma.local.host.events import (  # noqa: E402
     Arrived,
     Bundled,

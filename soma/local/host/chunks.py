@@ -1,6 +1,6 @@
 """What becomes of a chunk's inputs: the core's rules for `Chunk` flows (core.py calls these; pure).
 
-    a map of a one-piece program, untraced, no timeout, no retries (runner.LocalInflight), inputs measured
+    a map of a one-piece program, untraced, no timeout, no retries (soma.local.inflight), inputs measured
     cheap ──▶ Chunk(index, [x0 .. xk-1]) ── one Job (ids base+0 .. base+k-1) ── one Bundle ──▶ worker:
     each input run by itself, in order ──▶ one Outcome: each input's own output or error (a Bundled here)
       ├ the ok ones, consecutive ──▶ (index + p, True, Span([...]))   handed out one by one by the map

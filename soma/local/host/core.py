@@ -39,28 +39,25 @@ from ...errors import (
     WorkerDied,
 )
 from . import chunks
+from .core_chunks import ChunkEvents
+from .core_workers import (
+    ASKED,
+    DOWN,
+    LEAVING,
+    READY,
+    STARTING,
+    WorkerEvents,
+)
 from .dispatch import Dispatch
-from .events import Bundled, CancelAt, Deliver, Retire, Send, Spawn
+from .events import Bundled, CancelAt, Deliver, Send, Spawn
 from .flows import Chunk, Flow, Job, Walker, chunk_base, stale
-from .outcomes import checked, record
+from .outcomes import checked, internal, record
 from .program import pieces
 
-LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 
-
-# A slot's state. STARTING: spawned, no hello yet (jobs are parked for it). READY: takes jobs. LEAVING: over
-# max_memory, takes nothing, retired once idle. RETIRING: told to go (Retire), its `lost` not yet heard.
-# DOWN: no worker there; its end is handled (`why_down` says why when it cannot come back now). ASKED: a
-# start was asked for (Spawn), its answer not yet heard.
-STARTING, READY, LEAVING, RETIRING, DOWN, ASKED = "starting", "ready", "leaving", "retiring", "down", "asked"
-
-
-class OutOfOrder(SomaError):
-    """An event the core cannot take in its state (a bug in the loop that calls it): never a silent hang."""
-
-
-class HostCore:
-    """The host's one owner of what becomes of each input. See the module's docstring."""
+class HostCore(WorkerEvents, ChunkEvents):
+    """The host's one owner of what becomes of each input. See the module's docstring (core_workers.py has the
+    events of workers coming and going, core_chunks.py those of a map's chunks)."""
 
     def __init__(self, worker_devices: list[str]):
         n = len(worker_devices)
@@ -80,6 +77,10 @@ class HostCore:
         """The actions decided since the last take, in order."""
         out, self.out = self.out, []
         return out
+
+    def has_idle(self) -> bool:
+        """Whether a worker is ready and has nothing out."""
+        return any(state == READY and not load for state, load in zip(self.state, self.dispatch.choice.load))
 
     def busy(self) -> bool:
         """Whether any job is queued or out at a worker."""
@@ -164,119 +165,6 @@ class HostCore:
         self.dispatch.waiting.clear()
 
     # -- workers ------------------------------------------------------------------------------------------
-    def spawned(self, slot: int, worker) -> None:
-        """A new worker process for `slot` is on its way (no hello yet): jobs for it are parked until then."""
-        if self.state[slot] not in (DOWN, ASKED):
-            raise OutOfOrder(f"worker w{slot} was spawned while the slot was {self.state[slot]} (its last worker's "
-                             f"end must be handled first: lost)")
-        self.workers[slot], self.state[slot], self.why_down[slot] = worker, STARTING, None
-        self._pump()
-
-    def ready(self, slot: int) -> None:
-        """The worker of `slot` said hello: what was parked for it goes now."""
-        if self.state[slot] != STARTING:
-            return  # (a hello from a worker already retired: it takes nothing)
-        self.state[slot] = READY
-        wanted = []
-        for job in self.dispatch.unpark(slot):
-            if job.id not in self.dispatch.outstanding:
-                continue
-            if stale(job):  # cancelled, timed out or tried again while its worker started
-                self.dispatch.give_back(job)
-                job.flow.jobs.discard(job)
-                continue
-            wanted.append(job)
-        if wanted:
-            self._send(slot, wanted)
-        self._pump()
-
-    def leaving(self, slot: int) -> None:
-        """The worker of `slot` went over max_memory: it takes nothing more, and is retired once idle."""
-        if self.state[slot] == READY:
-            self.state[slot] = LEAVING
-        self._replace_once_idle(slot)
-
-    def down(self, slot: int, why: str) -> None:
-        """No worker can run on `slot` now (it could not be started: `why`); jobs that only it could run fail."""
-        if self.state[slot] not in (DOWN, ASKED):
-            raise OutOfOrder(f"worker w{slot} was said down while the slot was {self.state[slot]}")
-        self.state[slot], self.why_down[slot] = DOWN, why
-        self._pump()
-
-    def lost(self, slot: int, worker, ended: str, running, down: str | None = None) -> None:
-        """The worker process `worker` of `slot` ended (`ended`: how); its copies are gone with it. `down`: why
-        no replacement could be started (None: one is, and comes as `spawned` next).
-
-        A job it had not started (parked for it, or sent and not yet begun, as its status page says:
-        `running` [(job id, node id)], None when the page could not be read) goes back to the front of
-        its line, no try counted. A job it was running is lost: its input runs again from the start if it
-        has tries left, else fails (WorkerDied). A replacement is `spawned` (or `down`) next.
-        """
-        if worker is not self.workers[slot] or self.state[slot] == DOWN:
-            return  # an earlier incarnation's end, or this one's told twice
-        self.state[slot], self.why_down[slot] = DOWN, down
-        dispatch = self.dispatch
-        dispatch.choice.slot_lost(slot)
-        running = dict(running) if running is not None else None
-        parked = set(map(id, dispatch.unpark(slot)))
-        requeued = []
-        for job in dispatch.at(slot):
-            dispatch.give_back(job)
-            if stale(job):
-                job.flow.jobs.discard(job)
-                continue
-            if job.places is not None and id(job) not in parked:  # a chunk's: see chunks.py
-                place = chunks.lost(job, running)
-                if place is not None:
-                    requeued += self._chunk_lost(job, place, worker, ended, running, down)
-                    continue
-            if id(job) in parked or job.places is not None or (running is not None and job.id not in running):
-                job.slot = None
-                requeued.append(job)
-                continue
-            node = running.get(job.id, job.piece.entry) if running is not None else job.piece.entry
-            self._lost_running(job, worker, ended, node, down)
-        dispatch.waiting.add_first(requeued)
-        self._pump()
-
-    def _chunk_lost(self, job: Job, place: int, worker, ended: str, running, down: str | None) -> list:
-        """A chunk's job whose worker died running the input at `place`: that input fails (WorkerDied), the
-        others it still owed (done and not reported, or not started) go again: returns their job."""
-        job.flow.jobs.discard(job)
-        node = running.get(job.base + place, job.piece.entry) if running else job.piece.entry
-        self.chunk_jobs.pop(job.base, None)
-        self._lost_running(self.walker.rest_of(job, [place]), worker, ended, node, down)
-        others = chunks.still_open(job.flow, sorted(job.pending - {place}))
-        return [self._rest(job, others)] if others else []
-
-    def _rest(self, job: Job, places: list) -> Job:
-        """A new job of `job`'s chunk for these places (its inputs travel under new ids: an answer meant for
-        `job` is never taken for it)."""
-        again = self.walker.rest_of(job, places)
-        self.chunk_jobs[again.base] = again
-        job.flow.jobs.add(again)
-        return again
-
-    def _lost_running(self, job: Job, worker, ended: str, node: str, down: str | None) -> None:
-        flow = job.flow
-        if flow.tries <= flow.retries:
-            self._try_again(flow)
-            return
-        then = "run again, or pass retries=N" if not flow.retries else (
-            f"{flow.tries} tries, each lost to a dead worker (retries={flow.retries})")
-        replaced = "the pool replaced it" if down is None else f"a new worker {down}"
-        self._end_job(job, False, WorkerDied(
-            f"worker {worker.id} (pid {worker.pid}) {ended} while running node `{node}`; {replaced}: {then}",
-            worker=worker.id, pid=worker.pid, node=node, tries=flow.tries))
-
-    def _try_again(self, flow: Flow) -> None:
-        """Run the input again from the program's start; what is left of its last try is dropped."""
-        old = list(flow.jobs)
-        flow.jobs.clear()
-        flow.tries += 1
-        self._cancel_jobs([job for job in old if job.id in self.dispatch.outstanding])
-        self._enqueue(self.walker.start(flow, flow.x))
-
     # -- outcomes -----------------------------------------------------------------------------------------
     def outcomes(self, slot: int, worker, arrived: list, now: float) -> None:
         """What the worker `worker` of `slot` sent back in one Result: `Arrived` jobs and `Bundled` ones."""
@@ -304,84 +192,6 @@ class HostCore:
         if self.state[slot] == LEAVING:
             self._replace_once_idle(slot)
         self._pump()
-
-    def _chunk_arrived(self, slot: int, worker, one: Bundled, now: float) -> None:
-        """(Part of) a chunk's answer (chunks.py): each input's outcome delivered; what was handed back goes
-        again; the job is over once every place it owed is answered."""
-        base = chunk_base(one.jobs[0])
-        job = self.chunk_jobs.get(base)
-        if job is None or job.slot != slot:
-            return  # (a job over: all it owed answered, handed on, or its chunk cancelled)
-        chunk = job.flow
-        if stale(job):  # (cancelled: what it owed is dropped as it comes)
-            job.pending.difference_update(i - base for i in one.jobs)
-            if not job.pending:
-                self._chunk_job_over(job)
-            return
-        try:
-            items, back = chunks.arrived(job, one.oks, one.values, one.jobs, worker)
-        except Exception as err:  # never leave an input waiting forever on soma's own mistake
-            items, back = chunks.failed(chunk, job.places, _internal(err, f"handling the outcomes of node "
-                                                                           f"`{job.piece.entry}`")), []
-            job.pending.clear()
-        if not job.pending:
-            self._chunk_job_over(job)
-            self.dispatch.choice.measure(job, one.seconds, now, len(job.places))
-        back = chunks.still_open(chunk, back)
-        if back:
-            self.dispatch.waiting.add_first([self._rest(job, back)])
-        self._deliver_chunk(chunk, items)
-
-    def _chunk_job_over(self, job: Job) -> None:
-        """A chunk's job owes nothing any more (what its worker still says of it is dropped)."""
-        self.dispatch.give_back(job)
-        job.flow.jobs.discard(job)
-        self.chunk_jobs.pop(job.base, None)
-
-    def stragglers(self, now: float) -> list:
-        """`(slot, job)` of chunks' jobs out for long (an input of theirs is slow: it holds the others behind
-        it) while a worker has nothing to do: the loop reads what those workers run and calls `hand_on`."""
-        outstanding = self.dispatch.outstanding
-        for base in [b for b, j in self.chunk_jobs.items() if stale(j) and outstanding.get(j.id) is not j]:
-            del self.chunk_jobs[base]  # (over: dropped on a worker's end or hello, or never sent)
-        if not self.chunk_jobs or self.dispatch.waiting:
-            return []
-        choice = self.dispatch.choice
-        if not any(self.state[s] == READY and not choice.load[s] for s in range(len(self.state))):
-            return []
-        found = []
-        for job in self.chunk_jobs.values():
-            if job.slot is None or len(job.pending) < 2 or job in self.dispatch.parked[job.slot]:
-                continue
-            expected = choice.service_s.get(job.piece.id, 0.0) * len(job.places)
-            if now - job.sent_at > max(chunks.STRAGGLER_S, 4 * expected):
-                found.append((job.slot, job))
-        return found
-
-    def hand_on(self, job: Job, running: list) -> None:
-        """A chunk's job out for long (`stragglers`): the inputs it owes after the one its worker runs now
-        (`running`, its status page; all it owes when it runs none of them) go to another worker; its worker
-        is asked to drop them (it sends what it has done so far at once: see soma.local.worker). An input that
-        started meanwhile may run twice; its outcome is delivered once (the job it was handed on to owes it)."""
-        if self.dispatch.outstanding.get(job.id) is not job or stale(job):
-            return
-        now = chunks.running(job, running)  # (a chunk runs in order: those before it are done, not yet reported)
-        rest = chunks.still_open(job.flow, sorted(p for p in job.pending if now is None or p > now))
-        if not rest:
-            return
-        job.pending.difference_update(rest)
-        self.out.append(CancelAt(job.slot, [job.base + p for p in rest]))
-        if not job.pending:  # (it had not started: all of it goes; what its worker answers for it is dropped)
-            self._chunk_job_over(job)
-        self.dispatch.waiting.add_first([self._rest(job, rest)])
-        self._pump()
-
-    def _deliver_chunk(self, chunk: Chunk, items: list) -> None:
-        for item in items:
-            self.out.append(Deliver(chunk.sink, item))
-        if not chunk.open and not chunk.finished:
-            chunk.finished = True
-            self.flows.pop(chunk, None)
 
     def unsent(self, jobs: list, error: NodeError) -> None:
         """These jobs' inputs could not be encoded for their worker (the loop tried): each fails with `error`."""
@@ -418,7 +228,7 @@ class HostCore:
                 value, ok = checked(job, value, worker)
             self._end_job(job, ok, value)
         except Exception as err:  # never leave an input waiting forever on soma's own mistake
-            self._finish(job.flow, False, _internal(err, f"handling the outcome of node `{job.piece.entry}`"))
+            self._finish(job.flow, False, internal(err, f"handling the outcome of node `{job.piece.entry}`"))
 
     def _end_job(self, job: Job, ok: bool, value) -> None:
         """The job is over: its continuation makes the next jobs, or the flow's end."""
@@ -492,19 +302,6 @@ class HostCore:
                     f"no worker can run node `{piece.entry}`: worker {name} {why[slots[0]]}",
                     worker=name, pid=getattr(worker, "pid", None), node=piece.entry, tries=job.flow.tries))
 
-    def _replace_once_idle(self, slot: int) -> None:
-        """A worker over max_memory is replaced once every job sent to it has come back (its parked jobs go to
-        its replacement): nothing it sent is lost on the way, and nothing it held runs twice."""
-        parked = set(map(id, self.dispatch.parked[slot]))
-        if any(id(job) not in parked for job in self.dispatch.at(slot)):
-            return
-        self._retire(slot, LEFT_OVER_MEMORY)
-
-    def _retire(self, slot: int, why: str) -> None:
-        if self.state[slot] in (STARTING, READY, LEAVING):
-            self.state[slot] = RETIRING  # it takes nothing from now on; its `lost` says what it held
-            self.out.append(Retire(slot, why))
-
     def _cancel_jobs(self, jobs: list) -> None:
         """Ask workers to drop these jobs unless they have started (their outcomes come back and are dropped)."""
         by_slot: dict[int, list] = {}
@@ -513,11 +310,3 @@ class HostCore:
                 by_slot.setdefault(job.slot, []).extend(job.chunk_ids() if job.places is not None else (job.id,))
         for slot, ids in by_slot.items():
             self.out.append(CancelAt(slot, ids))
-
-
-def _internal(err: BaseException, doing: str) -> SomaError:
-    """soma's own failure while it was `doing` something for an input: said, never a silent hang."""
-    failure = SomaError(f"soma failed while {doing}: {type(err).__name__}: {err} (a bug in soma: please report it, "
-                        f"with this message)")
-    failure.__cause__ = err
-    return failure

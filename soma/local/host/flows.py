@@ -62,7 +62,7 @@ class Chunk(Flow):
     """Consecutive inputs of a map, `index` on, through a program of one piece, as one flow: one job runs them
     at one worker, one after another, and their outputs come back in one message (see core.py, "Chunks").
     Each input still ends by itself: `open` holds the places (0 to count - 1) of those not ended yet. Chunks
-    are made only for untraced inputs with no timeout and no retries (runner.LocalInflight)."""
+    are made only for untraced inputs with no timeout and no retries (soma.local.inflight)."""
 
     __slots__ = ("count", "open")
 

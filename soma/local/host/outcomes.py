@@ -10,10 +10,11 @@ import os
 import threading
 import time
 
-from ...errors import NodeError, PostconditionError
+from ...errors import NodeError, PostconditionError, SomaError
 from ...plan import last_step
 from ...run.postcondition import check_postcondition
-from .events import Undecodable
+from ...wire import failures
+from .events import Bundled, Undecodable
 from .flows import Job
 
 
@@ -51,3 +52,45 @@ def record(job: Job, worker, arrived) -> None:
                    {"node": last_step(job.piece.plan), "input": index, "bytes": nbytes})
         trace.interval(f"job {job.piece}", "host", job.sent_ns, start, pid, f"job-{job.id}",
                        {"input": index, "worker": worker.id})
+
+
+def internal(err: BaseException, doing: str) -> SomaError:
+    """soma's own failure while it was `doing` something for an input: said, never a silent hang."""
+    failure = SomaError(f"soma failed while {doing}: {type(err).__name__}: {err} (a bug in soma: please report it, "
+                        f"with this message)")
+    failure.__cause__ = err
+    return failure
+
+
+def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
+    """A Bundle's outcomes: `said[i]` is True (its output is the next one of the list `body` decodes to),
+    bytes (its output, encoded alone: the worker could not encode the list), or an error body. A list that
+    cannot be decoded leaves every output in it Undecodable."""
+    listed = sum(answer is True for answer in said)
+    shared: list = []
+    if listed:
+        try:
+            shared = decoder.unpack(body)
+            if type(shared) is not list or len(shared) != listed:
+                raise ValueError(f"a bundle's outputs decoded to {type(shared).__name__} of "
+                                 f"{len(shared) if type(shared) is list else '?'} values, not {listed}")
+        except Exception as err:
+            shared = [Undecodable(err)] * listed
+    if listed == len(ids):  # (the common case: every input ran ok)
+        return Bundled(ids, [True] * listed, shared, seconds)
+    oks, values, listed_values = [], [], iter(shared)
+    for answer in said:
+        if answer is True:
+            oks.append(True)
+            values.append(next(listed_values))
+        elif type(answer) is bytes:
+            try:
+                value = decoder.unpack(answer)
+            except Exception as err:
+                value = Undecodable(err)
+            oks.append(True)
+            values.append(value)
+        else:
+            oks.append(False)
+            values.append(failures.error_from(answer))
+    return Bundled(ids, oks, values, seconds)

@@ -23,8 +23,9 @@ from ..._log import warn
 from ...wire import codec, failures, protocol, transport
 from ...wire.protocol import ChunkPart, Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
-from .events import Arrived, Bundled, Gone, Outcomes, Ready, Undecodable
+from .events import Arrived, Gone, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
+from .outcomes import bundled
 from .procs import Restarts, spawn
 
 
@@ -283,12 +284,12 @@ class WorkerPool:
             for outcome in result.outcomes:
                 if type(outcome) is ChunkPart:  # (part of) a chunk's outcomes: see host/chunks.py
                     seconds = outcome.seconds
-                    decoded.append(_bundled(decoder, outcome.ids, outcome.said, outcome.body,
+                    decoded.append(bundled(decoder, outcome.ids, outcome.said, outcome.body,
                                             sum(seconds) / len(seconds) if seconds else 0.0))
                     continue
                 job_id, ok, body, spans, seconds = outcome
                 if type(job_id) is list:  # a Bundle's outcomes
-                    decoded.append(_bundled(decoder, job_id, ok, body, seconds))
+                    decoded.append(bundled(decoder, job_id, ok, body, seconds))
                     continue
                 start = time.monotonic_ns() if spans is not None else 0
                 if ok:
@@ -370,37 +371,3 @@ class WorkerPool:
             frees = self._book.take_frees(worker.pid)
             if frees and not self._send(worker, protocol.pack(self.secret, protocol.Free(frees))):
                 self._book.give_back_frees(worker.pid, frees)
-
-
-def _bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
-    """A Bundle's outcomes: `said[i]` is True (its output is the next one of the list `body` decodes to),
-    bytes (its output, encoded alone: the worker could not encode the list), or an error body. A list that
-    cannot be decoded leaves every output in it Undecodable."""
-    listed = sum(answer is True for answer in said)
-    shared: list = []
-    if listed:
-        try:
-            shared = decoder.unpack(body)
-            if type(shared) is not list or len(shared) != listed:
-                raise ValueError(f"a bundle's outputs decoded to {type(shared).__name__} of "
-                                 f"{len(shared) if type(shared) is list else '?'} values, not {listed}")
-        except Exception as err:
-            shared = [Undecodable(err)] * listed
-    if listed == len(ids):  # (the common case: every input ran ok)
-        return Bundled(ids, [True] * listed, shared, seconds)
-    oks, values, listed_values = [], [], iter(shared)
-    for answer in said:
-        if answer is True:
-            oks.append(True)
-            values.append(next(listed_values))
-        elif type(answer) is bytes:
-            try:
-                value = decoder.unpack(answer)
-            except Exception as err:
-                value = Undecodable(err)
-            oks.append(True)
-            values.append(value)
-        else:
-            oks.append(False)
-            values.append(failures.error_from(answer))
-    return Bundled(ids, oks, values, seconds)

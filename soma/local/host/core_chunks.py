@@ -1,0 +1,110 @@
+"""HostCore's events for a map's chunks (chunks.py has their rules): what becomes of a chunk's answers, of a
+chunk whose worker died, and of a chunk that holds inputs behind a straggler. Part of the core (a base of
+HostCore: the same state, the same purity: no locks, no I/O)."""
+
+from __future__ import annotations
+
+from . import chunks
+from .events import Bundled, CancelAt, Deliver
+from .flows import Chunk, Job, chunk_base, stale
+from .outcomes import internal
+
+
+class ChunkEvents:
+    """The chunk half of HostCore (its `chunk_jobs`, `dispatch`, `walker` and `out` are the core's)."""
+
+    def _chunk_lost(self, job: Job, place: int, worker, ended: str, running, down: str | None) -> list:
+        """A chunk's job whose worker died running the input at `place`: that input fails (WorkerDied), the
+        others it still owed (done and not reported, or not started) go again: returns their job."""
+        job.flow.jobs.discard(job)
+        node = running.get(job.base + place, job.piece.entry) if running else job.piece.entry
+        self.chunk_jobs.pop(job.base, None)
+        self._lost_running(self.walker.rest_of(job, [place]), worker, ended, node, down)
+        others = chunks.still_open(job.flow, sorted(job.pending - {place}))
+        return [self._rest(job, others)] if others else []
+
+    def _rest(self, job: Job, places: list) -> Job:
+        """A new job of `job`'s chunk for these places (its inputs travel under new ids: an answer meant for
+        `job` is never taken for it)."""
+        again = self.walker.rest_of(job, places)
+        self.chunk_jobs[again.base] = again
+        job.flow.jobs.add(again)
+        return again
+
+    def _chunk_arrived(self, slot: int, worker, one: Bundled, now: float) -> None:
+        """(Part of) a chunk's answer (chunks.py): each input's outcome delivered; what was handed back goes
+        again; the job is over once every place it owed is answered."""
+        base = chunk_base(one.jobs[0])
+        job = self.chunk_jobs.get(base)
+        if job is None or job.slot != slot:
+            return  # (a job over: all it owed answered, handed on, or its chunk cancelled)
+        chunk = job.flow
+        if stale(job):  # (cancelled: what it owed is dropped as it comes)
+            job.pending.difference_update(i - base for i in one.jobs)
+            if not job.pending:
+                self._chunk_job_over(job)
+            return
+        try:
+            items, back = chunks.arrived(job, one.oks, one.values, one.jobs, worker)
+        except Exception as err:  # never leave an input waiting forever on soma's own mistake
+            items, back = chunks.failed(chunk, job.places, internal(err, f"handling the outcomes of node "
+                                                                           f"`{job.piece.entry}`")), []
+            job.pending.clear()
+        if not job.pending:
+            self._chunk_job_over(job)
+            self.dispatch.choice.measure(job, one.seconds, now, len(job.places))
+        back = chunks.still_open(chunk, back)
+        if back:
+            self.dispatch.waiting.add_first([self._rest(job, back)])
+        self._deliver_chunk(chunk, items)
+
+    def _chunk_job_over(self, job: Job) -> None:
+        """A chunk's job owes nothing any more (what its worker still says of it is dropped)."""
+        self.dispatch.give_back(job)
+        job.flow.jobs.discard(job)
+        self.chunk_jobs.pop(job.base, None)
+
+    def stragglers(self, now: float) -> list:
+        """`(slot, job)` of chunks' jobs out for long (an input of theirs is slow: it holds the others behind
+        it) while a worker has nothing to do: the loop reads what those workers run and calls `hand_on`."""
+        outstanding = self.dispatch.outstanding
+        for base in [b for b, j in self.chunk_jobs.items() if stale(j) and outstanding.get(j.id) is not j]:
+            del self.chunk_jobs[base]  # (over: dropped on a worker's end or hello, or never sent)
+        if not self.chunk_jobs or self.dispatch.waiting:
+            return []
+        choice = self.dispatch.choice
+        if not self.has_idle():
+            return []
+        found = []
+        for job in self.chunk_jobs.values():
+            if job.slot is None or len(job.pending) < 2 or job in self.dispatch.parked[job.slot]:
+                continue
+            expected = choice.service_s.get(job.piece.id, 0.0) * len(job.places)
+            if now - job.sent_at > max(chunks.STRAGGLER_S, 4 * expected):
+                found.append((job.slot, job))
+        return found
+
+    def hand_on(self, job: Job, running: list) -> None:
+        """A chunk's job out for long (`stragglers`): the inputs it owes after the one its worker runs now
+        (`running`, its status page; all it owes when it runs none of them) go to another worker; its worker
+        is asked to drop them (it sends what it has done so far at once: see soma.local.worker). An input that
+        started meanwhile may run twice; its outcome is delivered once (the job it was handed on to owes it)."""
+        if self.dispatch.outstanding.get(job.id) is not job or stale(job):
+            return
+        now = chunks.running(job, running)  # (a chunk runs in order: those before it are done, not yet reported)
+        rest = chunks.still_open(job.flow, sorted(p for p in job.pending if now is None or p > now))
+        if not rest:
+            return
+        job.pending.difference_update(rest)
+        self.out.append(CancelAt(job.slot, [job.base + p for p in rest]))
+        if not job.pending:  # (it had not started: all of it goes; what its worker answers for it is dropped)
+            self._chunk_job_over(job)
+        self.dispatch.waiting.add_first([self._rest(job, rest)])
+        self._pump()
+
+    def _deliver_chunk(self, chunk: Chunk, items: list) -> None:
+        for item in items:
+            self.out.append(Deliver(chunk.sink, item))
+        if not chunk.open and not chunk.finished:
+            chunk.finished = True
+            self.flows.pop(chunk, None)
