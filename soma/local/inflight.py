@@ -33,6 +33,7 @@ class LocalInflight(Inflight):
         one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
         self.chunked = one if one is not None and not one.batch and timeout is None and not retries else None
         self.workers = len(tracer.worker_devices)
+        loop.map_open(self, True)
 
     def parallelism(self) -> int:
         most = self.loop.parallelism(self.pieces)
@@ -82,6 +83,7 @@ class LocalInflight(Inflight):
         return self.loop.expire(flow, self.timeout)
 
     def close(self) -> None:
+        self.loop.map_open(self, False)
         if self.flows:
             self.loop.cancel(list(self.flows.values()))
             self.flows.clear()

@@ -104,9 +104,6 @@ with soma.Local(workers=1) as local:
     assert "SWEPT" in done.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="the host does not yet tell the workers what the caller's delivered results "
-                                       "hold (Task.held stays 0: issue 33's host side, after the host's rewrite), "
-                                       "so the output spills instead")
 def test_a_caller_holding_60_mib_of_results_gets_shared_memory_full_saying_so(small_shm):
     small_shm(HEAD + """
 from soma import SharedMemoryFull

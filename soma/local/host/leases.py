@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 
 from ...wire.shm import owner_pid, unlink_quietly
@@ -112,6 +113,7 @@ class HostSegments:
         self._lock = threading.Lock()
         self._released: deque = deque()
         self._busy_at = time.monotonic()  # when a job was last queued or out (trim_if_idle)
+        self.maps_open = weakref.WeakSet()  # the in-flight sets of the maps open now (caller_held)
 
     def get_store(self, create: bool = True):
         if self.store is None and create:
@@ -130,10 +132,13 @@ class HostSegments:
             self.store.note_sent(name)
 
     def caller_held(self) -> int:
-        """Bytes of /dev/shm the caller's results hold (a Task's `held`). 0 until results delivered to the
-        caller are told apart from outputs still on their way (a map's window, its reorder buffer), which
-        `store.received_bytes()` counts too: a worker short of room those hold must spill, not raise."""
-        return 0
+        """Bytes of /dev/shm the caller's results hold (a Task's `held`: a worker short of that room raises
+        SharedMemoryFull saying so, rather than spill). What the host's store received and still maps is the
+        caller's while no map is open; with one open, some of it waits in the map's window and reorder buffer,
+        which the map frees itself as its caller consumes: then 0 (a worker short of room spills)."""
+        if self.store is None or self.maps_open:
+            return 0
+        return self.store.received_bytes()
 
     def trim_if_idle(self, busy: bool) -> None:
         """The host's side of what each worker does (`SegmentStore.idle`): with no job queued or out, what it

@@ -129,6 +129,15 @@ class HostLoop(Receiving):
             self._post(self.core.start, program, list(flows.values()))
         return flows
 
+    def map_open(self, inflight, is_open: bool) -> None:
+        """A map's in-flight set opens or closes (what the caller's results hold is told apart by it: see
+        HostSegments.caller_held)."""
+        maps = self.pool.segments.maps_open
+        if is_open:
+            maps.add(inflight)
+        else:
+            maps.discard(inflight)
+
     def cancel(self, flows) -> None:
         self._post(self.core.cancel, list(flows))
 
