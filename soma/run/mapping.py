@@ -137,7 +137,7 @@ def _drive(loop: "MapLoop", source):
         while True:
             wanted = loop.wanted()
             if wanted:
-                loop.start(_take(source, wanted, loop))
+                loop.start(_take(source, wanted))
             yield from loop.outputs()
             if loop.over():
                 return
@@ -160,7 +160,7 @@ def _guarded(source, loop: "MapLoop"):
     loop.source_ended()
 
 
-def _take(source, wanted: int, loop: "MapLoop") -> list:
+def _take(source, wanted: int) -> list:
     """Up to `wanted` inputs from `source` (`_guarded`: taken at C speed, none lost to its exception)."""
     return list(islice(source, wanted))
 

@@ -67,6 +67,13 @@ class Arrays(Node):
         return Done(np.full(4, x, dtype=np.int64))
 
 
+class Mixed(Node):
+    """A dict of an array, bytes and an int: what users pass, not only tensors."""
+
+    def forward(self, x, ctx):
+        return Done({"a": np.arange(3, dtype=np.int32) + x, "b": bytes([x % 256]) * 5, "n": x})
+
+
 def warm(local, g, xs=range(500)):
     list(local.map(g, xs))
 
@@ -88,6 +95,15 @@ def test_arrays_held_from_a_chunked_map_never_change(local):
         assert out.tolist() == [i] * 4
     for i, out in enumerate(again):
         assert out.tolist() == [N + i] * 4
+
+
+def test_dicts_of_arrays_and_bytes_held_from_a_chunked_map_are_each_their_own(local):
+    g = Graph.somatize(Mixed())
+    warm(local, g)
+    held = list(local.map(g, range(N)))
+    for i, out in enumerate(held):
+        assert out["n"] == i and out["b"] == bytes([i % 256]) * 5, (i, out)
+        assert out["a"].dtype == np.int32 and out["a"].tolist() == [i, i + 1, i + 2], (i, out)
 
 
 def test_each_failure_in_a_chunk_is_yielded_in_its_place_with_its_own_index(local):
