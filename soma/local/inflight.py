@@ -7,6 +7,7 @@ import queue
 
 from ..run.aio import LoopSink
 from ..run.mapping import Inflight
+from ..wire.room import shm_room
 from .host.chunks import AHEAD
 from .host.loop import HostLoop
 from .host.program import pieces
@@ -33,6 +34,8 @@ class LocalInflight(Inflight):
         one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
         self.chunked = one if one is not None and not one.batch and timeout is None and not retries else None
         self.workers = len(tracer.worker_devices)
+        self.held_back = False  # the window was bound by memory (room)
+        self.shm_total = shm_room()[1]  # (room: what the window's values may take of /dev/shm at most)
         loop.map_open(self, True)
 
     def parallelism(self) -> int:
@@ -41,9 +44,29 @@ class LocalInflight(Inflight):
             most = max(most, self.workers * AHEAD * self.loop.chunk(self.chunked))
         return most
 
+    def room(self, arrived: int) -> int | None:
+        """The map's back-pressure by memory (SPEC 7.2): its window holds no more inputs than /dev/shm has room
+        for, by what one was measured to take there on its way (each piece's output). The room is /dev/shm's
+        size less what the caller's results outside the window hold (what the host maps, less the outputs that
+        arrived and wait in the window: `arrived`; at least the one output the caller works on); not /dev/shm's free room now, which lags behind the frees
+        the workers have not heard of yet (measured: taking by it ran the 20 MiB map of `soma bench shm` at a
+        third of its speed). Until the first output is measured, one input per worker; None when they take
+        no room there (small values travel in the message)."""
+        per_input = self.loop.shm_per_input(self.pieces)
+        if per_input is None:
+            return arrived + self.workers
+        if not per_input:
+            return None
+        # (at least one output is the caller's: the one it holds now, or the next one it takes from the window)
+        self.held_back = True  # (start tells the workers of what was freed first: see HostLoop.flush_frees)
+        outside = max(per_input, self.loop.shm_received() - arrived * per_input)
+        return max(0, self.shm_total - outside) // per_input
+
     def start(self, items: list) -> None:
         if self.sink is None:
             self.sink = LoopSink()
+        if self.held_back:
+            self.loop.flush_frees()
         trace = self.tracer.current_trace
         if self.chunked is not None and trace is None and len(items) > 1:
             size = min(self.loop.chunk(self.chunked), -(-len(items) // self.workers))

@@ -74,6 +74,12 @@ class Inflight:
         (or `(index, True, Span)` for consecutive inputs that all finished ok)."""
         raise NotImplementedError
 
+    def room(self, arrived: int) -> int | None:
+        """How many inputs the map's window may hold now by the memory their values take (None: no bound but
+        the window's): a runner whose values fill a bounded memory (Local's /dev/shm) holds the map back here.
+        `arrived`: inputs in the window whose outputs arrived and wait to be handed out."""
+        return None
+
     def expire(self, index: int) -> BaseException:
         """Input `index` ran out of time: stop it, and return the error to raise for it."""
         raise NotImplementedError
@@ -270,11 +276,17 @@ class MapLoop:
         return self._default
 
     def wanted(self) -> int:
-        """How many inputs to take now: none until a quarter of the window is free (inputs ship in chunks)."""
+        """How many inputs to take now: none until a quarter of the window is free (inputs ship in chunks);
+        where the runner holds the map back by memory, as many as it has room for, and at least one when
+        nothing is in flight (the map always goes on: what finds no room then waits for it or travels another
+        way, see soma.wire.room)."""
         if self.exhausted or self.failure is not None:
             return 0
         limit = self._limit()
         in_window = self.taken - self.yielded
+        room = self.inflight.room(in_window - len(self.pending))
+        if room is not None and room < limit:
+            return max(room, 1) - in_window if room > in_window or in_window == 0 else 0
         if in_window == 0 or in_window <= limit - max(1, limit // 4):
             return limit - in_window
         return 0
@@ -381,12 +393,7 @@ class MapLoop:
     # -- 3. waiting for the runner ---------------------------------------------------------------------------
     def must_wait(self) -> bool:
         """Whether nothing can be done before the runner finishes something (no room to take more)."""
-        if not self.pending:
-            return False
-        if self.exhausted or self.failure is not None:
-            return True
-        limit = self._limit()
-        return self.taken - self.yielded > limit - max(1, limit // 4)
+        return bool(self.pending) and not self.wanted()
 
     def wait_s(self) -> float | None:
         """How long to wait at most: until the oldest input's deadline (None: as long as it takes)."""

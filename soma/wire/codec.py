@@ -33,6 +33,7 @@ import threading
 import msgpack
 
 from ..errors import SharedMemoryFull
+from . import room
 from .buffers import (
     INLINE_LIMIT,
     decode_array,
@@ -384,6 +385,10 @@ class Decoder:
         self._get_store = get_store
         self.received: list[str] = []  # segment names, one per handle, for the host's lease book
         self._objects: list = []  # the tensors and arrays decoded so far, in order (REF names them)
+        # What the values decoded so far take of /dev/shm (a map's back-pressure by memory measures it; a spilled
+        # segment's file takes none): bytes of the distinct segments in /dev/shm, and how many were spilled.
+        self._shm_bytes = self._spilled = 0
+        self._sized: set = set()
 
     def unpack(self, data: bytes):
         return msgpack.unpackb(data, ext_hook=self.ext_hook, list_hook=_tuple_if_marked, raw=False,
@@ -409,15 +414,32 @@ class Decoder:
     def open(self, name: str, seg_bytes: int):
         """This process's view of a segment a handle names (its receipt counted)."""
         view = self._get_store(True).open(name, seg_bytes)
-        self.received.append(name)
+        self._received(name, seg_bytes)
         return view
 
     def storage(self, name: str, seg_bytes: int):
         """This process's torch storage over a segment a tensor handle names (its receipt counted): what
         torch calls shared (see `tensors.SharedStorages`)."""
         storage = self._get_store(True).open(name, seg_bytes, SHARED_STORAGES)
-        self.received.append(name)
+        self._received(name, seg_bytes)
         return storage
+
+    def _received(self, name: str, seg_bytes: int) -> None:
+        self.received.append(name)
+        if name not in self._sized:
+            self._sized.add(name)
+            if room.is_spilled(name):
+                self._spilled += 1
+            else:
+                self._shm_bytes += seg_bytes
+
+    def shm_mark(self) -> tuple:
+        return self._shm_bytes, self._spilled
+
+    def shm_taken(self, mark: tuple) -> int | None:
+        """Bytes of /dev/shm the segments named since `mark` (`shm_mark()`) take; None when one of them was
+        spilled (what a value would take there is then not known: it found no room, or could never fit)."""
+        return None if self._spilled != mark[1] else self._shm_bytes - mark[0]
 
     def buffer(self, handle: list) -> memoryview:
         """The bytes a buffer handle `[name, segment bytes, offset, bytes]` names, writable, over the segment."""

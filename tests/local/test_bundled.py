@@ -17,7 +17,7 @@ def decoder():
 
 def test_every_input_ok_gets_its_output_from_the_one_list_in_order():
     got = bundled(decoder(), [7, 8, 9], [True, True, True], packed(["a", ("b", 2), [3]]), 0.01)
-    assert got == Bundled([7, 8, 9], [True, True, True], ["a", ("b", 2), [3]], 0.01)
+    assert got == Bundled([7, 8, 9], [True, True, True], ["a", ("b", 2), [3]], 0.01, 0)  # (inline: no /dev/shm)
 
 
 def test_outputs_encoded_alone_and_failures_keep_their_places():

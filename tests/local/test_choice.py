@@ -62,3 +62,19 @@ def test_room_for_a_batching_node_is_room_once_its_piece_is_admitted():
     choice.admit([batching])
     assert choice.has_room((0, 1))  # ... but a batching node's jobs still fit
     assert fill(choice, batching) == [128, 128]
+
+
+def test_what_a_pieces_outputs_take_of_dev_shm_counts_a_larger_one_at_once_and_smaller_ones_slowly():
+    # (a map's back-pressure by memory reads it: counting too little would fill /dev/shm)
+    choice, piece = WorkerChoice(["cpu", "cpu"]), piece_of(AddOne())
+    assert choice.shm_per_input([piece]) is None  # not measured: the map takes one input per worker
+    choice.weigh(piece, None)  # (spilled: what it would take is not known)
+    assert choice.shm_per_input([piece]) is None
+    choice.weigh(piece, 1 << 20)
+    choice.weigh(piece, 20 << 20)
+    assert choice.shm_per_input([piece]) == 20 << 20
+    choice.weigh(piece, 0)
+    assert 10 << 20 < choice.shm_per_input([piece]) < 20 << 20
+    for _ in range(100):
+        choice.weigh(piece, 0)
+    assert choice.shm_per_input([piece]) < 1 << 10  # (small outputs now: the map is bound by count alone)

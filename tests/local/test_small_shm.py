@@ -29,6 +29,43 @@ with soma.Local(workers=2) as local:
     print("MAPPED", i + 1)
 """)
     assert "MAPPED 30" in done.stdout
+    # Held back by memory (SPEC 7.2): the map takes no input its output has no room for, so nothing waits for
+    # room long enough to go through a file on disk.
+    assert "does not fit in /dev/shm" not in done.stderr, done.stderr
+
+
+def test_a_map_whose_caller_is_slow_takes_no_input_its_output_has_no_room_for(small_shm):
+    # Workers make 20 MiB outputs far faster than this caller consumes them: taken by count alone (a window of
+    # 64), their outputs would fill /dev/shm and go through files on disk. Held back by memory, the map takes
+    # an input only when its output has room: ordered, unordered, and amap alike.
+    done = small_shm(HEAD + """
+import asyncio, time
+g = Graph.somatize(Make())
+with soma.Local(workers=2) as local:
+    for ordered in (True, False):
+        seen = set()
+        for a in local.map(g, [(i, 20) for i in range(12)], ordered=ordered):
+            i = int(a[0])
+            check(a, i, 20)
+            seen.add(i)
+            del a
+            time.sleep(0.05)
+        assert seen == set(range(12)), (ordered, seen)
+
+    async def slow():
+        got = 0
+        async for a in local.amap(g, [(i, 20) for i in range(12)]):
+            check(a, got, 20)
+            got += 1
+            del a
+            await asyncio.sleep(0.05)
+        return got
+
+    assert asyncio.run(slow()) == 12
+    print("SLOW OK")
+""")
+    assert "SLOW OK" in done.stdout
+    assert "does not fit in /dev/shm" not in done.stderr, done.stderr
 
 
 def test_an_input_takes_back_the_room_an_idle_worker_keeps_for_reuse(small_shm):

@@ -127,6 +127,24 @@ def test_a_received_tensor_is_shared_and_is_sent_on_as_its_segment(stores):
     assert torch.equal(out[0], x) and torch.equal(out[1], x[5:9]) and out[1].is_shared()
 
 
+def test_a_decoder_counts_the_dev_shm_its_values_take_once_per_segment(stores):
+    # (what a map's back-pressure by memory measures: soma/local/inflight.py `room`)
+    np = pytest.importorskip("numpy")
+    sender, receiver = stores
+    encoder = codec.Encoder(lambda create: sender)
+    a, b = np.arange(1 << 17, dtype=np.float64), np.ones(1 << 16)  # 1 MiB and 512 KiB, a segment each
+    data = encoder.pack([a, a, b, "small"])
+    decoder = codec.Decoder(lambda create: receiver)
+    mark = decoder.shm_mark()
+    got = decoder.unpack(data)
+    assert (got[0] == a).all() and (got[2] == b).all() and got[3] == "small"
+    taken = decoder.shm_taken(mark)
+    assert a.nbytes + b.nbytes <= taken < 2 * (a.nbytes + b.nbytes), taken  # (each segment once, granule-rounded)
+    mark = decoder.shm_mark()
+    assert decoder.unpack(codec.Encoder(lambda create: sender).pack([1, "x"])) == [1, "x"]
+    assert decoder.shm_taken(mark) == 0
+
+
 def test_a_received_tensor_whose_bytes_torch_moved_is_copied_again(stores):
     torch = pytest.importorskip("torch")
     import torch.multiprocessing as tmp

@@ -46,6 +46,7 @@ class WorkerChoice:
         self.service_s: dict = {}  # piece id → EMA of one job's time in a worker
         self.latency_s: dict = {}  # piece id → EMA of its jobs' way to a worker and back, less their time there
         self.first_seen: set = set()  # pieces whose first job's outcome has come
+        self.output_shm: dict = {}  # piece id → bytes of /dev/shm one output takes (weigh)
         self.sends: dict = {}  # (slot, piece id) → a batching node alone's sends out at that worker (see choose)
         self.widest = MAX_DEPTH  # the largest cap of the pieces admitted (has_room)
 
@@ -170,6 +171,21 @@ class WorkerChoice:
             latency = max(0.0, now - job.sent_at - service_s * count)
             known = self.latency_s.get(piece)
             self.latency_s[piece] = latency if known is None else known + EMA * (latency - known)
+
+    def weigh(self, piece, shm: int | None) -> None:
+        """Learn what `piece`'s outputs take of /dev/shm (an output that arrived ok: its bytes there, or None
+        when not known). A larger one counts at once, smaller ones bring it down slowly: the measure bounds a
+        map's window (`shm_per_input`), where counting too little fills /dev/shm."""
+        if shm is None:
+            return
+        known = self.output_shm.get(piece.id)
+        self.output_shm[piece.id] = shm if known is None or shm > known else int(known + EMA * (shm - known))
+
+    def shm_per_input(self, pieces: list) -> int | None:
+        """Bytes of /dev/shm an input of a program of `pieces` takes on its way (each piece's output, as
+        measured); None until one of them was measured."""
+        measured = [self.output_shm[p.id] for p in pieces if p.id in self.output_shm]
+        return sum(measured) if measured else None
 
     def depth(self, piece: Piece) -> int:
         """Jobs of `piece` worth having in flight per worker: enough that the worker runs the next ones

@@ -94,6 +94,10 @@ class HostCore(WorkerEvents, ChunkEvents):
         """How many inputs of `piece` a map's chunk holds now (chunks.size)."""
         return self.dispatch.choice.chunk(piece)
 
+    def shm_per_input(self, program_pieces: list) -> int | None:
+        """Bytes of /dev/shm an input of a program takes on its way, as measured (WorkerChoice.shm_per_input)."""
+        return self.dispatch.choice.shm_per_input(program_pieces)
+
     # -- inputs ------------------------------------------------------------------------------------------
     def start(self, program, flows: list) -> None:
         """Start these flows (flows.Flow: an input each) on `program`; each one's `(index, ok, value)` is
@@ -182,12 +186,15 @@ class HostCore(WorkerEvents, ChunkEvents):
                         continue
                     if not measured:
                         self.dispatch.choice.measure(job, one.seconds, now)
+                        self.dispatch.choice.weigh(job.piece, one.shm)
                         measured = True
                     self._arrived(job, ok, value, worker, None)
                 continue
             job = self._returned(one.job, slot, one.value)
             if job is not None:
                 self.dispatch.choice.measure(job, one.seconds, now)
+                if one.ok:
+                    self.dispatch.choice.weigh(job.piece, one.shm)
                 self._arrived(job, one.ok, one.value, worker, one if one.spans is not None else None)
         if self.state[slot] == LEAVING:
             self._replace_once_idle(slot)

@@ -44,6 +44,7 @@ class ChunkEvents:
             if not job.pending:
                 self._chunk_job_over(job)
             return
+        self.dispatch.choice.weigh(job.piece, one.shm)
         try:
             items, back = chunks.arrived(job, one.oks, one.values, one.jobs, worker)
         except Exception as err:  # never leave an input waiting forever on soma's own mistake

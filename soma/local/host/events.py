@@ -42,6 +42,7 @@ class Arrived(NamedTuple):
     spans: list | None  # the worker's node spans, when the job was traced
     seconds: float  # how long it ran in the worker
     decode: tuple | None  # (start ns, end ns, bytes) of decoding it here, when traced
+    shm: int | None = None  # bytes of /dev/shm its output takes (None: not known, a segment of it was spilled)
 
 
 class Bundled(NamedTuple):
@@ -51,6 +52,7 @@ class Bundled(NamedTuple):
     oks: list  # whether each ran ok
     values: list  # each one's output (decoded, or Undecodable), or the NodeError / Cancelled it raised
     seconds: float  # each job's share of the call's time in the worker
+    shm: int | None = None  # bytes of /dev/shm each output takes, on average (None: not known, see Arrived)
 
 
 class Outcomes(NamedTuple):

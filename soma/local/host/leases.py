@@ -131,14 +131,17 @@ class HostSegments:
         if self.store is not None:
             self.store.note_sent(name)
 
+    def received(self) -> int:
+        """Bytes of /dev/shm in other processes' segments the host maps now (results the caller keeps, outputs
+        waiting in maps' windows, values on their way): SegmentStore.received_bytes."""
+        return self.store.received_bytes() if self.store is not None else 0
+
     def caller_held(self) -> int:
         """Bytes of /dev/shm the caller's results hold (a Task's `held`: a worker short of that room raises
         SharedMemoryFull saying so, rather than spill). What the host's store received and still maps is the
         caller's while no map is open; with one open, some of it waits in the map's window and reorder buffer,
         which the map frees itself as its caller consumes: then 0 (a worker short of room spills)."""
-        if self.store is None or self.maps_open:
-            return 0
-        return self.store.received_bytes()
+        return 0 if self.maps_open else self.received()
 
     def trim_if_idle(self, busy: bool) -> None:
         """The host's side of what each worker does (`SegmentStore.idle`): with no job queued or out, what it

@@ -158,6 +158,17 @@ class HostLoop(Receiving):
     def parallelism(self, program_pieces: list) -> int:
         return self.core.parallelism(program_pieces)  # (read without the lock: a hint, as map uses it)
 
+    def shm_per_input(self, program_pieces: list) -> int | None:
+        return self.core.shm_per_input(program_pieces)  # (read without the lock: a hint, as parallelism is)
+
+    def shm_received(self) -> int:
+        return self.pool.segments.received()  # (see HostSegments.received)
+
+    def flush_frees(self) -> None:
+        """Tell the workers now, not at the next look (PUMP_S), of their segments nobody holds any more: a map
+        held back by memory is about to start inputs whose outputs need that room."""
+        self._post(self.pool.flush_frees)
+
     def at(self, when: float, call) -> None:
         """Call `call()` on the listener thread once time.monotonic() reaches `when` (within ~PUMP_S)."""
         self.listener.at(when, call)

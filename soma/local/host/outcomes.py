@@ -67,6 +67,7 @@ def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
     bytes (its output, encoded alone: the worker could not encode the list), or an error body. A list that
     cannot be decoded leaves every output in it Undecodable."""
     listed = sum(answer is True for answer in said)
+    mark = decoder.shm_mark()
     shared: list = []
     if listed:
         try:
@@ -77,7 +78,7 @@ def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
         except Exception as err:
             shared = [Undecodable(err)] * listed
     if listed == len(ids):  # (the common case: every input ran ok)
-        return Bundled(ids, [True] * listed, shared, seconds)
+        return Bundled(ids, [True] * listed, shared, seconds, _each(decoder, mark, listed))
     oks, values, listed_values = [], [], iter(shared)
     for answer in said:
         if answer is True:
@@ -93,4 +94,10 @@ def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
         else:
             oks.append(False)
             values.append(failures.error_from(answer))
-    return Bundled(ids, oks, values, seconds)
+    return Bundled(ids, oks, values, seconds, _each(decoder, mark, sum(oks)))
+
+
+def _each(decoder, mark: tuple, outputs: int) -> int | None:
+    """Bytes of /dev/shm each of `outputs` decoded since `mark` takes, on average (see Decoder.shm_taken)."""
+    taken = decoder.shm_taken(mark)
+    return taken // outputs if taken is not None and outputs else None

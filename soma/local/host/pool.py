@@ -292,6 +292,7 @@ class WorkerPool:
                     decoded.append(bundled(decoder, job_id, ok, body, seconds))
                     continue
                 start = time.monotonic_ns() if spans is not None else 0
+                mark = decoder.shm_mark()
                 if ok:
                     try:
                         value = decoder.unpack(body)
@@ -300,7 +301,7 @@ class WorkerPool:
                 else:
                     value = failures.error_from(body)
                 decode = (start, time.monotonic_ns(), len(body) if ok else 0) if spans is not None else None
-                decoded.append(Arrived(job_id, ok, value, spans, seconds, decode))
+                decoded.append(Arrived(job_id, ok, value, spans, seconds, decode, decoder.shm_taken(mark)))
         finally:
             for name in decoder.received:
                 self._book.received(name, worker.pid)
