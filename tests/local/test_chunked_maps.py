@@ -135,8 +135,23 @@ def test_a_worker_killed_in_the_middle_of_a_chunk_fails_only_the_input_it_ran(lo
     assert os.path.exists(flag)
     dead = [i for i, out in enumerate(outs) if isinstance(out, WorkerDied)]
     assert dead == [N // 2 + 7], dead
+    assert outs[dead[0]].node == g.nodes()[0] and outs[dead[0]].index == dead[0]
     assert all(out == i + 1 for i, out in enumerate(outs) if i not in dead)
     assert list(local.map(g, range(100))) == [x + 1 for x in range(100)]  # (the pool works on)
+
+
+def test_a_worker_killed_in_the_second_node_of_a_chunk_names_that_node(local, tmp_path):
+    """A chunk of a two-node piece: the status page names the node the killed worker ran, and its input."""
+    flag = str(tmp_path / "died")
+    g = Graph.somatize(Inc() >> DiesOn(N // 3 + 1, flag))
+    killer = next(n for n in g.nodes() if type(g.node(n)) is DiesOn)
+    warm(local, g, range(-1000, -500))
+    outs = list(local.map(g, range(N), errors="yield"))
+    assert os.path.exists(flag)
+    dead = [i for i, out in enumerate(outs) if isinstance(out, WorkerDied)]
+    assert dead == [N // 3], dead
+    assert outs[dead[0]].node == killer, outs[dead[0]]
+    assert all(out == i + 2 for i, out in enumerate(outs) if i not in dead)
 
 
 def test_a_straggler_never_holds_its_neighbours(local, tmp_path):

@@ -84,24 +84,30 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
         except NodeError as err:
             failure = err
     producer = piece.producer if piece is not None else "?"
+    # A one-node piece's inputs call its node directly, named on the status page by one store each (an input
+    # traced, or on a CUDA device, runs as a job does: Interpreter.run with its RunState).
+    call = piece.interpreter.each(piece.plan) if failure is None and not runner.cuda else None
+    name = runner.status.naming(piece.entry) if call is not None else None
+    lock, skip, clock = run.lock, run.skip, time.perf_counter
     done = None  # the input just done: (job id, ok, output or error body, spans, seconds)
     try:
         for position, job_id in enumerate(ids):
-            with run.lock:  # (one holding per input: the last one's answer in, this one's start out)
+            with lock:  # (one holding per input: the last one's answer in, this one's start out)
+                start = clock()
                 if done is not None:
                     if not run.done:
-                        run.part_since = time.perf_counter()
+                        run.part_since = start
                     run.done.append(done)
                     done = None
                 run.next = position + 1
-                if not job_id or job_id in run.skip:
+                if not job_id or job_id in skip:
                     run.running = False
                     continue
                 run.running = True
-                due = run.done and time.perf_counter() - run.part_since >= PART_S
+                due = run.done and start - run.part_since >= PART_S
             if due:
                 _send_part(runner, run, producer, send)
-            start = time.perf_counter()
+                start = clock()
             spans = None
             if failure is not None or runner.over_memory:  # (over max_memory: what has not started runs elsewhere)
                 ok, value = False, failures.error_body(failure if failure is not None else Cancelled())
@@ -110,12 +116,17 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
                     spans, loaded = loaded or [], None  # (the piece's load: a span of its first traced input)
                 pace = lane.pace
                 token = turns.enter(piece_id, pace) if pace is None or pace >= MIN_S else None
-                ok, value = _run_input(runner, piece, job_id, xs[position], spans,
-                                       traced[position][0] if spans is not None else None)
+                if call is not None and spans is None:
+                    name(job_id)
+                    ok, value = _called(runner, piece, call, xs[position])
+                else:
+                    ok, value = _run_input(runner, piece, job_id, xs[position], spans,
+                                           traced[position][0] if spans is not None else None)
+                    name = runner.status.naming(piece.entry) if call is not None else None  # (it named nodes)
                 if token is not None:
                     turns.leave(piece_id, token)
                 xs[position] = None  # (its input goes as soon as it is done with)
-            seconds = time.perf_counter() - start
+            seconds = clock() - start
             lane.pace = seconds
             done = (job_id, ok, value, spans, seconds)
     finally:
@@ -183,10 +194,16 @@ def _loaded(runner, run: ChunkRun) -> tuple:
 def _run_input(runner, piece, job_id: int, x, spans, index) -> tuple:
     """`(ok, its output or its error body)` of one input: the piece run on it (the status page names the job
     with each node it enters: RunState tells it)."""
+    if runner.cuda:
+        runner.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
+    return _called(runner, piece, piece.interpreter.run, piece.plan, x, RunState(runner.observer, job_id, index),
+                   spans)
+
+
+def _called(runner, piece, call, *args) -> tuple:
+    """`(ok, call(*args) or its error body)`: an input run (its NodeError, or soma's own failure, named)."""
     try:
-        if runner.cuda:
-            runner.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
-        return True, piece.interpreter.run(piece.plan, x, RunState(runner.observer, job_id, index), spans)
+        return True, call(*args)
     except NodeError as err:
         return False, failures.error_body(err)
     except BaseException as err:  # never lose an input: the host is waiting for it
