@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -125,6 +126,18 @@ def test_the_first_failure_in_a_chunk_is_raised_after_every_output_before_it(loc
         for out in local.map(g, range(N)):
             got.append(out)
     assert info.value.index == 3 and got == [0, 2, 4]
+
+
+def test_an_input_that_cannot_be_sent_fails_alone_and_its_chunk_runs_the_others(local):
+    """Its chunk's other inputs travel without it (their places no longer consecutive), each output right."""
+    g = Graph.somatize(Inc())
+    warm(local, g)
+    xs: list = list(range(N))
+    bad = N // 2 + 3
+    xs[bad] = threading.Lock()
+    outs = list(local.map(g, xs, errors="yield"))
+    assert isinstance(outs[bad], NodeError) and outs[bad].index == bad and "cannot be sent" in str(outs[bad])
+    assert all(out == i + 1 for i, out in enumerate(outs) if i != bad)
 
 
 def test_a_worker_killed_in_the_middle_of_a_chunk_fails_only_the_input_it_ran(local, tmp_path):
