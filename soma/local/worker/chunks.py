@@ -225,17 +225,19 @@ def _part(runner, done: list, more: bool, producer: str) -> ChunkPart:
     """One part of a chunk's answer from `done` ((job id, ok, output or error body, spans, seconds) each): the
     outputs of those that ran ok encoded as one list (each alone when the list cannot be), each input's own
     answer, spans and seconds (each output's share of the encoding added to its input's)."""
-    said = [entry[2] for entry in done]  # (an error body where not ok; outputs replaced below)
-    at = [k for k, entry in enumerate(done) if entry[1]]
-    seconds = [entry[4] for entry in done]
+    ids, oks, said, spans, seconds = (list(column) for column in zip(*done))  # (said: an error body where
+    # not ok; outputs replaced below)
+    every = False not in oks  # (the common case: no pass in Python to pick the outputs)
+    at = range(len(done)) if every else [k for k, ok in enumerate(oks) if ok]
     body = None
     if at:
         start = time.perf_counter()
-        body, listed = encode_listed([said[k] for k in at], producer, runner.get_store)
+        body, listed = encode_listed(said if every else [said[k] for k in at], producer, runner.get_store)
         share = (time.perf_counter() - start) / len(at)
-        for k, answer in zip(at, listed):
-            said[k] = answer
-            seconds[k] += share
-    spans = [entry[3] for entry in done]
-    return ChunkPart([entry[0] for entry in done], said, body,
-                     spans if any(s is not None for s in spans) else None, seconds, more)
+        if every:
+            said, seconds = listed, [s + share for s in seconds]
+        else:
+            for k, answer in zip(at, listed):
+                said[k] = answer
+                seconds[k] += share
+    return ChunkPart(ids, said, body, None if spans.count(None) == len(spans) else spans, seconds, more)
