@@ -245,6 +245,20 @@ class Interpreter:
                 left = self.announced  # (one block at a time: a copy or a worker's lane runs one such turn)
             self.withdraw(left)
 
+    def each(self, plan: Plan):
+        """`call(x)`: `run(plan, x)` for a one-node plan that takes no batches, untraced, inputs never cancelled
+        once started (a worker's chunk): `invoke` without a RunState (the caller names the node on its status
+        page itself). None for any other plan."""
+        if type(plan) is not Step or self.batching:
+            return None
+        node_id, forward, worker, allocate = plan.id, self._forward, self.worker, self.allocate
+        node, device = self.nodes[node_id], self.devices.get(node_id)
+        guard = self._guard(node_id, node)
+
+        def call(x):
+            return unwrap(forward(node, node_id, device, Ctx(node_id, device, worker, allocate), guard, x, None))
+        return call
+
     def compile(self, plan: Plan):
         """`plan` as one call `run(x, state, spans)` (made once per plan)."""
         found = self._compiled.get(plan)
@@ -318,7 +332,8 @@ class Interpreter:
                 raise self.node_failed(node_id, exc, device=device) from exc
         if type(out) is not Done:
             raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
-        check_postcondition(node_id, device, out.value)
+        if device is not None:  # (an unplaced node has none to check: no call for it)
+            check_postcondition(node_id, device, out.value)
         return out.value
 
     def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):
@@ -400,9 +415,7 @@ class Interpreter:
         set, cancels every input of the call if it has not begun (checked holding the node's lock)."""
         node = self.nodes[node_id]
         device = self.devices.get(node_id)
-        guard = self._guards.get(node_id)
-        if guard is None:
-            guard = self._guards[node_id] = guard_of(node)
+        guard = self._guard(node_id, node)
         if entries is None:
             return self._call_batch(node, node_id, device, guard, xs, None, given_up)
         outcomes: list = [None] * len(xs)

@@ -19,7 +19,7 @@ def reporter(progress, total, label: str, start: int = 0):
     """A callable taking the number of outputs so far (None once the map is over); `start` of them were
     there before this run (a resumed map): they count in `done`, not in the rate."""
     if progress is False or progress is None:
-        return _silent
+        return silent
     if progress is True:
         return _Line(total, label, terminal=_isatty(sys.stderr), start=start)
     if callable(progress):
@@ -27,7 +27,8 @@ def reporter(progress, total, label: str, start: int = 0):
     raise TypeError(f"map's progress must be True, False or a callable progress(done, total), got {progress!r}")
 
 
-def _silent(done) -> None:
+def silent(done) -> None:
+    """The reporter of a map without progress: it says nothing."""
     return None
 
 

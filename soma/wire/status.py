@@ -6,13 +6,17 @@ answer. It is a small file the worker maps shared (nothing is sent for it).
 
 Layout: `SLOTS` slots of `SLOT` bytes, one per thread that runs nodes (a thread
 runs one node at a time, for one job, or for the jobs of one batch: "job,job,... node").
-A slot is `seq (4 bytes) + length (2) + "job node"`;
-its thread bumps `seq` before and after writing (odd: being written), so a reader
-never takes half a line, and threads never wait for each other.
+A slot is `seq (4 bytes) + length (2) + pad (2) + job (8, signed) + "jobs node"`;
+its thread bumps `seq` before and after writing the text (odd: being written), so a
+reader never takes half a line, and threads never wait for each other. A thread that
+runs one node for job after job (a chunk's inputs) writes the text " node" once (no
+jobs: the slot's job field names the job) and then only stores each job's id into
+the field: one 8-byte store, no seq (the node is the same before and after it).
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -23,6 +27,8 @@ SLOT = 1024  # a batch's job ids fit: ~140 of 6 digits (the ones past that go un
 SLOTS = 64
 _HEAD = struct.Struct("<IH")  # seq, length
 _SEQ = struct.Struct("<I")
+_JOB = struct.Struct("<q")
+_TEXT = 16  # where a slot's text begins (after seq, length, pad and the job field)
 
 
 class StatusPage:
@@ -38,6 +44,7 @@ class StatusPage:
         finally:
             os.close(fd)
         self._seqs = [0] * SLOTS
+        self._jobs = None  # the job fields as one array of int64 (memoryview.cast: a store is one C call)
         self._free = list(range(SLOTS - 1, -1, -1))
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -46,23 +53,39 @@ class StatusPage:
     def enter(self, job: int, node: str) -> None:
         """This thread now runs `node` for `job`."""
         mine = self._mine()
-        if mine is not None and mine.showing != (job, node):
-            mine.showing = (job, node)
-            self._put(mine.slot, f"{job} {node}".encode()[: SLOT - 6])
+        if mine is None:
+            return
+        if mine.showing != node:
+            mine.showing = node
+            self._put(mine.slot, f" {node}".encode()[: SLOT - _TEXT], job)
+        else:
+            self._jobs[mine.field] = job
+
+    def naming(self, node: str):
+        """This thread now runs `node`, for job after job: a call `now(job)` that names each (a chunk's inputs:
+        the cheapest write there is, one store of the job's id). A thread without a slot gets a call that
+        does nothing (it goes unnamed, as in `enter`)."""
+        mine = self._mine()
+        if mine is None:
+            return _unnamed
+        if mine.showing != node:
+            mine.showing = node
+            self._put(mine.slot, f" {node}".encode()[: SLOT - _TEXT], 0)
+        return functools.partial(self._jobs.__setitem__, mine.field)
 
     def enter_batch(self, jobs: list, node: str) -> None:
         """This thread now runs `node` for all of `jobs` at once (a batch)."""
         mine = self._mine()
         if mine is None:
             return
-        ids, room = [], SLOT - 7 - len(node.encode())
+        ids, room = [], SLOT - _TEXT - 1 - len(node.encode())
         for job in jobs:
             room -= len(str(job)) + 1
             if room < 0:
                 break  # the rest go unnamed, as a thread without a slot does
             ids.append(str(job))
-        mine.showing = (tuple(jobs), node)
-        self._put(mine.slot, f"{','.join(ids)} {node}".encode())
+        mine.showing = (tuple(jobs), node)  # (not a node's name: the next `enter` writes its text)
+        self._put(mine.slot, f"{','.join(ids)} {node}".encode(), 0)
 
     def _mine(self):
         """This thread's slot (claimed on first use), or None when every slot is taken."""
@@ -71,6 +94,8 @@ class StatusPage:
             with self._lock:
                 if not self._free:
                     return None  # more threads than slots: this one goes unnamed
+                if self._jobs is None:
+                    self._jobs = memoryview(self._map).cast("q")
                 mine = self._local.mine = _Slot(self._free.pop())
             # The thread's locals die with it (a wave's branch threads come and go): its slot comes back.
             weakref.finalize(mine, self._free.append, mine.slot)
@@ -81,13 +106,14 @@ class StatusPage:
         mine = getattr(self._local, "mine", None)
         if mine is not None and mine.showing is not None:
             mine.showing = None
-            self._put(mine.slot, b"")
+            self._put(mine.slot, b"", 0)
 
-    def _put(self, slot: int, data: bytes) -> None:
+    def _put(self, slot: int, data: bytes, job: int) -> None:
         base = slot * SLOT
         seq = self._seqs[slot] + 1
         _HEAD.pack_into(self._map, base, seq, len(data))  # odd: being written
-        self._map[base + 6:base + 6 + len(data)] = data
+        self._map[base + _TEXT:base + _TEXT + len(data)] = data
+        self._jobs[_field(slot)] = job
         self._seqs[slot] = seq + 1
         _SEQ.pack_into(self._map, base, seq + 1)
 
@@ -100,21 +126,36 @@ class StatusPage:
             for _ in range(100):
                 before = int.from_bytes(self._map[base:base + 4], "little")
                 size = int.from_bytes(self._map[base + 4:base + 6], "little")
-                data = self._map[base + 6:base + 6 + min(size, SLOT - 6)]
+                data = self._map[base + _TEXT:base + _TEXT + min(size, SLOT - _TEXT)]
+                job = _JOB.unpack_from(self._map, base + 8)[0]
                 if before % 2 == 0 and int.from_bytes(self._map[base:base + 4], "little") == before:
                     jobs, _, node = data.decode(errors="replace").partition(" ")
-                    if node:
+                    if node and not jobs:
+                        pairs.append((job, node))  # (one job: the field names it)
+                    elif node:
                         pairs += [(int(job), node) for job in jobs.split(",") if job.lstrip("-").isdigit()]
                     break
         return pairs
 
     def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.release()  # (an exported view keeps an mmap from closing)
         self._map.close()
 
 
+def _field(slot: int) -> int:
+    """The index of `slot`'s job field in the page as int64s."""
+    return (slot * SLOT + 8) // 8
+
+
+def _unnamed(job: int) -> None:
+    pass
+
+
 class _Slot:
-    __slots__ = ("slot", "showing", "__weakref__")
+    __slots__ = ("slot", "field", "showing", "__weakref__")
 
     def __init__(self, slot: int):
         self.slot = slot
-        self.showing = None  # what the slot says now
+        self.field = _field(slot)
+        self.showing = None  # the node the slot names now (a batch's: a tuple; nothing: None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -127,6 +128,18 @@ def test_the_first_failure_in_a_chunk_is_raised_after_every_output_before_it(loc
     assert info.value.index == 3 and got == [0, 2, 4]
 
 
+def test_an_input_that_cannot_be_sent_fails_alone_and_its_chunk_runs_the_others(local):
+    """Its chunk's other inputs travel without it (their places no longer consecutive), each output right."""
+    g = Graph.somatize(Inc())
+    warm(local, g)
+    xs: list = list(range(N))
+    bad = N // 2 + 3
+    xs[bad] = threading.Lock()
+    outs = list(local.map(g, xs, errors="yield"))
+    assert isinstance(outs[bad], NodeError) and outs[bad].index == bad and "cannot be sent" in str(outs[bad])
+    assert all(out == i + 1 for i, out in enumerate(outs) if i != bad)
+
+
 def test_a_worker_killed_in_the_middle_of_a_chunk_fails_only_the_input_it_ran(local, tmp_path):
     flag = str(tmp_path / "died")
     g = Graph.somatize(DiesOn(N // 2 + 7, flag))
@@ -135,8 +148,23 @@ def test_a_worker_killed_in_the_middle_of_a_chunk_fails_only_the_input_it_ran(lo
     assert os.path.exists(flag)
     dead = [i for i, out in enumerate(outs) if isinstance(out, WorkerDied)]
     assert dead == [N // 2 + 7], dead
+    assert outs[dead[0]].node == g.nodes()[0] and outs[dead[0]].index == dead[0]
     assert all(out == i + 1 for i, out in enumerate(outs) if i not in dead)
     assert list(local.map(g, range(100))) == [x + 1 for x in range(100)]  # (the pool works on)
+
+
+def test_a_worker_killed_in_the_second_node_of_a_chunk_names_that_node(local, tmp_path):
+    """A chunk of a two-node piece: the status page names the node the killed worker ran, and its input."""
+    flag = str(tmp_path / "died")
+    g = Graph.somatize(Inc() >> DiesOn(N // 3 + 1, flag))
+    killer = next(n for n in g.nodes() if type(g.node(n)) is DiesOn)
+    warm(local, g, range(-1000, -500))
+    outs = list(local.map(g, range(N), errors="yield"))
+    assert os.path.exists(flag)
+    dead = [i for i, out in enumerate(outs) if isinstance(out, WorkerDied)]
+    assert dead == [N // 3], dead
+    assert outs[dead[0]].node == killer, outs[dead[0]]
+    assert all(out == i + 2 for i, out in enumerate(outs) if i not in dead)
 
 
 def test_a_straggler_never_holds_its_neighbours(local, tmp_path):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from soma import Done, Node
+from soma import Done, Node, Opaque
 from soma.errors import Cancelled, NodeError
 from soma.local.worker import chunks
 from soma.local.worker.lanes import Lane, Lanes
@@ -20,7 +20,7 @@ from soma.local.worker.resources import DeviceSetup
 from soma.local.worker.running import JobRunner
 from soma.local.worker.segments import Segments
 from soma.local.worker.turns import Turns
-from soma.plan import Step
+from soma.plan import Seq, Step
 from soma.wire import codec, failures, nodecode, protocol
 from soma.wire.protocol import (
     Chunk,
@@ -130,6 +130,97 @@ def test_a_chunk_runs_each_input_in_order_and_answers_each_alone(tmp):
         err = failures.error_from(failed.body)
         assert isinstance(err, NodeError) and err.node == "n" and "13 is unlucky" in str(err)
         assert all(o.seconds > 0 for o in got.values()) and len({o.seconds for o in got.values()}) > 1
+    finally:
+        w.close()
+
+
+class Picky(Node):
+    """Each way an input can end: an output (an Opaque's object too), the node's own exception, a forward that
+    returns no Done, a KeyboardInterrupt (in a worker: the node's failure, not the worker's)."""
+
+    def forward(self, x, ctx):
+        if x == 13:
+            raise ZeroDivisionError("13 is unlucky")
+        if x == 5:
+            return x
+        if x == 7:
+            raise KeyboardInterrupt("seven")
+        if x == 9:
+            return Done(Opaque([ctx.node, ctx.worker, ctx.device]))
+        return Done(x / 2)
+
+
+def test_a_one_node_chunk_answers_each_input_as_it_would_run_alone(tmp):
+    """A one-node piece's inputs call the node directly (Interpreter.each): each outcome the same as the input
+    run alone as a job (run_job: Interpreter.run with its RunState), errors included, in the middle of a chunk."""
+    xs = [1, 13, 5, 2, 7, 9, 4]
+    w = Worker(Picky(), tmp)
+    try:
+        part = w.run(w.chunk(list(range(1, len(xs) + 1)), xs))
+        piece = w.runner.library.pieces[PIECE]
+        assert piece.interpreter.each(piece.plan) is not None  # (the one-node call ran them)
+        chunked, _ = host_reads(*w.sent, part)
+        enc = codec.Encoder(w.segments.get_store)
+        decoder = codec.Decoder(lambda create=True: None)
+        for job, x in enumerate(xs, 1):
+            alone = w.runner.run_job(JobSpec(100 + job, PIECE, enc.pack(x), False))
+            got = chunked[job]
+            assert got.ok == alone.ok, x
+            if alone.ok:
+                assert got.body == decoder.unpack(alone.body), x
+            else:
+                mine, theirs = failures.error_from(got.body), failures.error_from(alone.body)
+                assert type(mine) is type(theirs) is NodeError and mine.node == theirs.node == "n"
+                assert str(mine) == str(theirs), x
+        assert chunked[6].body == ["n", "w9", None]
+        assert "not Done" in str(failures.error_from(chunked[3].body))
+        assert "KeyboardInterrupt" in str(failures.error_from(chunked[5].body))
+    finally:
+        w.close()
+
+
+class Watches(Node):
+    """Records what the status page says while it runs (the host reads the same page when a worker dies)."""
+
+    def __init__(self, page: str):
+        self.page = page
+        self.seen: list = []
+
+    def forward(self, x, ctx):
+        reader = StatusPage(self.page, create=False)
+        try:
+            self.seen.append(reader.read())
+        finally:
+            reader.close()
+        return Done(x + 1)
+
+
+def test_the_status_page_names_each_input_of_a_chunk_and_its_node_while_it_runs(tmp):
+    w = Worker(Watches(os.path.join(tmp, "status")), tmp)
+    try:
+        ids = [21, 0, 22, 23]
+        part = w.run(w.chunk(ids, [1, 2, 3, 4]))
+        got, _ = host_reads(*w.sent, part)
+        assert [got[i].body for i in (21, 22, 23)] == [2, 4, 5]
+        assert w.node.seen == [[(21, "n")], [(22, "n")], [(23, "n")]]
+        assert StatusPage(os.path.join(tmp, "status"), create=False).read() == []  # (nothing runs after it)
+    finally:
+        w.close()
+
+
+def test_a_chunk_of_a_two_node_piece_names_each_node_and_answers_each_input(tmp):
+    """A piece of two nodes runs each input through Interpreter.run (not the one-node call): the status page
+    names the node running, each input its own outcome."""
+    w = Worker(Half(), tmp)
+    try:
+        w.runner.library.register({2: nodecode.dumps(Watches(os.path.join(tmp, "status")))},
+                                  {PIECE + 1: protocol.pack_piece(Seq([Step("w"), Step("n")]), {"w": 2, "n": 1}, {})})
+        run = chunks.ChunkRun(Chunk([5, 6, 7], PIECE + 1, codec.Encoder(w.segments.get_store).pack_each([1, 12, 3]),
+                                    False))
+        got, _ = host_reads(*w.sent, w.run(run))
+        assert [got[5].body, got[7].body] == [1.0, 2.0] and not got[6].ok
+        assert "13 is unlucky" in str(failures.error_from(got[6].body))
+        assert w.runner.library.node("w", 2).seen == [[(5, "w")], [(6, "w")], [(7, "w")]]
     finally:
         w.close()
 

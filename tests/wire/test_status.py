@@ -45,3 +45,46 @@ def test_slots_of_threads_that_ended_are_reused(tmp_path):
     page.enter(1, "still named")
     assert page.read() == [(1, "still named")]
     page.close()
+
+
+def test_a_thread_naming_one_node_for_job_after_job_stores_only_each_job(tmp_path):
+    """A chunk's inputs: the node's name written once, each job's id stored into the slot's job field; the
+    other ways of writing the slot (one job, a batch's jobs, nothing) still read as they say."""
+    path = str(tmp_path / "status")
+    writer, reader = StatusPage(path, create=True), StatusPage(path, create=False)
+    now = writer.naming("encoder")
+    for job in (5, 6, 2**40, -3):
+        now(job)
+        assert reader.read() == [(job, "encoder")]
+    writer.enter_batch([7, 8], "batcher")
+    assert sorted(reader.read()) == [(7, "batcher"), (8, "batcher")]
+    writer.enter(9, "encoder")
+    assert reader.read() == [(9, "encoder")]
+    writer.naming("encoder")(10)
+    writer.enter(11, "join")
+    assert reader.read() == [(11, "join")]
+    writer.leave()
+    assert reader.read() == []
+    writer.close()
+    reader.close()
+
+
+def test_a_thread_without_a_slot_goes_unnamed_when_naming(tmp_path):
+    page = StatusPage(str(tmp_path / "status"), create=True)
+    started, go = threading.Barrier(SLOTS + 1), threading.Event()
+
+    def hold(i):
+        page.enter(i, "n")
+        started.wait(5)
+        go.wait(5)
+
+    threads = [threading.Thread(target=hold, args=(i,)) for i in range(SLOTS)]
+    for t in threads:
+        t.start()
+    started.wait(5)
+    page.naming("late")(99)  # every slot is taken: nothing is written, nothing raised
+    assert (99, "late") not in page.read() and len(page.read()) == SLOTS
+    go.set()
+    for t in threads:
+        t.join(5)
+    page.close()

@@ -43,7 +43,9 @@ def arrived(job: Job, oks: list, values: list, ids: list, worker) -> tuple[list,
     chunk = job.flow
     base, index, piece, pending, open_ = job.base, chunk.index, job.piece, job.pending, chunk.open
     out, back = [], []
-    places = [i - base for i in ids]
+    first, n = (ids[0], len(ids)) if ids else (base, 0)
+    # (the common case: the part's ids consecutive, its places a range made at C speed; else one by one)
+    places = range(first - base, first - base + n) if ids == list(range(first, first + n)) else [i - base for i in ids]
     if (False not in oks and not piece.devices and Undecodable not in map(type, values)
             and pending.issuperset(places) and open_.issuperset(places)):
         _runs(out, index, places, values)  # (the common case: all ok, all wanted, nothing to look at)

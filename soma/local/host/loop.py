@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from operator import itemgetter
 
 from ...errors import SomaError, WorkerDied
 from .callers import LEAD_S, Receiving
@@ -102,7 +103,7 @@ class HostLoop(Receiving):
         flows = {}
         first, last = items[0][0], items[-1][0]
         if last - first == len(items) - 1:  # (consecutive: the common case, sliced at C speed)
-            xs = [x for _, x in items]
+            xs = list(map(itemgetter(1), items))
             for at in range(0, len(xs), size):
                 flows[first + at] = Chunk(first + at, sink, program, xs[at:at + size], graph)
             return self._started(program, flows)

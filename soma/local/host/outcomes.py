@@ -66,7 +66,7 @@ def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
     """A Bundle's outcomes: `said[i]` is True (its output is the next one of the list `body` decodes to),
     bytes (its output, encoded alone: the worker could not encode the list), or an error body. A list that
     cannot be decoded leaves every output in it Undecodable."""
-    listed = sum(answer is True for answer in said)
+    listed = said.count(True)  # (the others are bytes and error bodies, never equal to True)
     mark = decoder.shm_mark()
     shared: list = []
     if listed:

@@ -41,11 +41,15 @@ class BundleSend:
         first = jobs[0]
         if first.places is not None:  # a chunk's job: it runs the inputs of its places
             base = first.base
-            if first.places is packed.places:  # (all of them: the common case)
-                self.ids = [base + place for place in packed.places]
+            places = packed.places
+            if first.places is places:  # (all of them: the common case; ascending, and consecutive but where
+                # an input could not be encoded: then made at C speed)
+                consecutive = places[-1] - places[0] == len(places) - 1
+                self.ids = (list(range(base + places[0], base + places[-1] + 1)) if consecutive
+                            else [base + place for place in places])
             else:
                 wanted = set(first.places)
-                self.ids = [base + place if place in wanted else 0 for place in packed.places]
+                self.ids = [base + place if place in wanted else 0 for place in places]
             return
         self.ids = [0] * packed.size
         for job in jobs:

@@ -84,24 +84,30 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
         except NodeError as err:
             failure = err
     producer = piece.producer if piece is not None else "?"
+    # A one-node piece's inputs call its node directly, named on the status page by one store each (an input
+    # traced, or on a CUDA device, runs as a job does: Interpreter.run with its RunState).
+    call = piece.interpreter.each(piece.plan) if failure is None and not runner.cuda else None
+    name = runner.status.naming(piece.entry) if call is not None else None
+    lock, skip, clock = run.lock, run.skip, time.perf_counter
     done = None  # the input just done: (job id, ok, output or error body, spans, seconds)
     try:
         for position, job_id in enumerate(ids):
-            with run.lock:  # (one holding per input: the last one's answer in, this one's start out)
+            with lock:  # (one holding per input: the last one's answer in, this one's start out)
+                start = clock()
                 if done is not None:
                     if not run.done:
-                        run.part_since = time.perf_counter()
+                        run.part_since = start
                     run.done.append(done)
                     done = None
                 run.next = position + 1
-                if not job_id or job_id in run.skip:
+                if not job_id or job_id in skip:
                     run.running = False
                     continue
                 run.running = True
-                due = run.done and time.perf_counter() - run.part_since >= PART_S
+                due = run.done and start - run.part_since >= PART_S
             if due:
                 _send_part(runner, run, producer, send)
-            start = time.perf_counter()
+                start = clock()
             spans = None
             if failure is not None or runner.over_memory:  # (over max_memory: what has not started runs elsewhere)
                 ok, value = False, failures.error_body(failure if failure is not None else Cancelled())
@@ -110,12 +116,17 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
                     spans, loaded = loaded or [], None  # (the piece's load: a span of its first traced input)
                 pace = lane.pace
                 token = turns.enter(piece_id, pace) if pace is None or pace >= MIN_S else None
-                ok, value = _run_input(runner, piece, job_id, xs[position], spans,
-                                       traced[position][0] if spans is not None else None)
+                if call is not None and spans is None:
+                    name(job_id)
+                    ok, value = _called(runner, piece, call, xs[position])
+                else:
+                    ok, value = _run_input(runner, piece, job_id, xs[position], spans,
+                                           traced[position][0] if spans is not None else None)
+                    name = runner.status.naming(piece.entry) if call is not None else None  # (it named nodes)
                 if token is not None:
                     turns.leave(piece_id, token)
                 xs[position] = None  # (its input goes as soon as it is done with)
-            seconds = time.perf_counter() - start
+            seconds = clock() - start
             lane.pace = seconds
             done = (job_id, ok, value, spans, seconds)
     finally:
@@ -183,10 +194,16 @@ def _loaded(runner, run: ChunkRun) -> tuple:
 def _run_input(runner, piece, job_id: int, x, spans, index) -> tuple:
     """`(ok, its output or its error body)` of one input: the piece run on it (the status page names the job
     with each node it enters: RunState tells it)."""
+    if runner.cuda:
+        runner.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
+    return _called(runner, piece, piece.interpreter.run, piece.plan, x, RunState(runner.observer, job_id, index),
+                   spans)
+
+
+def _called(runner, piece, call, *args) -> tuple:
+    """`(ok, call(*args) or its error body)`: an input run (its NodeError, or soma's own failure, named)."""
     try:
-        if runner.cuda:
-            runner.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
-        return True, piece.interpreter.run(piece.plan, x, RunState(runner.observer, job_id, index), spans)
+        return True, call(*args)
     except NodeError as err:
         return False, failures.error_body(err)
     except BaseException as err:  # never lose an input: the host is waiting for it
@@ -208,17 +225,19 @@ def _part(runner, done: list, more: bool, producer: str) -> ChunkPart:
     """One part of a chunk's answer from `done` ((job id, ok, output or error body, spans, seconds) each): the
     outputs of those that ran ok encoded as one list (each alone when the list cannot be), each input's own
     answer, spans and seconds (each output's share of the encoding added to its input's)."""
-    said = [entry[2] for entry in done]  # (an error body where not ok; outputs replaced below)
-    at = [k for k, entry in enumerate(done) if entry[1]]
-    seconds = [entry[4] for entry in done]
+    ids, oks, said, spans, seconds = (list(column) for column in zip(*done))  # (said: an error body where
+    # not ok; outputs replaced below)
+    every = False not in oks  # (the common case: no pass in Python to pick the outputs)
+    at = range(len(done)) if every else [k for k, ok in enumerate(oks) if ok]
     body = None
     if at:
         start = time.perf_counter()
-        body, listed = encode_listed([said[k] for k in at], producer, runner.get_store)
+        body, listed = encode_listed(said if every else [said[k] for k in at], producer, runner.get_store)
         share = (time.perf_counter() - start) / len(at)
-        for k, answer in zip(at, listed):
-            said[k] = answer
-            seconds[k] += share
-    spans = [entry[3] for entry in done]
-    return ChunkPart([entry[0] for entry in done], said, body,
-                     spans if any(s is not None for s in spans) else None, seconds, more)
+        if every:
+            said, seconds = listed, [s + share for s in seconds]
+        else:
+            for k, answer in zip(at, listed):
+                said[k] = answer
+                seconds[k] += share
+    return ChunkPart(ids, said, body, None if spans.count(None) == len(spans) else spans, seconds, more)
