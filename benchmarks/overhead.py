@@ -8,7 +8,8 @@ Three questions, each on warm pools of 2 workers, contenders alternated round by
   caller sees it: `Local.run(g, x)` vs `ProcessPoolExecutor(spawn).submit(echo,
   x).result()` vs `multiprocessing.Pool(spawn).apply(echo, (x,))` vs
   `ThreadPoolExecutor.submit().result()`, with `soma.Executor` as the in-process
-  floor. One sample = the mean of many back-to-back trips; trip i sends the
+  floor and `zmq_floor`, a bare ZeroMQ echo over soma's sockets (benchmarks/_zmq_floor.py),
+  as the floor of any round trip on soma's transport (SPEC 7: ZeroMQ). One sample = the mean of many back-to-back trips; trip i sends the
   int i and every answer is checked against it (after the clock stops).
 * throughput: a 3-node graph `add_one >> double >> add_one` over many inputs, in
   runs per second. The pools get the same three steps as one function.
@@ -28,6 +29,7 @@ import time
 
 import _harness as h
 from _work import AddOne, Double, Echo, chain3, echo
+from _zmq_floor import ZmqEcho
 
 import soma
 from soma import Graph
@@ -57,16 +59,21 @@ def round_trips(suite: h.Suite, pools: h.Pools) -> None:
     g = Graph.somatize(Echo())
     executor = soma.Executor()
     local, procpool, mp_pool, threads = pools.local, pools.procpool, pools.mp_pool, pools.threads
+    floor = ZmqEcho()
     calls = {
         "local": lambda x: local.run(g, x),
+        "zmq_floor": floor.call,
         "procpool": lambda x: procpool.submit(echo, x).result(),
         "mp_pool": lambda x: mp_pool.apply(echo, (x,)),
         "threads": lambda x: threads.submit(echo, x).result(),
         "executor": lambda x: executor.run(g, x),
     }
     trips = {"full": 500, "quick": 200, "smoke": 20}[suite.mode]
-    samples = h.alternate({name: (lambda n=name, c=call: per_call(n, trips, c)) for name, call in calls.items()},
-                          repeat=suite.repeat(full=9, quick=5, smoke=1), self_timed=True)
+    try:
+        samples = h.alternate({name: (lambda n=name, c=call: per_call(n, trips, c)) for name, call in calls.items()},
+                              repeat=suite.repeat(full=9, quick=5, smoke=1), self_timed=True)
+    finally:
+        floor.close()
     params = {"workers": WORKERS, "trips_per_sample": trips}
     for name, values in samples.items():
         suite.add(name, {"what": "round_trip", **params}, h.us(values), "us")
