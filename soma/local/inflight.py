@@ -34,6 +34,9 @@ class LocalInflight(Inflight):
         one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
         self.chunked = one if one is not None and not one.batch and timeout is None and not retries else None
         self.workers = len(tracer.worker_devices)
+        # Until an output is measured: a worker's worth each (a batching node's: a full batch, so its first calls
+        # are full ones; a map's first inputs were all placed in one go, and bundles cut small then stay small).
+        self.first = self.workers * max([1] + [piece.batch for piece in self.pieces])
         self.held_back = False  # the window was bound by memory (room)
         self.shm_total = shm_room()[1]  # (room: what the window's values may take of /dev/shm at most)
         loop.map_open(self, True)
@@ -50,11 +53,12 @@ class LocalInflight(Inflight):
         size less what the caller's results outside the window hold (what the host maps, less the outputs that
         arrived and wait in the window: `arrived`; at least the one output the caller works on); not /dev/shm's free room now, which lags behind the frees
         the workers have not heard of yet (measured: taking by it ran the 20 MiB map of `soma bench shm` at a
-        third of its speed). Until the first output is measured, one input per worker; None when they take
+        third of its speed). Until the first output is measured, one input per worker (a full batch per worker for a
+        batching node); None when they take
         no room there (small values travel in the message)."""
         per_input = self.loop.shm_per_input(self.pieces)
         if per_input is None:
-            return arrived + self.workers
+            return arrived + self.first
         if not per_input:
             return None
         # (at least one output is the caller's: the one it holds now, or the next one it takes from the window)
