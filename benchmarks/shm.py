@@ -13,11 +13,14 @@ every value, and answers. Contenders:
     local_ample    soma.Local(workers=2), this machine's /dev/shm
     dataloader_64  torch.utils.data.DataLoader(num_workers=2, batch_size=None), 64 MiB
     procpool_64    ProcessPoolExecutor(2, spawn).map, 64 MiB
+    ideal_64       images only: the pipeline in one process, image after image on one core (torch on one
+                   thread, as each worker's), its time halved: what 2 cores give at all, the ceiling
 
 * images: examples/image_pipeline.py (decode, augment, CNN; DataLoader: decode
   and augment in its workers, the CNN in the caller), every contender's logits
   checked against the Executor's. images/s. Goal: local_64 >= 0.8x local_ample,
-  and ahead of dataloader_64 and procpool_64.
+  and ahead of dataloader_64 and procpool_64 (where those are not at the ceiling: local_64 / ideal_64 says
+  how much room there is at all; on a quiet machine every contender is near it).
 * big: a map of 20 MiB outputs (`filled((i, 20))`: a float64 array, every
   element i), each checked whole and dropped as it comes, as a consumer does.
   MiB/s. At 64 MiB three such outputs fill /dev/shm: soma's waits for room,
@@ -49,7 +52,9 @@ REPLY = "@@shm "  # leads the child's answers on its stdout (anything else there
 # error) and the loader waits forever for it by default: with a timeout it raises instead.
 DATALOADER_TIMEOUT_S = 20
 HAVE_PILLOW = importlib.util.find_spec("PIL") is not None  # (the image pipeline makes and decodes JPEGs)
-CONTENDERS = {"local_64": "small", "local_ample": "ample", "dataloader_64": "small", "procpool_64": "small"}
+CONTENDERS = {"local_64": "small", "local_ample": "ample", "dataloader_64": "small", "procpool_64": "small",
+              "ideal_64": "small"}
+IMAGES_ONLY = {"ideal_64"}  # (the big map's ceiling is no pipeline's: it is not measured)
 
 
 # -- the children: warm pools, one call at a time ------------------------------------------------------------
@@ -111,9 +116,13 @@ class Child:
                 out = list(self.local.map(self.graph, self.items))
             elif kind == "dataloader":
                 out = [self.ip.classify(self.model, chw) for chw in self.loader(case)]
+            elif kind == "ideal":  # the pipeline in this process, one image after another, on one core:
+                out = [self.ip.process(item) for item in self.items]  # halved below, the 2 cores' ceiling
             else:
                 out = list(self.procpool.map(self.ip.process, self.items))
             seconds = time.perf_counter() - start
+            if kind == "ideal":
+                seconds /= WORKERS
             if not self.ip.same_logits(out, self.expected):
                 raise h.WrongValue(f"{contender} returned logits that differ from the Executor's (images)")
             return seconds
@@ -208,6 +217,8 @@ class Remote:
 def measure(suite: h.Suite, children: dict, case: str, unit: str, per_call: float, failed: dict) -> None:
     contenders = {}
     for name, where in CONTENDERS.items():
+        if name in IMAGES_ONLY and case != "images":
+            continue
         got = children[where].ask(case, name)  # a warm-up round, which also finds who cannot run it at all
         if "error" in got:
             failed[(case, name)] = got["error"]
