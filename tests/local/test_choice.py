@@ -78,3 +78,11 @@ def test_what_a_pieces_outputs_take_of_dev_shm_counts_a_larger_one_at_once_and_s
     for _ in range(100):
         choice.weigh(piece, 0)
     assert choice.shm_per_input([piece]) < 1 << 10  # (small outputs now: the map is bound by count alone)
+
+
+def test_an_input_counts_what_the_host_copied_it_into_once_an_output_was_measured():
+    choice, piece = WorkerChoice(["cpu", "cpu"]), piece_of(AddOne())
+    choice.weigh(piece, 20 << 20, inputs=True)
+    assert choice.shm_per_input([piece]) is None  # (no output yet: the map still takes one input per worker)
+    choice.weigh(piece, 4 << 20)
+    assert choice.shm_per_input([piece]) == 24 << 20

@@ -68,6 +68,21 @@ with soma.Local(workers=2) as local:
     assert "does not fit in /dev/shm" not in done.stderr, done.stderr
 
 
+def test_a_map_of_20_mib_inputs_and_outputs_counts_both_and_nothing_goes_to_disk(small_shm):
+    # Each input is copied into /dev/shm by the host, and each output made there by a worker: the map's window
+    # holds only what both take room for.
+    done = small_shm(HEAD + """
+with soma.Local(workers=2) as local:
+    xs = (np.full(20 * MIB // 8, float(i)) for i in range(12))
+    for i, a in enumerate(local.map(Graph.somatize(PlusOne()), xs)):
+        assert a.nbytes == 20 * MIB and (a == i + 1).all(), i
+        del a
+    print("MAPPED", i + 1)
+""")
+    assert "MAPPED 12" in done.stdout
+    assert "does not fit in /dev/shm" not in done.stderr, done.stderr
+
+
 def test_an_input_takes_back_the_room_an_idle_worker_keeps_for_reuse(small_shm):
     # The worker keeps the 40 MiB result's segment for reuse once the caller drops it; the 30 MiB input fits
     # only when that goes back, without a file on disk (no warning).

@@ -47,6 +47,7 @@ class WorkerChoice:
         self.latency_s: dict = {}  # piece id → EMA of its jobs' way to a worker and back, less their time there
         self.first_seen: set = set()  # pieces whose first job's outcome has come
         self.output_shm: dict = {}  # piece id → bytes of /dev/shm one output takes (weigh)
+        self.input_shm: dict = {}  # piece id → bytes of /dev/shm the host copied one input into (weigh)
         self.sends: dict = {}  # (slot, piece id) → a batching node alone's sends out at that worker (see choose)
         self.widest = MAX_DEPTH  # the largest cap of the pieces admitted (has_room)
 
@@ -172,20 +173,24 @@ class WorkerChoice:
             known = self.latency_s.get(piece)
             self.latency_s[piece] = latency if known is None else known + EMA * (latency - known)
 
-    def weigh(self, piece, shm: int | None) -> None:
+    def weigh(self, piece, shm: int | None, inputs: bool = False) -> None:
         """Learn what `piece`'s outputs take of /dev/shm (an output that arrived ok: its bytes there, or None
-        when not known). A larger one counts at once, smaller ones bring it down slowly: the measure bounds a
-        map's window (`shm_per_input`), where counting too little fills /dev/shm."""
+        when not known), or with `inputs` what the host copied one of its inputs into. A larger one counts at
+        once, smaller ones bring it down slowly: the measure bounds a map's window (`shm_per_input`), where
+        counting too little fills /dev/shm."""
         if shm is None:
             return
-        known = self.output_shm.get(piece.id)
-        self.output_shm[piece.id] = shm if known is None or shm > known else int(known + EMA * (shm - known))
+        measures = self.input_shm if inputs else self.output_shm
+        known = measures.get(piece.id)
+        measures[piece.id] = shm if known is None or shm > known else int(known + EMA * (shm - known))
 
     def shm_per_input(self, pieces: list) -> int | None:
-        """Bytes of /dev/shm an input of a program of `pieces` takes on its way (each piece's output, as
-        measured); None until one of them was measured."""
+        """Bytes of /dev/shm an input of a program of `pieces` takes on its way (each piece's output and what
+        its inputs were copied into, as measured); None until an output of one of them was measured."""
         measured = [self.output_shm[p.id] for p in pieces if p.id in self.output_shm]
-        return sum(measured) if measured else None
+        if not measured:
+            return None
+        return sum(measured) + sum(self.input_shm.get(p.id, 0) for p in pieces)
 
     def depth(self, piece: Piece) -> int:
         """Jobs of `piece` worth having in flight per worker: enough that the worker runs the next ones

@@ -94,6 +94,10 @@ class HostCore(WorkerEvents, ChunkEvents):
         """How many inputs of `piece` a map's chunk holds now (chunks.size)."""
         return self.dispatch.choice.chunk(piece)
 
+    def weigh_inputs(self, piece, shm: int) -> None:
+        """The host copied an input of `piece` into `shm` bytes of /dev/shm (the loop, as it encodes)."""
+        self.dispatch.choice.weigh(piece, shm, inputs=True)
+
     def shm_per_input(self, program_pieces: list) -> int | None:
         """Bytes of /dev/shm an input of a program takes on its way, as measured (WorkerChoice.shm_per_input)."""
         return self.dispatch.choice.shm_per_input(program_pieces)

@@ -36,7 +36,7 @@ from .core import HostCore
 from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
 from .flows import Chunk, Flow
 from .listener import PUMP_S, Listener
-from .sending import encode
+from .sending import copied, encode
 
 
 class HostLoop(Receiving):
@@ -234,6 +234,8 @@ class HostLoop(Receiving):
         items, failed = encode(self.pool.get_store, groups)
         for job, err in failed:
             self.core.unsent([job], err)
+        for piece, shm in copied(items):
+            self.core.weigh_inputs(piece, shm)
         if items and self.pool.send(slot, items) is None:  # its connection is still completing: soon again
             self._unreachable.setdefault(slot, []).extend(items)
 

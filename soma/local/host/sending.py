@@ -94,6 +94,20 @@ def encode(get_store, groups: list) -> tuple[list, list]:
     return items, failed
 
 
+def copied(items: list) -> list:
+    """`[(piece, bytes of /dev/shm one input was copied into)]` for the encodings among `items` (encode's) that
+    copied any: what a map's back-pressure by memory counts for its inputs (WorkerChoice.weigh)."""
+    found = []
+    for item in items:
+        if type(item) is BundleSend:
+            encoder, count = item.packed.keep, item.packed.size
+        else:
+            encoder, count = item.keep, 1
+        if encoder is not None and encoder.copied:
+            found.append((item.piece, sum(encoder.copied) // count))
+    return found
+
+
 def encode_alone(get_store, job) -> None:
     """Encode a job's input on its own (once per value for the jobs made from it in one step: `twins`)."""
     x, twins = job.value, job.twins
