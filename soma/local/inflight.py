@@ -49,14 +49,13 @@ class LocalInflight(Inflight):
 
     def room(self, arrived: int) -> int | None:
         """The map's back-pressure by memory (SPEC 7.2): its window holds no more inputs than /dev/shm has room
-        for, by what one was measured to take there on its way (each piece's output, and its input's copy). The
-        room is /dev/shm's
-        size less what the caller's results outside the window hold (what the host maps, less the outputs that
-        arrived and wait in the window: `arrived`; at least the one output the caller works on); not /dev/shm's free room now, which lags behind the frees
-        the workers have not heard of yet (measured: taking by it ran the 20 MiB map of `soma bench shm` at a
-        third of its speed). Until the first output is measured, one input per worker (a full batch per worker for a
-        batching node); None when they take
-        no room there (small values travel in the message)."""
+        for, by what one was measured to take there on its way (each piece's output, and its input's copy).
+        The room is /dev/shm's size less what the caller's results outside the window hold (what the host
+        maps, less the outputs that arrived and wait in the window: `arrived`; at least the one output the
+        caller works on); not /dev/shm's free room now, which lags behind the frees the workers have not heard
+        of yet (measured: taking by it ran the 20 MiB map of `soma bench shm` at a third of its speed). Until
+        the first output is measured, one input per worker (a full batch per worker for a batching node);
+        None when they take no room there (small values travel in the message)."""
         per_input = self.loop.shm_per_input(self.pieces)
         if per_input is None:
             return arrived + self.first
