@@ -5,8 +5,9 @@
                 (events in, actions out: no locks, no sockets, no threads; with core_workers.py, workers
                 coming and going, and core_chunks.py, a map's chunks: chunks.py), with its books in
                 dispatch.py (lines, choice.py) and flows.py (an input's walk); loop.py, the only code that
-                locks and the only code that touches the sockets and the core (callers.py: callers that wait
-                receive for each other); pool.py (processes, sockets, leases), sending.py (encoding),
+                locks and the only code that touches the sockets and the core (callers that wait receive for
+                each other; loop_workers.py: workers spawned, ended, found dead); pool.py (processes, sockets,
+                leases), sending.py (encoding),
                 outcomes.py (decoding, checking), listener.py, program.py (compile), procs.py, leases.py
     worker/     the `soma-worker` program (`python -m soma.local.worker`): one process of the pool
 

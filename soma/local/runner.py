@@ -82,6 +82,7 @@ class Local(RunnerBase):
         # graph → (placement version, its program for run, its program for map)
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._programs_lock = threading.Lock()
+        self._last_program = (_nothing, None, None, None)  # (weak ref to a graph, placement version, whole, program)
         self._registry = NodeRegistry()
 
     # -- life ------------------------------------------------------------------------------------
@@ -224,8 +225,12 @@ class Local(RunnerBase):
     def _program(self, g, whole: bool = False):
         """Compiled once per graph, placement and kind (placing after a run compiles again)."""
         version = g.placement_version
+        last = self._last_program  # (the one run last, found without a new weak reference: a run's hot path)
+        if last[0]() is g and last[1] == version and last[2] == whole:
+            return last[3]
         found = self._programs.get(g)
         if found is not None and found[0] == version and found[1 + whole] is not None:
+            self._last_program = (weakref.ref(g), version, whole, found[1 + whole])
             return found[1 + whole]
         with self._programs_lock:
             program = compile_program(g, self._registry.key_of, self.worker_devices, whole)
@@ -238,7 +243,7 @@ class Local(RunnerBase):
         return program
 
     def _check_process(self) -> None:
-        if os.getpid() != self._owner_pid:
+        if _pid[0] != self._owner_pid:
             raise SomaError(f"this soma.Local belongs to process {self._owner_pid}; this is process {os.getpid()} "
                             f"(a fork of it, say): make a new soma.Local in this process")
 
@@ -321,6 +326,12 @@ def _default_arena(workers: int) -> int:
 
 
 _live_pools: "weakref.WeakSet[Local]" = weakref.WeakSet()
+_pid = [os.getpid()]  # this process's pid, kept current in a fork's child (os.getpid is a system call a run)
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
+
+def _nothing():
+    return None
 
 
 @atexit.register

@@ -74,9 +74,12 @@ def as_graph(g, where: str):
     Kept for a bounded number of objects, not for as long as they live: the graph holds the node, so a
     cache keyed by the node would keep every node ever run alive.
     """
+    if type(g) is _graph_type[0]:  # (the common case, a Graph, without the imports below: a run's first step)
+        return g
     from ..graph import Graph
     from ..node import Expr, Node, not_a_node, operand
 
+    _graph_type[0] = Graph
     if isinstance(g, Graph):
         return g
     if not isinstance(g, (Node, Expr)):
@@ -96,6 +99,7 @@ def as_graph(g, where: str):
 
 
 GRAPHS_KEPT = 64
+_graph_type: list = [None]  # soma.graph.Graph, once imported (imported here, not at the top: graph imports node)
 _graphs: OrderedDict = OrderedDict()  # id(node or expression) → (it, its graph), most recently run last
 _graphs_lock = threading.Lock()
 

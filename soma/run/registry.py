@@ -170,6 +170,7 @@ def note_sent(node) -> None:
         _warned.discard(node)
 
 
+_last_read: tuple = (lambda: None, [])  # (a weak reference to the graph looked at last, its list from _by_graph)
 _by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → [(node id, node's Reads)] that read
 
 
@@ -177,9 +178,14 @@ def warn_if_changed(graph) -> None:
     """Warn, once per node, when something a node's code reads from outside it names another object than when
     the node was sent to its copies (the copies still see the old one). A graph's list of what to look at is
     made once all its nodes have been sent: a graph whose nodes read nothing costs one lookup a call."""
-    reading = _by_graph.get(graph)
-    if reading is None:
-        reading = _reading(graph)
+    global _last_read
+    last_graph, reading = _last_read  # (one tuple: read whole, never half of two threads' writes)
+    if last_graph() is not graph:  # (the graph run last is looked up without a new weak reference)
+        reading = _by_graph.get(graph)
+        if reading is None:
+            reading = _reading(graph)
+        if reading is _by_graph.get(graph):  # (made for good: every node has been sent)
+            _last_read = (weakref.ref(graph), reading)
     for node_id, reads in reading:
         if reads._now() == reads.then:
             continue

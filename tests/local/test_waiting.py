@@ -1,6 +1,6 @@
-"""The jobs waiting for a worker (host/waiting.py): a line per piece, first come first served within it."""
+"""The jobs waiting for a worker (host/dispatch.py, `Waiting`): a line per piece, first come first served within it."""
 
-from soma.local.host.waiting import Waiting
+from soma.local.host.dispatch import Waiting
 
 
 class Job:

@@ -12,7 +12,7 @@
       forget(keys) · close(error)
 
 What lives here: the flows (an input's walk through its program: flows.py), the
-lines of jobs waiting for a worker (waiting.py), which worker takes a job
+lines of jobs waiting for a worker (dispatch.py), which worker takes a job
 (choice.py), what is out at each worker, bundles of a batching node's inputs,
 retries, cancels and timeouts. Each is decided here and nowhere else.
 
@@ -123,10 +123,11 @@ class HostCore(WorkerEvents, ChunkEvents):
         if program not in self.admitted:
             self.admitted.add(program)
             self.dispatch.choice.admit(pieces(program))
-        for slot, state in enumerate(self.state):  # a slot that could not be started is tried again for them
-            if state == DOWN and self.why_down[slot] is not None:
-                self.state[slot] = ASKED
-                self.out.append(Spawn(slot))
+        if DOWN in self.state:  # a slot that could not be started is tried again for them
+            for slot, state in enumerate(self.state):
+                if state == DOWN and self.why_down[slot] is not None:
+                    self.state[slot] = ASKED
+                    self.out.append(Spawn(slot))
         self._pump()
 
     def cancel(self, flows) -> None:
@@ -288,7 +289,7 @@ class HostCore(WorkerEvents, ChunkEvents):
         sends = self.dispatch.pump(usable, tuple(s for s in usable if self.state[s] == STARTING))
         for slot, jobs in (sends or {}).items():
             self._send(slot, jobs)
-        if self.dispatch.waiting:
+        if self.dispatch.waiting.lines:
             self._fail_unplaceable()
 
     def _send(self, slot: int, jobs: list) -> None:

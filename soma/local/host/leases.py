@@ -32,7 +32,9 @@ class LeaseBook:
         self.host_pid = host_pid
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
-        self._frees: dict[int, list] = defaultdict(list)  # owner pid → [(name, n)] to tell it
+        # owner pid → [(name, n)] to tell it; read without the lock as "anything to tell?" (a stale answer only
+        # delays a free)
+        self.frees: dict[int, list] = defaultdict(list)
         self._dead: set[int] = set()
 
     def received(self, name: str, sender: int) -> None:
@@ -65,7 +67,7 @@ class LeaseBook:
         """Process `pid` died: it holds nothing any more, and the segments it owned cannot be reused."""
         with self._lock:
             self._dead.add(pid)
-            self._frees.pop(pid, None)
+            self.frees.pop(pid, None)
             for name, entry in list(self._entries.items()):
                 entry.held.pop(pid, None)
                 self._free_if_unheld(name, entry)
@@ -79,24 +81,19 @@ class LeaseBook:
         if owner in self._dead:
             unlink_quietly(name)  # nobody maps it through a name any more; its owner cannot reuse it
         else:
-            self._frees[owner].append((name, entry.from_owner))
-
-    @property
-    def has_frees(self) -> bool:
-        """Anything to tell any owner (read without the lock: a stale answer only delays a free)."""
-        return bool(self._frees)
+            self.frees[owner].append((name, entry.from_owner))
 
     def give_back_frees(self, owner: int, frees: list) -> None:
         """Frees taken for a message that did not go: told with the next one instead."""
         if frees and owner not in self._dead:
             with self._lock:
-                self._frees[owner][:0] = frees
+                self.frees[owner][:0] = frees
 
     def take_frees(self, owner: int) -> list:
-        if owner not in self._frees:
+        if owner not in self.frees:
             return []
         with self._lock:
-            return self._frees.pop(owner, [])
+            return self.frees.pop(owner, [])
 
     def held_names(self) -> set[str]:
         with self._lock:
@@ -160,7 +157,7 @@ class HostSegments:
 
     def apply_releases(self) -> None:
         """Apply the host's own dead receipts, and hand segments the host owns back to its store."""
-        if not self._released and not self.book.has_frees:
+        if not self._released and not self.book.frees:
             return
         while self._released:
             try:

@@ -25,21 +25,25 @@ go (so nothing posted meanwhile is stranded).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
 from operator import itemgetter
 
-from ...errors import SomaError, WorkerDied
-from .callers import LEAD_S, Receiving
+from ...errors import SomaError
 from .core import HostCore
 from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
 from .flows import Chunk, Flow
 from .listener import PUMP_S, Listener
+from .loop_workers import WorkerLife
 from .sending import copied, encode
 
+LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
+_LEAD = object()  # put in a waiting caller's sink: "nobody is receiving: you do"
 
-class HostLoop(Receiving):
+
+class HostLoop(WorkerLife):
     """The owner of the host's state (see the module's docstring): `core` and the pool's sockets."""
 
     def __init__(self, pool, worker_devices: list[str]):
@@ -65,20 +69,6 @@ class HostLoop(Receiving):
         self.pool.open_sockets()
         self._act()
         self.listener.start()
-
-    def wait_ready(self, deadline: float) -> None:
-        """Until every worker has said hello; WorkerDied naming the first that cannot, or did not in time."""
-        while not self.all_ready.wait(max(0.0, min(PUMP_S, deadline - time.monotonic()))):
-            for slot, why in enumerate(self.core.why_down):  # (read without the lock: what the listener saw)
-                if why is not None:
-                    worker = self.pool.worker(slot)
-                    raise WorkerDied(f"worker w{slot} {why}", worker=f"w{slot}",
-                                     pid=getattr(worker, "pid", None), node=None)
-            if time.monotonic() >= deadline:
-                slot = next((s for s, state in enumerate(self.core.state) if state != "ready"), 0)
-                worker = self.pool.worker(slot)
-                raise WorkerDied(f"worker w{slot} (pid {getattr(worker, 'pid', '?')}) did not say hello in time",
-                                 worker=f"w{slot}", pid=getattr(worker, "pid", None), node=None)
 
     def close(self, error: SomaError) -> None:
         """Every input in flight gets `error`; STOP to every worker; the listener lets go of the socket and ends."""
@@ -179,6 +169,85 @@ class HostLoop(Receiving):
         while self.inbox and self.lock.acquire(blocking=False):
             self._release()
 
+    # -- callers waiting for outcomes (whoever waits receives for everyone while nobody else does) ---------
+    def await_item(self, sink, timeout: float | None):
+        """The next item put in `sink` (queue.Empty after `timeout` seconds), received on this thread while
+        nobody else receives; else asleep on the sink until it comes or the receiving is handed over."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter = _Waiter(sink)
+        while True:
+            item = self.take_nowait(sink)
+            if item is not None:
+                return item
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise queue.Empty
+            if self.lock.acquire(blocking=False):
+                self._lead(LEAD_S if remaining is None else min(LEAD_S, remaining))
+                continue
+            waiter.handed = False
+            self._waiters.append(waiter)
+            try:
+                item = sink.get(timeout=remaining)
+            except queue.Empty:
+                item = None
+            if not waiter.handed:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:  # (handed the receiving just now: take it)
+                    pass
+            if item is _LEAD or item is None:
+                continue
+            if waiter.handed:
+                self._pass_on()
+            return item
+
+    def take_nowait(self, sink):
+        """The next item in `sink` if there is one, else None; never a hand-off token (one found here came after
+        its caller stopped waiting: it is passed on, so nobody is left thinking someone receives)."""
+        while True:
+            try:
+                item = sink.get_nowait()
+            except queue.Empty:
+                return None
+            if item is not _LEAD:
+                return item
+            self._pass_on()
+
+    def _lead(self, seconds: float) -> None:
+        """Receive on this thread (lock held on entry) until an outcome is ready to deliver or `seconds` pass;
+        then let go, deliver, and hand the receiving on when work is still out there."""
+        self.leading = True
+        try:
+            if not self.closing:
+                self._act()
+                deadline = time.monotonic() + seconds
+                wait_ms = max(1, int(seconds * 1000))
+                pool = self.pool
+                while not self._deliveries and time.monotonic() < deadline:
+                    frame = pool.frame(wait_ms)
+                    if frame is not None:
+                        self._on_frame(frame)
+                self._drain()  # (with nothing out, what is queued may still be releases: the frees wait on them)
+                self._now_and_then()
+        finally:
+            self.leading = False
+            self._release()
+        self._pass_on()
+
+    def _pass_on(self) -> None:
+        """Nobody receives now: a waiting caller is handed the receiving, or the listener is woken, when work is
+        still out there."""
+        if not self.core.busy() or self.lock.locked():
+            return
+        try:
+            waiter = self._waiters.popleft()
+        except IndexError:
+            self.listener.notify()
+            return
+        waiter.handed = True
+        waiter.sink.put(_LEAD)
+
     # -- holding the lock -------------------------------------------------------------------------------
     def _held(self):
         """A context that holds the lock (waiting for it) and lets go the one way (`_release`)."""
@@ -193,10 +262,10 @@ class HostLoop(Receiving):
     def _act(self) -> None:
         """Carry out what the core decided, until it decides nothing more (lock held)."""
         core = self.core
-        self._take_inbox()
-        actions = core.take()
-        while actions:
-            for action in actions:
+        if self.inbox:
+            self._take_inbox()
+        while core.out:  # (read before taking: most turns decide nothing, and a call less counts on a run)
+            for action in core.take():
                 kind = type(action)
                 if kind is Deliver:
                     self._deliveries.append(action)
@@ -208,8 +277,8 @@ class HostLoop(Receiving):
                     self._end(self.pool.worker(action.slot), action.why)
                 elif kind is Spawn:
                     self._start_due(action.slot, wanted=True)
-            self._take_inbox()
-            actions = core.take()
+            if self.inbox:
+                self._take_inbox()
 
     def _release(self) -> None:
         """Take in what was posted, carry out the actions, let go of the lock, then deliver the outcomes; look
@@ -245,56 +314,6 @@ class HostLoop(Receiving):
             if self.pool.send(slot, items) is None:
                 self._unreachable[slot] = items
 
-    # -- workers coming and going ------------------------------------------------------------------------
-    def _spawn(self, slot: int) -> None:
-        """The first worker of `slot`, or why there is none (the machine refused it: tried again soon)."""
-        try:
-            worker = self.pool.spawn(slot)
-        except OSError as err:
-            self.core.down(slot, f"could not be started: {type(err).__name__}: {err}")
-            return
-        self.all_ready.clear()
-        self.core.spawned(slot, worker)
-
-    def _start_due(self, slot: int | None = None, wanted: bool = False) -> None:
-        """Slots whose next worker is due start it (`wanted`: the core asked, for inputs wait for it)."""
-        started = self.pool.start_due(slot, wanted)
-        for due, worker in started:
-            if worker is not None:
-                self.all_ready.clear()
-                self.core.spawned(due, worker)
-            elif self.core.state[due] in ("down", "asked"):
-                self.core.down(due, self.pool.why_down(due))
-        if wanted and not started and self.core.state[slot] == "asked":  # (not due: backing off)
-            self.core.down(slot, self.pool.why_down(slot))
-
-    def _end(self, worker, why: str | None) -> None:
-        """A worker's end (it died, or the core retired it): the core hears what it held, then a replacement
-        is started (unless closing)."""
-        if worker is None:
-            return
-        slot = worker.slot
-        ended, running = self.pool.end(worker, why)
-        self._unreachable.pop(slot, None)
-        started = [] if self.closing else self.pool.start_due(slot)
-        replacement = started[0][1] if started else None
-        down = None if replacement is not None else (
-            "was not replaced: the pool is closing" if self.closing else self.pool.why_down(slot))
-        self.core.lost(slot, worker, ended, running, down)
-        if replacement is not None:
-            self.all_ready.clear()
-            self.core.spawned(slot, replacement)
-
-    def _look_at_workers(self) -> None:
-        """Dead workers: what they sent before dying is received first (still a result), then their end; a slot
-        that could not be started again is tried again (lock held)."""
-        dead = self.pool.find_dead()
-        if dead:
-            self._drain()
-            for worker in dead:
-                self._end(worker, None)
-        self._start_due()
-
     def _on_frame(self, frame: bytes) -> None:
         for event in self.pool.handle(frame):
             if type(event) is Outcomes:
@@ -304,18 +323,6 @@ class HostLoop(Receiving):
             elif type(event) is Ready:
                 self._ready(event.slot)
         self._act()
-
-    def _ready(self, slot: int) -> None:
-        worker = self.pool.worker(slot)
-        trace = self.trace
-        if trace is not None:  # a worker started inside a trace block: its start (imports, connecting) is a span
-            trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
-            trace.thread(worker.pid, 0, "start")
-            trace.span(f"start worker {worker.id}", "start", worker.spawned_ns, time.monotonic_ns(), worker.pid, 0,
-                       {"worker": worker.id})
-        self.core.ready(slot)
-        if all(state == "ready" for state in self.core.state):
-            self.all_ready.set()
 
     def _drain(self) -> None:
         """Handle every frame queued now (lock held)."""
@@ -372,3 +379,11 @@ class _Held:
 
     def __exit__(self, *exc):
         self.loop._release()
+
+
+class _Waiter:
+    __slots__ = ("sink", "handed")
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.handed = False  # a leader has put _LEAD in its sink

@@ -186,7 +186,7 @@ class WorkerPool:
             for node_id, key in piece.keys.items():
                 if key not in worker.loaded and key not in code:
                     code[key] = self.registry.code(node_id, key)
-        frees = self._book.take_frees(worker.pid) if self._book.has_frees else []
+        frees = self._book.take_frees(worker.pid) if self._book.frees else []
         task = Task(code, pieces, [item.wire() for item in items], frees, worker.forget,
                     self.segments.caller_held())
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
@@ -364,7 +364,7 @@ class WorkerPool:
     def flush_frees(self) -> None:
         """Tell owners about segments nobody holds any more (otherwise they ride on the next Task)."""
         self.apply_host_releases()
-        if not self._book.has_frees:
+        if not self._book.frees:
             return
         for worker in self.workers:
             if worker is None or self.closing or worker.retired or not worker.ready:
