@@ -62,7 +62,9 @@ class LocalInflight(Inflight):
         if not per_input:
             return None
         # (at least one output is the caller's: the one it holds now, or the next one it takes from the window)
-        self.held_back = True  # (start tells the workers of what was freed first: see HostLoop.flush_frees)
+        if not self.held_back:  # (start tells the workers of what was freed first: see HostLoop.flush_frees;
+            self.held_back = True  # a worker short of the room counted waits for those frees: map_held_back)
+            self.loop.map_held_back(self)
         outside = max(per_input, self.loop.shm_received() - arrived * per_input)
         return max(0, self.shm_total - outside) // per_input
 

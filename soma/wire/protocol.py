@@ -5,7 +5,7 @@ the records below are the messages, `pack` seals one into a frame and `parse`
 opens a frame into a record. The values inside (a node's input and output) are
 `soma.wire.codec`'s business; how the frames travel is `soma.wire.transport`'s.
 
-    host → worker   Task(code, pieces, jobs, frees, forget, held)
+    host → worker   Task(code, pieces, jobs, frees, forget, held, room_s)
                         code    {node key: the node, pickled}      only what this worker lacks
                         pieces  {piece id: piece spec}             only what this worker lacks
                         jobs   [JobSpec(id, piece, payload, traced)] one input for one piece each,
@@ -147,6 +147,9 @@ class Task(NamedTuple):
     frees: list
     forget: list
     held: int = 0  # bytes of /dev/shm the caller's results hold now (a worker short of room says so: soma.wire.room)
+    # How long a reservation short of room in /dev/shm waits for frees on their way before it spills (None: by
+    # its size, soma.wire.room.room_wait_s): a map held back by memory counted room for its outputs.
+    room_s: float | None = None
 
 
 class Result(NamedTuple):
@@ -201,8 +204,8 @@ def parse(secret: bytes, frame: bytes, origin: str):
         fields = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
         kind = fields[0]
         if kind == TASK:
-            code, pieces, jobs, frees, forget, held = fields[1:]
-            return Task(code, pieces, [_entry(u) for u in jobs], frees, forget, held)
+            code, pieces, jobs, frees, forget, held, room_s = fields[1:]
+            return Task(code, pieces, [_entry(u) for u in jobs], frees, forget, held, room_s)
         if kind == RESULT:
             worker, pid, outcomes, releases, leaving, returned = fields[1:]
             return Result(worker, pid, [Outcome(*o) if len(o) == 5 else ChunkPart(*o) for o in outcomes], releases,

@@ -29,7 +29,7 @@ SECRET = b"s" * 32
 @pytest.mark.parametrize("message", [
     Hello("w0", 1234, "cuda:1"),
     Task({7: b"code"}, {3: b"spec"}, [JobSpec(1, 3, b"\x01", False), JobSpec(2, 3, b"\x02", True)], [["seg", 2]], [5]),
-    Task({}, {}, [Bundle([4, 0, 6], 3, b"\x93\x01\x02\x03"), JobSpec(7, 3, b"\x01", [2])], [], [], 60 << 20),
+    Task({}, {}, [Bundle([4, 0, 6], 3, b"\x93\x01\x02\x03"), JobSpec(7, 3, b"\x01", [2])], [], [], 60 << 20, 2.0),
     Result("w1", 99, [Outcome(1, True, b"\x01", None, 0.5),
                       Outcome(2, False, {"node": "a", "message": "m", "kind": "node"}, [["a", 1, 2, 3, "ok"]], 0.1)],
            [["seg", 1]]),

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections import defaultdict, deque
 
+from ...wire.room import ROOM_WAIT_S
 from ...wire.shm import owner_pid, unlink_quietly
 
 
@@ -111,6 +112,7 @@ class HostSegments:
         self._released: deque = deque()
         self._busy_at = time.monotonic()  # when a job was last queued or out (trim_if_idle)
         self.maps_open = weakref.WeakSet()  # the in-flight sets of the maps open now (caller_held)
+        self.held_back = weakref.WeakSet()  # those of them held back by memory (room_s)
 
     def get_store(self, create: bool = True):
         if self.store is None and create:
@@ -139,6 +141,14 @@ class HostSegments:
         caller's while no map is open; with one open, some of it waits in the map's window and reorder buffer,
         which the map frees itself as its caller consumes: then 0 (a worker short of room spills)."""
         return 0 if self.maps_open else self.received()
+
+    def room_s(self) -> float | None:
+        """How long a worker's reservation short of room waits for frees on their way (a Task's `room_s`): while
+        a map held back by memory is open, ROOM_WAIT_S, for its window counted room for each output it started
+        and the room lacking is the frees of outputs its caller dropped, on their way to their owners (under
+        load they took longer than the spill's time: issue 31's CI beside two CPU burners); else None (by the
+        value's size: soma.wire.room)."""
+        return ROOM_WAIT_S if self.held_back else None
 
     def trim_if_idle(self, busy: bool) -> None:
         """The host's side of what each worker does (`SegmentStore.idle`): with no job queued or out, what it

@@ -123,11 +123,16 @@ class HostLoop(WorkerLife):
     def map_open(self, inflight, is_open: bool) -> None:
         """A map's in-flight set opens or closes (what the caller's results hold is told apart by it: see
         HostSegments.caller_held)."""
-        maps = self.pool.segments.maps_open
+        segments = self.pool.segments
         if is_open:
-            maps.add(inflight)
+            segments.maps_open.add(inflight)
         else:
-            maps.discard(inflight)
+            segments.maps_open.discard(inflight)
+            segments.held_back.discard(inflight)
+
+    def map_held_back(self, inflight) -> None:
+        """A map open now is held back by memory from now on (its outputs' room counted: HostSegments.room_s)."""
+        self.pool.segments.held_back.add(inflight)
 
     def cancel(self, flows) -> None:
         self._post(self.core.cancel, list(flows))

@@ -188,7 +188,7 @@ class WorkerPool:
                     code[key] = self.registry.code(node_id, key)
         frees = self._book.take_frees(worker.pid) if self._book.frees else []
         task = Task(code, pieces, [item.wire() for item in items], frees, worker.forget,
-                    self.segments.caller_held())
+                    self.segments.caller_held(), self.segments.room_s())
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
         if not sent_ok:
             self._book.give_back_frees(worker.pid, frees)

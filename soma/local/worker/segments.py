@@ -15,14 +15,23 @@ class Segments:
         self.store = None
         self.lock = threading.Lock()
         self.caller_held = 0  # bytes of /dev/shm the caller's results hold, as the host's last Task said
+        self.room_s = None  # how long a reservation short of room waits for frees, as the host's last Task said
 
     def get_store(self, create: bool = True):
         """The worker's SegmentStore (made now when `create`), or None when none was needed yet."""
         if self.store is None and create:
             with self.lock:
                 if self.store is None:
-                    self.store = SegmentStore(self.prefix, self.arena, caller_held=lambda: self.caller_held)
+                    self.store = SegmentStore(self.prefix, self.arena, caller_held=lambda: self.caller_held,
+                                              room_wait_s=self.room_s)
         return self.store
+
+    def told(self, held: int, room_s: float | None) -> None:
+        """What the host's last Task said: bytes the caller's results hold, and how long a reservation short of
+        room waits for frees on their way before it spills (None: by its size; see protocol.Task)."""
+        self.caller_held, self.room_s = held, room_s
+        if self.store is not None:
+            self.store.room_wait_s = room_s
 
     def free(self, frees: list) -> None:
         """The host no longer reads these segments (`[[name, n]]`: see soma.wire.shm)."""

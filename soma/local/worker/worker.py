@@ -234,7 +234,7 @@ class Worker:
                 self.forget(task.forget)
             if task.frees:
                 self.segments.free(task.frees)
-            self.segments.caller_held = task.held  # (what the host last said the caller's results hold)
+            self.segments.told(task.held, task.room_s)  # (what the caller's results hold, how long room is awaited)
             if task.code or task.pieces:
                 # Registered while this thread still receives: a later job that counts on this code
                 # (the host sends it once per worker) may run on another thread before it gets here.

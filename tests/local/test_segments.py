@@ -1,0 +1,86 @@
+"""How long a value short of room in /dev/shm waits for frees on their way, as the host tells its workers: the
+host's side (HostSegments.room_s, a Task's `room_s`) and the worker's (Segments.told, its store's wait)."""
+
+import gc
+import os
+import threading
+import time
+
+import pytest
+
+from soma.local.host.leases import HostSegments, LeaseBook
+from soma.local.worker.segments import Segments
+from soma.wire import room
+from soma.wire.shm import GRANULE, SHM_DIR, pool_prefix, unlink_all
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def prefix():
+    p = pool_prefix(os.getpid(), os.urandom(4).hex())
+    yield p
+    unlink_all(p)
+
+
+class HeldBackMap:
+    """Stands for a map's in-flight set (what the loop registers: only its identity matters here)."""
+
+
+def test_a_task_says_wait_for_room_only_while_a_map_held_back_by_memory_is_open(prefix):
+    segments = HostSegments(prefix, 1 << 20, LeaseBook(os.getpid()))
+    assert segments.room_s() is None  # by the value's size (soma.wire.room.room_wait_s)
+    held = HeldBackMap()
+    segments.held_back.add(held)
+    assert segments.room_s() == room.ROOM_WAIT_S
+    segments.held_back.discard(held)
+    assert segments.room_s() is None
+    segments.held_back.add(held)
+    del held  # a map dropped without closing (its iterator garbage): nobody waits on its account any more
+    gc.collect()
+    assert segments.room_s() is None
+
+
+def _dev_shm_full_until(event, monkeypatch):
+    """posix_fallocate refuses files in /dev/shm (a full tmpfs) until `event` is set: the free on its way; and
+    shm_room says so (wait_for_room looks at it between tries)."""
+    real_fallocate, real_room = os.posix_fallocate, room.shm_room
+
+    def refuse_in_dev_shm(fd, offset, length):
+        if not event.is_set() and os.readlink(f"/proc/self/fd/{fd}").startswith(SHM_DIR + "/"):
+            raise OSError(28, "No space left on device")
+        return real_fallocate(fd, offset, length)
+
+    def no_room_until_freed():
+        free, total = real_room()
+        return (free if event.is_set() else 0), total
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse_in_dev_shm)
+    monkeypatch.setattr(room, "shm_room", no_room_until_freed)
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_a_worker_told_to_wait_for_room_waits_for_the_free_on_its_way_rather_than_spill(prefix, monkeypatch, told):
+    # The free comes 0.3 s after the reservation starts: longer than a small value's wait by its size (20 ms),
+    # shorter than the wait the host asks for while a map held back by memory is open.
+    segments = Segments(prefix, 1 << 20)
+    if told:
+        segments.told(0, 2.0)
+    segments.get_store()  # (made before or after the Task said: both follow it)
+    if not told:
+        segments.told(0, None)
+    freed = threading.Event()
+    _dev_shm_full_until(freed, monkeypatch)
+    timer = threading.Timer(0.3, freed.set)
+    timer.start()
+    try:
+        start = time.monotonic()
+        view, name = segments.get_store().allocate(GRANULE)
+        waited = time.monotonic() - start
+    finally:
+        timer.cancel()
+        segments.close()
+    spilled = room.is_spilled(name)
+    assert spilled is not told, (name, waited)
+    assert (waited >= 0.3) is told, waited
+    del view
