@@ -296,6 +296,115 @@ def test_what_is_done_goes_in_parts_while_a_long_chunk_runs(tmp):
         w.close()
 
 
+class Spins(Node):
+    """Records what it ran, after a few µs of work: tiny inputs, for races at the boundary between two."""
+
+    def __init__(self):
+        self.ran: list = []
+
+    def forward(self, x, ctx):
+        sum(range(20))
+        self.ran.append(x)
+        return Done(x)
+
+
+def test_cancels_and_give_backs_racing_a_chunk_answer_each_input_exactly_once(tmp):
+    """The lane's thread claims each input as it starts, while another thread answers the ones just ahead of it
+    out of turn (answer_now, as the receiving thread does), with a thread switch forced every µs: each input
+    is answered once (in a part, or given back); what was answered out of turn never ran; what ran is its own
+    output."""
+    import collections
+    import random
+    import sys
+
+    w = Worker(Spins(), tmp)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for trial in range(30):
+            ids = list(range(trial * 1000 + 1, trial * 1000 + 301))
+            run = w.chunk(ids, ids)
+            w.node.ran.clear()
+            w.sent.clear()
+            last: list = []
+            lane = threading.Thread(target=lambda: last.append(w.run(run)))
+            parts, returned, rng = [], [], random.Random(trial)
+            lane.start()
+            while lane.is_alive():
+                at = len(w.node.ran)  # (about where the lane's thread is: aim just ahead of it)
+                wanted = set(ids[at:at + rng.randint(1, 4)])
+                returned += chunks.answer_now(w.runner, run, wanted, rng.random() < 0.5, parts)
+            lane.join()
+            answered = [i for part in w.sent + parts + [p for p in last if p] for i in part.ids] + returned
+            twice = [i for i, n in collections.Counter(answered).items() if n > 1]
+            assert not twice, f"answered twice: {twice}"
+            assert sorted(answered) == ids
+            got, _ = host_reads(*w.sent, *parts, *[p for p in last if p])
+            ran = set(w.node.ran)
+            assert len(ran) == len(w.node.ran)  # (none ran twice)
+            assert ran == {i for i, o in got.items() if o.ok} and not ran & set(returned)
+            assert all(got[i].body == i for i in ran)
+            assert all(isinstance(failures.error_from(o.body), Cancelled) for o in got.values() if not o.ok)
+    finally:
+        sys.setswitchinterval(switch)
+        w.close()
+
+
+def test_over_max_memory_the_inputs_not_started_are_answered_cancelled(tmp):
+    """max_memory is checked after every input: once over it, what has not started is Cancelled (the host runs
+    it on the worker that replaces this one), and never runs here."""
+    w = Worker(Half(), tmp)
+    try:
+        w.runner.max_memory = 1  # (bytes: over it after the first input)
+        got, _ = host_reads(*w.sent, w.run(w.chunk([1, 2, 3], [2, 4, 6])))
+        assert w.node.ran == [2] and w.runner.over_memory
+        assert got[1].ok and got[1].body == 1.0
+        assert [type(failures.error_from(got[i].body)) for i in (2, 3)] == [Cancelled, Cancelled]
+    finally:
+        w.close()
+
+
+class Naps(Node):
+    """Sleeps `x` seconds."""
+
+    def forward(self, x, ctx):
+        time.sleep(x)
+        return Done(x)
+
+
+def test_an_input_takes_a_gil_turn_only_after_one_that_was_not_quick(tmp):
+    """As a lane's jobs do (turns.py): an input waits its turn when its lane's last input took turns.MIN_S or
+    more, or none ran yet; not after a quick one. The lane keeps the last input's pace."""
+    from soma.local.worker.turns import MIN_S
+
+    class Counted(Turns):
+        def __init__(self):
+            super().__init__()
+            self.entered: list = []
+
+        def enter(self, piece_id, pace):
+            self.entered.append(pace)
+            return super().enter(piece_id, pace)
+
+    w = Worker(Naps(), tmp)
+    try:
+        lane, turns = Lane(), Counted()
+        part = chunks.run_chunk(w.runner, w.chunk([1, 2, 3, 4, 5], [0, 0, 2 * MIN_S, 0, 0]), lane, turns,
+                                w.sent.append)
+        got, _ = host_reads(*w.sent, part)
+        assert sorted(got) == [1, 2, 3, 4, 5] and got[3].seconds >= 2 * MIN_S
+        entered = turns.entered
+        assert entered[0] is None and any(pace is not None and pace >= 2 * MIN_S for pace in entered)  # (input 4)
+        assert all(pace is None or pace >= MIN_S for pace in entered)  # never after a quick input
+        assert len(entered) <= 1 + sum(got[i].seconds >= MIN_S for i in (1, 2, 3, 4))  # (2 but on a busy machine)
+        assert lane.pace <= got[5].seconds  # (its seconds: its pace and its share of the part's encoding)
+        before = len(entered)
+        chunks.run_chunk(w.runner, w.chunk([6, 7], [0, 0]), lane, turns, w.sent.append)
+        assert None not in entered[before:]  # (the lane's pace carries over to its next chunk)
+    finally:
+        w.close()
+
+
 def test_a_chunk_whose_piece_cannot_load_fails_each_input_with_that_error(tmp):
     w = Worker(Half(), tmp)
     try:

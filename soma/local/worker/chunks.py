@@ -3,8 +3,9 @@ run one by one and answered in parts (the messages are soma.wire.protocol's `Chu
 
     accept ── Chunk ──▶ ChunkRun, waiting in its piece's lane like a job (lanes.py)
     its lane's turn: run_chunk ── its inputs decoded at once (one list), then each in order, on this thread:
-                     │           a GIL-bound piece's input waits its turn (turns.py), Interpreter.run,
-                     │           its own ok/error, seconds and spans
+                     │           claimed (ChunkRun.waiting), a GIL-bound piece's input after its turn
+                     │           (turns.py), its node called directly or Interpreter.run, its own
+                     │           ok/error, seconds and spans
                      │  before an input starts: what is done goes in a part when the first of it is PART_S old
                      ▼
                    the last part, for run_lane to send with the lane's other outcomes
@@ -15,6 +16,15 @@ run one by one and answered in parts (the messages are soma.wire.protocol's `Chu
 Every input of a chunk is answered exactly once: in a part, or given back. An
 input whose id is 0 is not wanted and is skipped. A part's outputs that ran ok
 are encoded as one list (values.encode_listed, as a Bundle's are).
+
+Why no lock per input: the loop over a chunk's inputs is all a tiny input costs
+beside its node (issue 31 measures 20,000 of them against a process pool), and a
+lock round was a tenth of it. An input is claimed instead by taking its id out of
+`ChunkRun.waiting` (dict.pop: one C call, atomic under the GIL and in free-threaded
+builds alike): the lane's thread pops it to start it, answer_now to answer it out
+of turn, and only one of them gets it. What is done is appended by the lane's thread
+alone and taken from the front (a copy, then a `del` of that many: what is appended
+meanwhile stays), parts in order under `sending`.
 """
 
 from __future__ import annotations
@@ -30,116 +40,161 @@ from .turns import MIN_S
 from .values import decode_input, encode_listed
 
 PART_S = 0.02  # what is done waits at most this long (and one input) before it goes, while the chunk runs
+FIELDS = 5  # an input done is this many items of ChunkRun.done: job id, ok, output or error body, spans, seconds
 
 
 class ChunkRun:
-    """A Chunk in this worker: which of its inputs started, which were answered out of turn, what is done and
-    not sent. `lock` guards all of it; `sending` keeps its parts in order (its lane's thread and the receiving
-    thread both send them)."""
+    """A Chunk in this worker: which of its inputs have neither started nor been answered, what is done and not
+    sent (see the module's docstring for who touches what). `sending` keeps its parts in order (its lane's
+    thread and the receiving thread both send them) and guards `left`."""
 
-    __slots__ = ("chunk", "piece", "lock", "sending", "next", "running", "skip", "done", "part_since")
+    __slots__ = ("chunk", "piece", "sending", "waiting", "left", "done", "part_since")
 
     def __init__(self, chunk):
         self.chunk = chunk
         self.piece = chunk.piece
-        self.lock = threading.Lock()
         self.sending = threading.Lock()
-        self.next = 0  # the position of the next input to start
-        self.running = False  # one of its inputs is running now
-        self.skip: set = set()  # ids answered out of turn (Cancelled, given back): they never start
-        self.done: list = []  # (job id, ok, output or error body, spans, seconds): done, not sent yet
+        self.waiting = dict.fromkeys(chunk.ids, True)  # ids neither started nor answered (pop one: claimed)
+        self.waiting.pop(0, None)  # (not wanted: never run, never answered)
+        self.left = len(self.waiting)  # inputs not yet answered in a part nor given back
+        self.done: list = []  # the inputs done and not sent, FIELDS items each, flat (a part slices its columns
+        # out at C speed, where unzipping tuples cost as much again as building them)
         self.part_since = 0.0  # when the first of `done` was done
 
     def named(self, wanted: set) -> bool:
         return not wanted.isdisjoint(self.chunk.ids)
 
-    def unstarted(self, wanted: set) -> list:
-        """The ids among `wanted` that have not started and were not answered (lock held)."""
-        return [i for i in self.chunk.ids[self.next:] if i and i in wanted and i not in self.skip]
+    def claim_unstarted(self, wanted: set) -> list:
+        """The ids among `wanted` that have not started, in the chunk's order: taken, they never will."""
+        waiting = self.waiting
+        return [i for i in self.chunk.ids if i in wanted and waiting.pop(i, False)]
 
-    def take(self) -> tuple:
-        """`(what is done, whether an input is still to be answered after it)`, for a part (lock held)."""
-        done, self.done = self.done, []
-        return done, self.running or any(i and i not in self.skip for i in self.chunk.ids[self.next:])
+    def take(self, answered: int = 0) -> tuple:
+        """`(what is done, whether an input is still to be answered after it)`, for a part that also answers or
+        gives back `answered` claimed ids (`sending` held)."""
+        done = self.done[:]
+        del self.done[:len(done)]  # (not a new list: the lane's thread may be appending to this one)
+        self.left -= len(done) // FIELDS + answered
+        return done, self.left > 0
 
 
 def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     """Run the chunk's inputs in order on this thread (`runner`: running.JobRunner; `lane`: its piece's, whose
     pace each input updates); `send(part)` sends a part while the chunk runs. Returns the last part, or None
     when nothing was left to answer."""
-    chunk, piece_id = run.chunk, run.piece
-    ids, traced = chunk.ids, chunk.traced
-    with run.lock:
-        if not any(i and i not in run.skip for i in ids):
-            return None  # every input was answered out of turn (cancelled, given back) before it started
-    piece, failure, loaded = _loaded(runner, run)
-    xs = None
-    if failure is None:
-        try:
-            xs = decode_input(chunk.payload, piece.entry, runner.id, runner.get_store)
-            if type(xs) is not list or len(xs) != len(ids):
-                raise NodeError.failed(piece.entry, f"its input could not be received in worker {runner.id}: a "
-                                                    f"chunk of {len(ids)} inputs decoded to something else (a bug "
-                                                    f"in soma: please report it)")
-        except NodeError as err:
-            failure = err
-    producer = piece.producer if piece is not None else "?"
-    # A one-node piece's inputs call its node directly, named on the status page by one store each (an input
-    # traced, or on a CUDA device, runs as a job does: Interpreter.run with its RunState).
-    call = piece.interpreter.each(piece.plan) if failure is None and not runner.cuda else None
-    name = runner.status.naming(piece.entry) if call is not None else None
-    lock, skip, clock = run.lock, run.skip, time.perf_counter
-    done = None  # the input just done: (job id, ok, output or error body, spans, seconds)
+    if not run.waiting:
+        return None  # every input was answered out of turn (cancelled, given back) before it started
+    way = _Way(runner, run, turns)
+    xs = way.inputs()
+    # What is the same for every input is bound once, and one clock read ends an input and starts the next.
+    # An input is plain when it calls its node directly (way.call: a one-node piece, loaded, not on a CUDA
+    # device) untraced and takes no GIL turn (its lane's last input took under turns.MIN_S), the worker not
+    # over max_memory; any other goes `way.run_one`.
+    ids, claim, done, clock, producer = run.chunk.ids, run.waiting.pop, run.done, time.perf_counter, way.producer
+    add = done.extend  # (one C call: a taker never sees part of an input)
+    call, name, could_not_run, watch_memory = way.call, way.name, runner.could_not_run, runner.max_memory
+    direct = call is not None and not run.chunk.traced and not watch_memory  # (plain whenever quick)
+    pace = lane.pace
+    quick = pace is not None and pace < MIN_S
+    start = clock()
+    due = start + PART_S  # (what is done goes in a part then, unless another thread took it: `done` is empty)
     try:
         for position, job_id in enumerate(ids):
-            with lock:  # (one holding per input: the last one's answer in, this one's start out)
-                start = clock()
-                if done is not None:
-                    if not run.done:
-                        run.part_since = start
-                    run.done.append(done)
-                    done = None
-                run.next = position + 1
-                if not job_id or job_id in skip:
-                    run.running = False
-                    continue
-                run.running = True
-                due = run.done and start - run.part_since >= PART_S
-            if due:
+            if not claim(job_id, False):
+                continue  # answered out of turn (Cancelled, given back) before it started, or not wanted (id 0)
+            if start >= due and done:
                 _send_part(runner, run, producer, send)
                 start = clock()
             spans = None
-            if failure is not None or runner.over_memory:  # (over max_memory: what has not started runs elsewhere)
-                ok, value = False, failures.error_body(failure if failure is not None else Cancelled())
+            if quick and (direct or way.plain(position)):
+                name(job_id)
+                try:
+                    ok, value = True, call(xs[position])
+                except NodeError as err:
+                    ok, value = False, failures.error_body(err)
+                except BaseException as err:  # never lose an input: the host is waiting for it
+                    ok, value = False, failures.error_body(could_not_run(producer, err))
+                if watch_memory:
+                    runner.check_memory()
             else:
-                if traced and traced[position]:
-                    spans, loaded = loaded or [], None  # (the piece's load: a span of its first traced input)
-                pace = lane.pace
-                token = turns.enter(piece_id, pace) if pace is None or pace >= MIN_S else None
-                if call is not None and spans is None:
-                    name(job_id)
-                    ok, value = _called(runner, piece, call, xs[position])
-                else:
-                    ok, value = _run_input(runner, piece, job_id, xs[position], spans,
-                                           traced[position][0] if spans is not None else None)
-                    name = runner.status.naming(piece.entry) if call is not None else None  # (it named nodes)
-                if token is not None:
-                    turns.leave(piece_id, token)
-                xs[position] = None  # (its input goes as soon as it is done with)
-            seconds = clock() - start
-            lane.pace = seconds
-            done = (job_id, ok, value, spans, seconds)
+                ok, value, spans = way.run_one(position, job_id, xs[position], pace)
+                name = way.name  # (Interpreter.run named its nodes: the direct call names its own again)
+            xs[position] = None  # (its input goes as soon as it is done with)
+            now = clock()
+            pace = now - start
+            quick = pace < MIN_S
+            if not done:
+                run.part_since, due = now, now + PART_S
+            add((job_id, ok, value, spans, pace))
+            start = now
     finally:
         runner.status.leave()
-        with run.lock:
-            if done is not None:
-                run.done.append(done)
-            run.running = False
-            run.next = len(ids)
+        lane.pace = pace
     with run.sending:
-        with run.lock:
-            done, more = run.take()
+        done, more = run.take()
         return _part(runner, done, more, producer) if done else None
+
+
+class _Way:
+    """How a chunk's inputs run on its lane's thread (what is the same for all of them): its piece, loaded
+    here if it was not, or the failure that answers each input; the direct call of a one-node piece."""
+
+    def __init__(self, runner, run: ChunkRun, turns):
+        self.runner, self.run, self.turns = runner, run, turns
+        self.piece, self.failure, self.loaded = _loaded(runner, run)
+        self.producer = self.piece.producer if self.piece is not None else "?"
+        self.call = self.name = None
+
+    def inputs(self) -> list:
+        """The chunk's inputs, decoded at once (Nones when the piece could not load, or they cannot be
+        decoded: `failure` says why); the direct call ready where the piece allows one."""
+        piece, ids = self.piece, self.run.chunk.ids
+        if self.failure is not None:
+            return [None] * len(ids)
+        try:
+            xs = decode_input(self.run.chunk.payload, piece.entry, self.runner.id, self.runner.get_store)
+            if type(xs) is not list or len(xs) != len(ids):
+                raise NodeError.failed(piece.entry, f"its input could not be received in worker {self.runner.id}:"
+                                                    f" a chunk of {len(ids)} inputs decoded to something else (a "
+                                                    f"bug in soma: please report it)")
+        except NodeError as err:
+            self.failure = err
+            return [None] * len(ids)
+        # A one-node piece's inputs call its node directly, named on the status page by one store each (an
+        # input traced, or on a CUDA device, runs as a job does: Interpreter.run with its RunState).
+        if not self.runner.cuda:
+            self.call = piece.interpreter.each(piece.plan)
+            if self.call is not None:
+                self.name = self.runner.status.naming(piece.entry)
+        return xs
+
+    def plain(self, position: int) -> bool:
+        """Whether the input at `position` may call the node directly, its lane's last input having been quick:
+        the piece allows it, the input is not traced, the worker is not over max_memory."""
+        traced = self.run.chunk.traced
+        return self.call is not None and not (traced and traced[position]) and not self.runner.over_memory
+
+    def run_one(self, position: int, job_id: int, x, pace) -> tuple:
+        """`(ok, output or error body, spans or None)` of an input that is not plain: the piece's failure, or
+        Cancelled over max_memory (what has not started runs elsewhere); else run after its GIL turn (turns.py)
+        when its lane's last input took `pace` of MIN_S or more, traced, or through Interpreter.run."""
+        runner, piece, traced = self.runner, self.piece, self.run.chunk.traced
+        if self.failure is not None or runner.over_memory:
+            return False, failures.error_body(self.failure if self.failure is not None else Cancelled()), None
+        spans = None
+        if traced and traced[position]:
+            spans, self.loaded = self.loaded or [], None  # (the piece's load: a span of its first traced input)
+        token = self.turns.enter(self.run.piece, pace) if pace is None or pace >= MIN_S else None
+        if self.call is not None and spans is None:
+            self.name(job_id)
+            ok, value = _called(runner, piece, self.call, x)
+        else:
+            ok, value = _run_input(runner, piece, job_id, x, spans, traced[position][0] if spans is not None else None)
+            if self.call is not None:
+                self.name = runner.status.naming(piece.entry)  # (Interpreter.run named it: name it again)
+        if token is not None:
+            self.turns.leave(self.run.piece, token)
+        return ok, value, spans
 
 
 def answer_now(runner, run: ChunkRun, wanted: set, give_back: bool, parts: list) -> list:
@@ -147,13 +202,12 @@ def answer_now(runner, run: ChunkRun, wanted: set, give_back: bool, parts: list)
     started are answered Cancelled, or given back (dropped here), now; the part that answers them, with the
     outputs done so far, is appended to `parts`. Returns the ids given back."""
     with run.sending:
-        with run.lock:
-            named = run.unstarted(wanted)
-            run.skip.update(named)
-            done, more = run.take()
+        named = run.claim_unstarted(wanted)
+        done, more = run.take(len(named))
         if not give_back:
             body = failures.error_body(Cancelled())
-            done += [(job_id, False, body, None, 0.0) for job_id in named]
+            for job_id in named:
+                done += (job_id, False, body, None, 0.0)
         if done:
             parts.append(_part(runner, done, more, _producer(runner, run)))
     return named if give_back else []
@@ -161,8 +215,8 @@ def answer_now(runner, run: ChunkRun, wanted: set, give_back: bool, parts: list)
 
 def send_due(runner, run: ChunkRun, send) -> None:
     """While one of its inputs runs long, send what is done once the first of it is PART_S old (the receiving
-    thread looks: the lane's thread is busy with that input)."""
-    if run.done and run.running and time.perf_counter() - run.part_since >= PART_S:
+    thread looks: the lane's thread is busy with that input; between inputs it sends its own)."""
+    if run.done and time.perf_counter() - run.part_since >= PART_S:
         _send_part(runner, run, _producer(runner, run), send)
 
 
@@ -215,20 +269,19 @@ def _called(runner, piece, call, *args) -> tuple:
 
 def _send_part(runner, run: ChunkRun, producer: str, send) -> None:
     with run.sending:
-        with run.lock:
-            done, more = run.take()
+        done, more = run.take()
         if done:
             send(_part(runner, done, more, producer))
 
 
 def _part(runner, done: list, more: bool, producer: str) -> ChunkPart:
-    """One part of a chunk's answer from `done` ((job id, ok, output or error body, spans, seconds) each): the
-    outputs of those that ran ok encoded as one list (each alone when the list cannot be), each input's own
-    answer, spans and seconds (each output's share of the encoding added to its input's)."""
-    ids, oks, said, spans, seconds = (list(column) for column in zip(*done))  # (said: an error body where
+    """One part of a chunk's answer from `done` (ChunkRun.done's FIELDS items per input): the outputs of those
+    that ran ok encoded as one list (each alone when the list cannot be), each input's own answer, spans and
+    seconds (each output's share of the encoding added to its input's)."""
+    ids, oks, said, spans, seconds = (done[k::FIELDS] for k in range(FIELDS))  # (said: an error body where
     # not ok; outputs replaced below)
     every = False not in oks  # (the common case: no pass in Python to pick the outputs)
-    at = range(len(done)) if every else [k for k, ok in enumerate(oks) if ok]
+    at = range(len(ids)) if every else [k for k, ok in enumerate(oks) if ok]
     body = None
     if at:
         start = time.perf_counter()
