@@ -254,9 +254,10 @@ class Interpreter:
         node_id, forward, worker, allocate = plan.id, self._forward, self.worker, self.allocate
         node, device = self.nodes[node_id], self.devices.get(node_id)
         guard = self._guard(node_id, node)
+        ctx = Ctx(node_id, device, worker, allocate)  # (one for every input: what it says is the same for all)
 
         def call(x):
-            return unwrap(forward(node, node_id, device, Ctx(node_id, device, worker, allocate), guard, x, None))
+            return unwrap(forward(node, node_id, device, ctx, guard, x, None))
         return call
 
     def compile(self, plan: Plan):
