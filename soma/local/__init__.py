@@ -18,7 +18,7 @@ How one `run(g, x)` goes (calls go down, answers come back as return values; the
     Local.run(g, x)             runner.py  the program of (g, placement), compiled once (host/program.py):
       │                                    pieces of the plan, each run whole on one worker;
       │                                    PlacementError here, before anything is sent
-      ├─▶ HostLoop.start_inputs  loop      a Flow for x, posted to the loop's inbox; whoever holds the
+      ├─▶ HostLoop.start_one     loop      a Flow for x, posted to the loop's inbox; whoever holds the
       │                                    lock (this thread, if it is free) hands it to the core:
       │     HostCore.start       core      flows.Walker makes the Jobs; dispatch.pump picks a worker for
       │                                    each (choice.py) → actions: Send(slot, jobs)

@@ -152,7 +152,7 @@ class Local(RunnerBase):
         sink = queue.SimpleQueue()
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
-        flow = loop.start_inputs(program, [(None, x)], sink, trace, retries, g, lead=timeout or 1.0)[None]
+        flow = loop.start_one(program, x, sink, trace, retries, g, lead=timeout or 1.0)
         try:
             try:
                 _, ok, value = loop.await_item(sink, timeout)
@@ -184,7 +184,7 @@ class Local(RunnerBase):
         retries = checked_retries(retries)
         loop, g, program = self._ready(g, "Local.submit")
         future = InputFuture()
-        flow = loop.start_inputs(program, [(None, x)], FutureSink(future), self._trace, retries, g)[None]
+        flow = loop.start_one(program, x, FutureSink(future), self._trace, retries, g)
         future.on_cancel = lambda: loop.cancel([flow])
         if timeout is not None:
             loop.at(time.monotonic() + timeout, lambda: _expired(loop, flow, future, timeout))

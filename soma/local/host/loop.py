@@ -79,13 +79,20 @@ class HostLoop(WorkerLife):
         self.listener.stop()  # (it lets go of the results socket on the way out)
 
     # -- what callers post ------------------------------------------------------------------------------
-    def start_inputs(self, program, items: list, sink, trace, retries: int, graph, lead: float = 0.0) -> dict:
-        """Start `(index, x)` inputs; each one's `(index, ok, value)` goes to `sink` once. Returns index → Flow.
-
-        `lead`: the caller waits for them next (Local.run): when the lock is free it keeps it and receives for
-        up to that many seconds right away (one taking of the lock for the whole run, not two)."""
+    def start_inputs(self, program, items: list, sink, trace, retries: int, graph) -> dict:
+        """Start `(index, x)` inputs; each one's `(index, ok, value)` goes to `sink` once. Returns index → Flow."""
         flows = {index: Flow(index, sink, trace, program, x, retries, graph) for index, x in items}
-        return self._started(program, flows, lead)
+        self._started(program, list(flows.values()))
+        return flows
+
+    def start_one(self, program, x, sink, trace, retries: int, graph, lead: float = 0.0) -> Flow:
+        """Start input `x` (Local.run, submit): its `(None, ok, value)` goes to `sink` once. Returns its Flow.
+
+        `lead`: the caller waits for it next (Local.run): when the lock is free it keeps it and receives for up
+        to that many seconds right away (one taking of the lock for the whole run, not two)."""
+        flow = Flow(None, sink, trace, program, x, retries, graph)
+        self._started(program, [flow], lead)
+        return flow
 
     def start_chunks(self, program, items: list, sink, graph, size: int) -> dict:
         """Start `(index, x)` inputs of a map in chunks (flows.Chunk) of up to `size` consecutive ones; an ok
@@ -96,7 +103,8 @@ class HostLoop(WorkerLife):
             xs = list(map(itemgetter(1), items))
             for at in range(0, len(xs), size):
                 flows[first + at] = Chunk(first + at, sink, program, xs[at:at + size], graph)
-            return self._started(program, flows)
+            self._started(program, list(flows.values()))
+            return flows
         run = []
         for item in items:
             if run and (len(run) == size or item[0] != run[-1][0] + 1):
@@ -105,20 +113,21 @@ class HostLoop(WorkerLife):
             run.append(item)
         if run:
             flows[run[0][0]] = Chunk(run[0][0], sink, program, [x for _, x in run], graph)
-        return self._started(program, flows)
+        self._started(program, list(flows.values()))
+        return flows
 
     def chunk(self, piece) -> int:
         """How many inputs of `piece` a chunk holds now (1: its inputs go one by one: not measured, or slow)."""
         return self.core.chunk(piece)  # (read without the lock: a hint, as parallelism is)
 
-    def _started(self, program, flows: dict, lead: float = 0.0) -> dict:
+    def _started(self, program, flows: list, lead: float = 0.0) -> None:
         if lead and self.lock.acquire(blocking=False):
-            self._take_inbox()
-            self.core.start(program, list(flows.values()))
+            if self.inbox:
+                self._take_inbox()
+            self.core.start(program, flows)
             self._lead(min(lead, LEAD_S))
         else:
-            self._post(self.core.start, program, list(flows.values()))
-        return flows
+            self._post(self.core.start, program, flows)
 
     def map_open(self, inflight, is_open: bool) -> None:
         """A map's in-flight set opens or closes (what the caller's results hold is told apart by it: see
