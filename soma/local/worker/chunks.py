@@ -86,7 +86,7 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     producer = piece.producer if piece is not None else "?"
     # A one-node piece's inputs call its node directly, named on the status page by one store each (an input
     # traced, or on a CUDA device, runs as a job does: Interpreter.run with its RunState).
-    call = piece.interpreter.each(piece.plan) if failure is None and not runner.cuda else None
+    call = piece.each if failure is None and not runner.cuda else None
     name = runner.status.naming(piece.entry) if call is not None else None
     lock, skip, clock = run.lock, run.skip, time.perf_counter
     done = None  # the input just done: (job id, ok, output or error body, spans, seconds)
