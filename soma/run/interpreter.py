@@ -247,8 +247,8 @@ class Interpreter:
 
     def each(self, plan: Plan):
         """`call(x)`: `run(plan, x)` for a one-node plan that takes no batches, untraced, inputs never cancelled
-        once started (a worker's chunk): `invoke` without a RunState (the caller names the node on its status
-        page itself). None for any other plan."""
+        once started (a worker's lone job, or a chunk's inputs): `invoke` without a RunState (the caller names
+        the node on its status page itself). None for any other plan."""
         if type(plan) is not Step or self.batching:
             return None
         node_id, forward, worker, allocate = plan.id, self._forward, self.worker, self.allocate

@@ -368,6 +368,24 @@ _local = ThreadPacker(default=_default_of_thread, strict_types=True, use_bin_typ
 _handles = ThreadPacker(use_bin_type=True)
 
 
+_SCALARS = frozenset({int, float, bool, type(None), str})
+_SCALAR_CHARS = BIG_MESSAGE // 8  # (a str's UTF-8 takes at most 4 bytes a character: well under BIG_MESSAGE)
+
+
+def pack_scalar(value) -> bytes | None:
+    """What `Encoder.pack(value)` returns for a lone None, bool, int, float or str of at most an eighth of
+    BIG_MESSAGE characters (msgpack's bytes of it: no handle, nothing shared), without an Encoder: a worker's
+    output that is one number; None for any other value, and for one msgpack cannot hold (an int beyond 64 bits,
+    a str with a lone surrogate: `Encoder.pack` pickles those)."""
+    kind = type(value)
+    if kind not in _SCALARS or (kind is str and len(value) > _SCALAR_CHARS):
+        return None
+    try:
+        return _handles.pack(value)  # (the handle Packer: never mid-value when a value packs, no callbacks)
+    except (OverflowError, ValueError):
+        return None
+
+
 # -- decoding -----------------------------------------------------------------------------------
 
 _MARKED = object()  # what the TUPLE mark decodes to: the list it leads is a tuple

@@ -152,7 +152,8 @@ class Picky(Node):
 
 def test_a_one_node_chunk_answers_each_input_as_it_would_run_alone(tmp):
     """A one-node piece's inputs call the node directly (Interpreter.each): each outcome the same as the input
-    run alone as a job (run_job: Interpreter.run with its RunState), errors included, in the middle of a chunk."""
+    run alone as a job (run_job; test_lone_jobs holds that to Interpreter.run's), errors included, in the middle
+    of a chunk."""
     xs = [1, 13, 5, 2, 7, 9, 4]
     w = Worker(Picky(), tmp)
     try:

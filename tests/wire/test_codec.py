@@ -283,3 +283,18 @@ def test_values_packed_each_on_their_own_share_nothing_on_arrival(stores):
     assert torch.equal(out[1], small) and torch.equal(out[3], big)  # no view of the other's copy
     assert out[4][0] is out[4][1]  # within one value: one object, as pack gives
     assert torch.equal(out[4][0], big)
+
+
+@pytest.mark.parametrize("value", [None, True, False, 0, 1, -1, 127, 128, -33, 2**63 - 1, 2**64 - 1, -2**63, 0.5,
+                                   float("inf"), "", "short", "ü€𝄞" * 100, "x" * (codec.BIG_MESSAGE // 8)])
+def test_a_lone_scalar_packs_to_the_encoders_bytes_without_an_encoder(value):
+    assert codec.pack_scalar(value) == codec.Encoder(lambda create=True: None).pack(value)
+
+
+@pytest.mark.parametrize("value", [2**64, -2**63 - 1, "\ud800", "x" * (codec.BIG_MESSAGE // 8 + 1), b"bytes",
+                                   [1], (1,), {"a": 1}, 1j, bytearray(b"b")])
+def test_any_other_value_is_left_to_the_encoder(value):
+    assert codec.pack_scalar(value) is None
+    assert codec.pack_scalar(5) == b"\x05"  # (a value msgpack refused leaves nothing in the Packer)
+    back = codec.Decoder(lambda create=True: None).unpack(codec.Encoder(lambda create=True: None).pack(value))
+    assert back == value and type(back) is type(value)

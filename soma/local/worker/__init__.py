@@ -17,12 +17,13 @@ How messages flow through a worker (the host is drawn in `soma.local`):
                                              ▼ takes over receiving if a job runs longer than 2 ms
                      run_lane (worker.py): each turn in order (lanes.take_turn: one job, or a batching
                                    node's queued jobs and Bundles up to max_batch inputs) ─▶ the core,
-                                   running.JobRunner.run_turn: a job of a GIL-bound piece waits its turn
-                                   (turns.py); run_job, or batches.run_batch (one forward_batch):
+                                   running.JobRunner: a lone job (outcome_of) of a GIL-bound piece waits its
+                                   turn (turns.py); run_job, or run_turn → batches.run_batch (one forward_batch):
                                    decode the input (values.py → soma.wire.codec: map shared segments by name)
                                    Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward,
-                                                     Done, postcondition; one input per node at once)
-                                   encode the output (tensors become segment handles)
+                                                     Done, postcondition; one input per node at once; a
+                                                     one-node piece's untraced input: Interpreter.each)
+                                   encode the output (tensors become segment handles; one number: no Encoder)
                                    a Chunk is a turn of its own: its inputs one by one, answered in
                                    ChunkParts (what is done goes when it has waited 20 ms behind a long
                                    input, and at once on a Cancel or GiveBack naming the chunk)

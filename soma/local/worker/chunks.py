@@ -163,7 +163,7 @@ class _Way:
         # A one-node piece's inputs call its node directly, named on the status page by one store each (an
         # input traced, or on a CUDA device, runs as a job does: Interpreter.run with its RunState).
         if not self.runner.cuda:
-            self.call = piece.interpreter.each(piece.plan)
+            self.call = piece.each  # (made once per piece as it loaded: library.Loaded)
             if self.call is not None:
                 self.name = self.runner.status.naming(piece.entry)
         return xs

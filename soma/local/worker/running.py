@@ -1,11 +1,12 @@
 """Running a turn: the worker's core, which knows nothing of sockets or serving threads.
 
-    run_turn(turn, dropped) ─▶ one job: run_job ──────────────────────────▶ [Outcome]
-                              a batching node alone's jobs and Bundles: batches.run_batch (one forward_batch)
-                              a piece with a batching node: each job on a thread of its own (they meet there)
+    outcome_of(job, dropped) ─▶ one job: run_job ─────────────────────────────────▶ Outcome
+    run_turn(turn, dropped) ──▶ a batching node alone's jobs and Bundles: batches.run_batch (one forward_batch)
+                                a piece with a batching node: each job on a thread of its own (they meet there)
 
     run_job: decode the input (values.py → soma.wire.codec: map shared segments by name)
-             Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward, Done, postcondition)
+             Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward, Done, postcondition;
+                                    a one-node piece's untraced input: Interpreter.each, the same without a RunState)
              encode the output (tensors become segment handles): one Outcome, whatever happens
 
 The status page names the job's node all along (`Observer`: RunState reports each
@@ -67,11 +68,9 @@ class JobRunner:
         self.over_memory = False  # above max_memory after a job: it runs nothing more, and the host replaces it
 
     def run_turn(self, jobs: list, dropped: set) -> list:
-        """Outcomes of a lane's turn: one job, or the jobs queued for a piece with a batching node, run at once:
-        in one call when the piece is that node alone (`batches.run_batch`), else on threads of their own so
-        that they meet at that node (soma.run.batching)."""
-        if len(jobs) == 1 and type(jobs[0]) is not Bundle:
-            return [self.outcome_of(jobs[0], dropped)]
+        """Outcomes of a lane's turn of a piece with a batching node (a lone job's is `outcome_of`): its queued
+        jobs and Bundles, run at once: in one call when the piece is that node alone (`batches.run_batch`), else
+        on threads of their own so that they meet at that node (soma.run.batching)."""
         bundled = any(type(job) is Bundle for job in jobs)
         piece = self.library.pieces.get(jobs[0].piece)  # (loaded: its `batch` made this turn)
         if piece is None and bundled:  # a Bundle is the first input of its piece here: load it first
@@ -96,7 +95,8 @@ class JobRunner:
         if job.id in dropped or self.over_memory:
             return cancelled(job.id)
         outcome = self.run_job(job)
-        self.check_memory()
+        if self.max_memory:
+            self.check_memory()
         return outcome
 
     def run_job(self, job) -> Outcome:
@@ -128,8 +128,11 @@ class JobRunner:
             if self.cuda:
                 self.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
             x = decode_input(job.payload, entry, self.id, self.get_store)
-            value = piece.interpreter.run(piece.plan, x, RunState(self.observer, job.id,
-                                                                  job.traced[0] if job.traced else None), spans)
+            if piece.each is not None and spans is None:
+                value = piece.each(x)  # (its one node is named on the status page already: no RunState to tell)
+            else:
+                value = piece.interpreter.run(piece.plan, x, RunState(self.observer, job.id,
+                                                                      job.traced[0] if job.traced else None), spans)
             del x
             if producer != entry:
                 status.enter(job.id, producer)

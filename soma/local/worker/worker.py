@@ -4,7 +4,7 @@
         lane = next_turn()         a runnable lane, or None: this thread receives (or _STOP)
         if lane: run_lane(lane)    its turns in order (lanes.py), run by the core (running.py), outcomes
                                    grouped on their way back (outbox.py)
-        else: message = receive(); handle(message) → a lane the receiving thread runs itself
+        else: message = receive(); accept(Task) → a lane the receiving thread runs itself; or handle(message)
 
 Everything that decides lives in its own module: which entries make a lane's next
 turn (lanes.py), how a turn runs (running.py; a batching node's in batches.py),
@@ -24,7 +24,7 @@ import zmq
 
 from ..._log import warn
 from ...wire import protocol, transport
-from ...wire.protocol import Bundle, Cancel, Free, GiveBack, Stop, Task
+from ...wire.protocol import Cancel, Free, GiveBack, JobSpec, Stop, Task
 from ...wire.shm import unlink_all
 from ...wire.status import StatusPage
 from . import chunks as chunking
@@ -34,7 +34,7 @@ from .outbox import FLUSH_S, Grouped, Outbox
 from .resources import DeviceSetup
 from .running import JobRunner
 from .segments import Segments
-from .turns import Turns
+from .turns import MIN_S, Turns
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 PART_MS = int(chunking.PART_S * 1000)  # ... while chunks are here (see send_due_parts)
@@ -66,7 +66,7 @@ class Worker:
         self.receiver = transport.Receiver(self.inbox)
         # Who does what (all under `cv`): one thread receives; threads take runnable lanes.
         self.lock = threading.RLock()
-        self.cv = threading.Condition(self.lock)  # (`with self.lock` where nobody waits: one call, not three)
+        self.cv = threading.Condition(self.lock)  # (taken as `with self.lock`: one call, not three)
         self.receiving = None  # the thread that receives now
         self.receiver_busy_since = None  # when that thread went off to run jobs itself
         self.lanes = Lanes()  # each piece's jobs waiting here (and which the host cancelled)
@@ -157,12 +157,14 @@ class Worker:
                 self.send_due_parts()
             if message is None:
                 self.trim_if_idle()
-                continue
-            lane = self.handle(message)
-            if lane is not None:
-                self.run_lane(lane, receiving=True)
-                with self.lock:
-                    self.running -= 1
+            elif type(message) is Task:
+                lane = self.accept(message)
+                if lane is not None:
+                    self.run_lane(lane, receiver=me)
+                    with self.lock:
+                        self.running -= 1
+            else:
+                self.handle(message)
 
     def next_turn(self, me):
         """What this serving thread does next: a runnable lane, None (it receives), or _STOP.
@@ -171,7 +173,7 @@ class Worker:
         coming (the receiver may have gone off to run one), and sleeps untimed when the
         worker is idle.
         """
-        with self.cv:
+        with self.lock:  # (the lock of `cv`, which it waits on: one call to take it, not three)
             while True:
                 if self.stopping.is_set():
                     return _STOP
@@ -202,10 +204,8 @@ class Worker:
         frame = self.receiver.wait(PART_MS if self.lanes.chunks else POLL_MS)
         return None if frame is None else protocol.parse(self.secret, frame, "the host")
 
-    def handle(self, message):
-        """Act on a message; for a Task, return a lane for this (receiving) thread to run itself."""
-        if isinstance(message, Task):
-            return self.accept(message)
+    def handle(self, message) -> None:
+        """Act on a message other than a Task (`accept`'s)."""
         if isinstance(message, Free):
             self.segments.free(message.frees)
         elif isinstance(message, Cancel):
@@ -225,7 +225,6 @@ class Worker:
         else:
             warn("soma.worker", "soma worker %s: dropped a %s message a host should not send", self.id,
                  type(message).__name__)
-        return None
 
     def accept(self, task: Task):
         """Register the task's code and pieces, queue its jobs; this thread takes the first runnable lane."""
@@ -265,36 +264,45 @@ class Worker:
         return mine
 
     # -- running a lane ------------------------------------------------------------------------------
-    def run_lane(self, lane: Lane, receiving: bool = False) -> None:
-        """Run the lane's turns in order until it is empty; outcomes travel grouped (outbox.Grouped)."""
+    def run_lane(self, lane: Lane, receiver=None) -> None:
+        """Run the lane's turns in order until it is empty; outcomes travel grouped (outbox.Grouped).
+        `receiver`: this thread, when it received the lane's job itself (it goes back to receiving after)."""
         outcomes = Grouped(self.outbox)
+        lock, lanes, pieces, runner = self.lock, self.lanes, self.library.pieces, self.runner
         while True:
-            with self.lock:
-                taken = self.lanes.take_turn(lane, self.library.pieces)
+            with lock:
+                taken = lanes.take_turn(lane, pieces)
                 if taken is None:
-                    if receiving and self.receiving is threading.current_thread():
+                    if receiver is not None and self.receiving is receiver:
                         self.receiver_busy_since = None
                     break
             turn, dropped = taken
-            if type(turn[0]) is ChunkRun:
-                self.run_chunk(turn[0], lane, outcomes)
+            first = turn[0]
+            if type(first) is ChunkRun:
+                self.run_chunk(first, lane, outcomes)
                 continue
-            piece = turn[0].piece
-            single = len(turn) == 1 and type(turn[0]) is not Bundle
-            if not single or (lane.pace if lane.pace is not None else FLUSH_S) >= FLUSH_S:
+            pace = lane.pace
+            lone = len(turn) == 1 and type(first) is JobSpec  # (else a batching piece's turn, or a Bundle)
+            if not lone or (pace if pace is not None else FLUSH_S) >= FLUSH_S:
                 # The next turn may be long (a batch; a piece not known to be quick): what is done goes now,
                 # so that it neither waits for that turn nor dies with this worker if that turn ends it (it
                 # would run again elsewhere: the status page no longer names it).
                 outcomes.flush()
-            # A job of a piece that computes waits while another such job computes here (turns.py).
-            token = self.turns.enter(piece, lane.pace) if single else None
+            if not lone:
+                for outcome in runner.run_turn(turn, dropped):
+                    lane.pace = outcome.seconds
+                    outcomes.add(outcome, outcome.seconds)
+                continue
+            # A job of a piece that computes waits while another such job computes here (turns.py). A piece
+            # whose last job took under MIN_S takes no turn: turns.enter would say so, here it costs no call.
+            token = self.turns.enter(first.piece, pace) if pace is None or pace >= MIN_S else None
             try:
-                done = self.runner.run_turn(turn, dropped)
+                outcome = runner.outcome_of(first, dropped)
             finally:
-                self.turns.leave(piece, token)
-            for outcome in done:
-                lane.pace = outcome.seconds
-                outcomes.add(outcome, outcome.seconds)
+                if token is not None:
+                    self.turns.leave(first.piece, token)
+            lane.pace = outcome.seconds
+            outcomes.add(outcome, outcome.seconds)
         outcomes.flush()
 
     def run_chunk(self, run: ChunkRun, lane: Lane, outcomes: Grouped) -> None:

@@ -1,0 +1,192 @@
+"""A lone job in a worker (one JobSpec, untraced): the worker's shortest path (issue 31). A one-node piece's input
+calls its node directly (`Interpreter.each`, no RunState), and must end as `Interpreter.run` would end it; the
+status page names it all along; and it runs while another lane of its worker is busy."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+
+import soma
+from soma import Done, Graph, Node, Opaque
+from soma.errors import NodeError
+from soma.local.worker.resources import DeviceSetup
+from soma.local.worker.running import JobRunner
+from soma.local.worker.segments import Segments
+from soma.plan import Seq, Step
+from soma.wire import codec, failures, nodecode, protocol
+from soma.wire.protocol import JobSpec
+from soma.wire.shm import pool_prefix
+from soma.wire.status import StatusPage
+
+pytestmark = pytest.mark.timeout(120)
+
+PIECE, PAIR = 7, 8
+
+
+class Picky(Node):
+    """Each way an input can end: an output (an Opaque's object too), the node's own exception, a forward that
+    returns no Done, a KeyboardInterrupt (in a worker: the node's failure, not the worker's)."""
+
+    def forward(self, x, ctx):
+        if x == 13:
+            raise ZeroDivisionError("13 is unlucky")
+        if x == 5:
+            return x
+        if x == 7:
+            raise KeyboardInterrupt("seven")
+        if x == 9:
+            return Done(Opaque([ctx.node, ctx.worker, ctx.device]))
+        return Done(x / 2)
+
+
+class SetupFails(Node):
+    def setup(self, ctx):
+        raise RuntimeError("no model here")
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+class Watches(Node):
+    """Records what the status page says while it runs (the host reads the same page when a worker dies)."""
+
+    def __init__(self, page: str):
+        self.page = page
+        self.seen: list = []
+
+    def forward(self, x, ctx):
+        reader = StatusPage(self.page, create=False)
+        try:
+            self.seen.append(reader.read())
+        finally:
+            reader.close()
+        return Done(x + 1)
+
+
+class Core:
+    """A worker's core with a one-node piece (PIECE) and a two-node one of the same node (PAIR), no sockets."""
+
+    def __init__(self, node, tmp):
+        self.page = os.path.join(tmp, "status")
+        self.segments = Segments(pool_prefix(os.getpid(), os.urandom(4).hex()), 1 << 20)
+        self.runner = JobRunner("w9", StatusPage(self.page, create=True), DeviceSetup("cpu", 1),
+                                self.segments.get_store, 0)
+        self.runner.library.register({1: nodecode.dumps(node)},
+                                     {PIECE: protocol.pack_piece(Step("n"), {"n": 1}, {}),
+                                      PAIR: protocol.pack_piece(Seq((Step("n"), Step("m"))), {"n": 1, "m": 1}, {})})
+        self.node = self.runner.library.node("n", 1)  # (the worker's copy)
+        self.encoder = codec.Encoder(self.segments.get_store)
+
+    def job(self, job_id: int, x, piece: int = PIECE, traced=False) -> protocol.Outcome:
+        return self.runner.run_job(JobSpec(job_id, piece, self.encoder.pack(x), traced))
+
+    def close(self):
+        self.segments.close()
+
+
+@pytest.fixture
+def tmp():
+    with tempfile.TemporaryDirectory() as path:
+        yield path
+
+
+def ended(outcome) -> tuple:
+    """`(ok, the output, or the error's type and text)` as the host would read the outcome."""
+    if outcome.ok:
+        return True, codec.Decoder(lambda create=True: None).unpack(outcome.body)
+    err = failures.error_from(outcome.body)
+    return False, (type(err), err.node, str(err))
+
+
+@pytest.mark.parametrize("node", [Picky(), SetupFails()], ids=["forward", "setup"])
+def test_a_lone_job_ends_as_interpreter_run_ends_it(tmp, node):
+    """The one-node call (untraced) against Interpreter.run with its RunState (the same job traced): the same
+    output or the same NodeError, for every way a job can end, a setup that raises included."""
+    core = Core(node, tmp)
+    try:
+        for job_id, x in enumerate([1, 13, 5, 7, 9, 2.5], 1):
+            direct = core.job(job_id, x)
+            assert core.runner.library.pieces[PIECE].each is not None  # (the one-node call ran it)
+            through_run = core.job(100 + job_id, x, traced=[None])
+            assert through_run.spans and direct.spans is None
+            assert ended(direct) == ended(through_run), x
+    finally:
+        core.close()
+
+
+def test_a_lone_job_ends_with_its_nodes_error_named(tmp):
+    core = Core(Picky(), tmp)
+    try:
+        ok, (kind, node, text) = ended(core.job(1, 13))
+        assert not ok and kind is NodeError and node == "n" and "13 is unlucky" in text
+        assert "not Done" in ended(core.job(2, 5))[1][2] and "KeyboardInterrupt" in ended(core.job(3, 7))[1][2]
+        assert ended(core.job(4, 9)) == (True, ["n", "w9", None])  # (an Opaque's object, ctx as the node saw it)
+    finally:
+        core.close()
+
+
+def test_a_piece_of_more_than_one_node_runs_through_the_interpreter(tmp):
+    core = Core(Watches(os.path.join(tmp, "status")), tmp)
+    try:
+        assert ended(core.job(4, 1, piece=PAIR)) == (True, 3)
+        assert core.runner.library.pieces[PAIR].each is None
+        assert core.node.seen == [[(4, "n")], [(4, "m")]]  # (each node named as it runs: RunState tells)
+    finally:
+        core.close()
+
+
+def test_the_status_page_names_a_lone_job_and_its_node_while_it_runs(tmp):
+    core = Core(Watches(os.path.join(tmp, "status")), tmp)
+    try:
+        assert [ended(core.job(job_id, job_id)) for job_id in (31, 32)] == [(True, 32), (True, 33)]
+        assert core.node.seen == [[(31, "n")], [(32, "n")]]
+        assert StatusPage(core.page, create=False).read() == []  # (nothing runs after it)
+    finally:
+        core.close()
+
+
+class WaitsForFile(Node):
+    """In a real worker: says it started (a file), then holds its input until the file `go` exists."""
+
+    def __init__(self, started: str, go: str):
+        self.started, self.go = started, go
+
+    def forward(self, x, ctx):
+        open(self.started, "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.go) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return Done(x * 2)
+
+
+class Inc(Node):
+    def forward(self, x, ctx):
+        return Done(x + 1)
+
+
+def test_lone_jobs_run_while_another_lane_of_their_worker_is_busy(tmp):
+    """One worker: a job of one piece holds its lane (and a serving thread); lone jobs of another piece, whose
+    pace is known quick, come and go meanwhile, each answered on its own."""
+    started, go = os.path.join(tmp, "started"), os.path.join(tmp, "go")
+    slow, quick = Graph.somatize(WaitsForFile(started, go)), Graph.somatize(Inc())
+    with soma.Local(workers=1) as local:
+        assert [local.run(quick, i) for i in range(3)] == [1, 2, 3]
+        held: dict = {}
+        holder = threading.Thread(target=lambda: held.setdefault("out", local.run(slow, 21)))
+        holder.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(started) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert os.path.exists(started), "the slow job never started"
+            assert [local.run(quick, i) for i in range(10, 40)] == list(range(11, 41))
+            assert holder.is_alive() and "out" not in held  # (all of them while the slow one ran)
+        finally:
+            open(go, "w").close()
+            holder.join(60)
+        assert held["out"] == 42
