@@ -120,10 +120,11 @@ class HostSegments:
                 if self.store is None:
                     from ...wire.shm import SegmentStore
 
-                    # Inputs are encoded on the loop's thread, which passes on the very frees a wait for room
-                    # would wait for: the host never waits (room_wait_s=0); it gives back what it keeps, says
-                    # room is wanted, and spills (soma.wire.room).
-                    self.store = SegmentStore(self.prefix, self.arena, on_release=self._release, room_wait_s=0)
+                    # Inputs are encoded on the loop's thread, after it told the workers of what the host let go
+                    # (HostLoop._input_store): a reservation short of room waits for those frees as long as a
+                    # spill would take (by its size: soma.wire.room), then spills. (Frees of the host's own
+                    # segments come in Results this thread would receive: a wait does not bring those.)
+                    self.store = SegmentStore(self.prefix, self.arena, on_release=self._release)
         return self.store
 
     def note_sent(self, name: str) -> None:

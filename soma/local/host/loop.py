@@ -314,13 +314,20 @@ class HostLoop(WorkerLife):
             job.sent_at = now
             if job.traced:
                 job.sent_ns = time.monotonic_ns()
-        items, failed = encode(self.pool.get_store, groups)
+        items, failed = encode(self._input_store, groups)
         for job, err in failed:
             self.core.unsent([job], err)
         for piece, shm in copied(items):
             self.core.weigh_inputs(piece, shm)
         if items and self.pool.send(slot, items) is None:  # its connection is still completing: soon again
             self._unreachable.setdefault(slot, []).extend(items)
+
+    def _input_store(self, create: bool = True):
+        """The host's store, for an input about to be copied into /dev/shm: the frees the host owes the workers
+        go first (segments of outputs the caller dropped, told otherwise with their worker's next Task or at the
+        next look: a new map's first inputs spilled while the last map's outputs still held the room)."""
+        self.pool.flush_frees()
+        return self.pool.get_store(create)
 
     def _send_unreachable(self) -> None:
         for slot in list(self._unreachable):

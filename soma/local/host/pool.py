@@ -308,6 +308,8 @@ class WorkerPool:
         # Releases after the values: a handle echoed back must be counted before the input's receipt drops.
         for name, n in result.releases:
             self._book.released(worker.pid, name, n)
+        if self.host_pid in self._book.frees:  # the host's own segments nobody holds now go back to its store at
+            self.segments.apply_releases()     # once (not at the next send or look: a worker may wait for that room)
         if isinstance(worker, Gone):
             return []
         return [Outcomes(worker.slot, worker, decoded, bool(result.leaving))]
