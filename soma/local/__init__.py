@@ -6,9 +6,9 @@
                 coming and going, and core_chunks.py, a map's chunks: chunks.py), with its books in
                 dispatch.py (lines, choice.py) and flows.py (an input's walk); loop.py, the only code that
                 locks and the only code that touches the sockets and the core (callers that wait receive for
-                each other; loop_workers.py: workers spawned, ended, found dead); pool.py (processes, sockets,
-                leases), sending.py (encoding),
-                outcomes.py (decoding, checking), listener.py, program.py (compile), procs.py, leases.py
+                each other; loop_workers.py: workers spawned, ended, found dead; loop_maps.py: what a map asks
+                and tells); pool.py (processes, sockets, leases), sending.py (encoding), outcomes.py
+                (decoding, checking), listener.py, program.py (compile), procs.py, leases.py
     worker/     the `soma-worker` program (`python -m soma.local.worker`): one process of the pool
 
 How one `run(g, x)` goes (calls go down, answers come back as return values; the worker's side is drawn in

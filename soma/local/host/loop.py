@@ -36,6 +36,7 @@ from .core import HostCore
 from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
 from .flows import Chunk, Flow
 from .listener import PUMP_S, Listener
+from .loop_maps import MapHints
 from .loop_workers import WorkerLife
 from .sending import copied, encode
 
@@ -43,7 +44,7 @@ LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves 
 _LEAD = object()  # put in a waiting caller's sink: "nobody is receiving: you do"
 
 
-class HostLoop(WorkerLife):
+class HostLoop(WorkerLife, MapHints):
     """The owner of the host's state (see the module's docstring): `core` and the pool's sockets."""
 
     def __init__(self, pool, worker_devices: list[str]):
@@ -116,10 +117,6 @@ class HostLoop(WorkerLife):
         self._started(program, list(flows.values()))
         return flows
 
-    def chunk(self, piece) -> int:
-        """How many inputs of `piece` a chunk holds now (1: its inputs go one by one: not measured, or slow)."""
-        return self.core.chunk(piece)  # (read without the lock: a hint, as parallelism is)
-
     def _started(self, program, flows: list, lead: float = 0.0) -> None:
         if lead and self.lock.acquire(blocking=False):
             if self.inbox:
@@ -128,20 +125,6 @@ class HostLoop(WorkerLife):
             self._lead(min(lead, LEAD_S))
         else:
             self._post(self.core.start, program, flows)
-
-    def map_open(self, inflight, is_open: bool) -> None:
-        """A map's in-flight set opens or closes (what the caller's results hold is told apart by it: see
-        HostSegments.caller_held)."""
-        segments = self.pool.segments
-        if is_open:
-            segments.maps_open.add(inflight)
-        else:
-            segments.maps_open.discard(inflight)
-            segments.held_back.discard(inflight)
-
-    def map_held_back(self, inflight) -> None:
-        """A map open now is held back by memory from now on (its outputs' room counted: HostSegments.room_s)."""
-        self.pool.segments.held_back.add(inflight)
 
     def cancel(self, flows) -> None:
         self._post(self.core.cancel, list(flows))
@@ -159,20 +142,6 @@ class HostLoop(WorkerLife):
         with self._held():
             running = {slot: self.pool.running(slot) for slot in self.core.where(flow)}
             return self.core.expire(flow, timeout, running)
-
-    def parallelism(self, program_pieces: list) -> int:
-        return self.core.parallelism(program_pieces)  # (read without the lock: a hint, as map uses it)
-
-    def shm_per_input(self, program_pieces: list) -> int | None:
-        return self.core.shm_per_input(program_pieces)  # (read without the lock: a hint, as parallelism is)
-
-    def shm_received(self) -> int:
-        return self.pool.segments.received()  # (see HostSegments.received)
-
-    def flush_frees(self) -> None:
-        """Tell the workers now, not at the next look (PUMP_S), of their segments nobody holds any more: a map
-        held back by memory is about to start inputs whose outputs need that room."""
-        self._post(self.pool.flush_frees)
 
     def at(self, when: float, call) -> None:
         """Call `call()` on the listener thread once time.monotonic() reaches `when` (within ~PUMP_S)."""

@@ -1,0 +1,41 @@
+"""HostLoop's half for a map: what its in-flight set asks between turns (how many inputs a chunk holds, how many
+the pool works on at once, what an input takes of /dev/shm; read without the lock, as hints) and what it tells
+(opened, closed, held back by memory, frees wanted now). soma.local.inflight is its one caller."""
+
+from __future__ import annotations
+
+
+class MapHints:
+    """HostLoop's methods for a map's in-flight set (its `core`, `pool` and `_post`)."""
+
+    def chunk(self, piece) -> int:
+        """How many inputs of `piece` a chunk holds now (1: its inputs go one by one: not measured, or slow)."""
+        return self.core.chunk(piece)  # (read without the lock: a hint, as parallelism is)
+
+    def map_open(self, inflight, is_open: bool) -> None:
+        """A map's in-flight set opens or closes (what the caller's results hold is told apart by it: see
+        HostSegments.caller_held)."""
+        segments = self.pool.segments
+        if is_open:
+            segments.maps_open.add(inflight)
+        else:
+            segments.maps_open.discard(inflight)
+            segments.held_back.discard(inflight)
+
+    def map_held_back(self, inflight) -> None:
+        """A map open now is held back by memory from now on (its outputs' room counted: HostSegments.room_s)."""
+        self.pool.segments.held_back.add(inflight)
+
+    def parallelism(self, program_pieces: list) -> int:
+        return self.core.parallelism(program_pieces)  # (read without the lock: a hint, as map uses it)
+
+    def shm_per_input(self, program_pieces: list) -> int | None:
+        return self.core.shm_per_input(program_pieces)  # (read without the lock: a hint, as parallelism is)
+
+    def shm_received(self) -> int:
+        return self.pool.segments.received()  # (see HostSegments.received)
+
+    def flush_frees(self) -> None:
+        """Tell the workers now, not at the next look (PUMP_S), of their segments nobody holds any more: a map
+        held back by memory is about to start inputs whose outputs need that room."""
+        self._post(self.pool.flush_frees)
