@@ -22,7 +22,8 @@ How a reservation in /dev/shm that fails goes on (`SegmentStore._create`):
     1. the reserving process gives back its own segments kept for reuse;
     2. it says room is wanted (`RoomWanted`: a flag file every process of the pool
        looks at when it next reserves and while it idles; each gives back what it
-       keeps for reuse) and waits for room others free, about as long as the spill
+       keeps for reuse, and what it is handed back to keep while room is wanted:
+       `SegmentStore.free`) and waits for room others free, about as long as the spill
        would take (`room_wait_s`: 40 ms for 20 MiB, at most ROOM_WAIT_S);
     3. then, when the caller's own results hold the room it lacks (the host knows
        that, `SegmentStore.caller_held`), `SharedMemoryFull` naming what they hold:
@@ -142,9 +143,11 @@ class RoomWanted:
             return 0
 
 
-def wait_for_room(nbytes: int, deadline: float) -> bool:
+def wait_for_room(nbytes: int, deadline: float, wanted: RoomWanted) -> bool:
     """Wait a moment, and on until /dev/shm has `nbytes` free, or `deadline` (monotonic) passes; True when it
-    has (the caller tries again: the room may be gone again, or fragmented by others' reservations)."""
+    has (the caller tries again: the room may be gone again, or fragmented by others' reservations). Room is
+    said to be wanted at each look: a process that heard it before the segment it keeps came free hears it
+    again as that segment comes free (SegmentStore.free), not only at its next idle look."""
     pause = 0.005
     while True:
         left = deadline - time.monotonic()
@@ -154,6 +157,7 @@ def wait_for_room(nbytes: int, deadline: float) -> bool:
         pause = min(pause * 2, 0.05)
         if shm_room()[0] >= nbytes:
             return True
+        wanted.say()
 
 
 def reserve(name: str, size: int) -> None:
@@ -190,7 +194,7 @@ def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_h
             if give_back(0):
                 continue  # (1) what this process kept for reuse first
             wanted.say()  # (2) and what the others keep
-        if not wait_for_room(size, deadline):
+        if not wait_for_room(size, deadline, wanted):
             break
     free, total = shm_room()
     held = caller_held() if caller_held is not None else 0

@@ -243,6 +243,11 @@ class SegmentStore:
                 return
             seg.sent -= n
             self._maybe_reusable(seg)
+        if seg.in_pool and self.wanted.heard():
+            # Another process of the pool lacks room now: a segment that comes free is given back at once, not
+            # kept until this process next reserves or idles (under load that look came after the other's
+            # wait for room had ended: a 20 MiB output spilled, CI beside two CPU burners).
+            self.trim(0)
 
     def _maybe_reusable(self, seg: _Segment) -> None:
         # lock held

@@ -409,6 +409,38 @@ def test_a_store_that_hears_room_is_wanted_gives_back_what_it_keeps(prefix):
     assert kept not in files(prefix) and keeper.pooled_bytes() == 0
 
 
+def _sent_segment(store, nbytes):
+    """A segment of `store` whose only hold is one send (its view dead): the owner's `free` settles it."""
+    view, name = store.allocate(nbytes)
+    store.note_sent(name)
+    del view
+    gc.collect()
+    return name
+
+
+def test_a_segment_that_comes_free_while_room_is_wanted_is_given_back_at_once(prefix):
+    # Under load, a process short of room waited out its 40 ms before the owner's next idle look: the segment
+    # that came free in between was kept for reuse and the value spilled (CI beside two CPU burners).
+    keeper, wanting = SegmentStore(prefix, cap=1 << 30), SegmentStore(prefix, cap=1 << 30)
+    quiet, wanted = _sent_segment(keeper, 4 * GRANULE), _sent_segment(keeper, 4 * GRANULE)
+    keeper.free(quiet, 1)
+    assert quiet in files(prefix) and keeper.pooled_bytes() == 4 * GRANULE  # nobody wants room: kept
+    wanting.wanted.say()
+    keeper.free(wanted, 1)
+    assert files(prefix) == [] and keeper.pooled_bytes() == 0  # both given back as the second came free
+
+
+def test_a_wait_for_room_says_it_is_wanted_at_each_look(prefix, monkeypatch):
+    # A keeper that heard the flag before its segment came free hears it again while the wait goes on.
+    keeper, wanting = SegmentStore(prefix, cap=1 << 30), SegmentStore(prefix, cap=1 << 30)
+    wanting.wanted.say()
+    assert keeper.wanted.heard() and not keeper.wanted.heard()
+    monkeypatch.setattr(room, "shm_room", lambda: (0, 64 << 20))  # no room comes
+    time.sleep(0.01)  # (the flag's time must move on)
+    assert not room.wait_for_room(GRANULE, time.monotonic() + 0.05, wanting.wanted)
+    assert keeper.wanted.heard()
+
+
 def test_trim_gives_back_the_largest_free_segments_first_down_to_what_is_kept(prefix):
     store = SegmentStore(prefix, cap=1 << 30)
     live, live_name = store.allocate(GRANULE)  # in use: never trimmed
