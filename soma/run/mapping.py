@@ -91,8 +91,7 @@ class Inflight:
 def map_outputs(inflight: Inflight, xs, **options) -> "MapIterator":
     """The iterator behind every runner's `map` (see docs/design.md, "Many inputs"); `options` are
     MapLoop's (`graph`: the Graph it runs, what a state is checked against; window, ordered, ...)."""
-    loop, source = opened(inflight, xs, lambda loop: _guarded(remaining(xs, loop.next_index, loop.after_start), loop),
-                          **options)
+    loop, source = opened(inflight, xs, lambda loop: _source(xs, loop), **options)
     return MapIterator(_drive(loop, source), loop)
 
 
@@ -143,7 +142,7 @@ def _drive(loop: "MapLoop", source):
         while True:
             wanted = loop.wanted()
             if wanted:
-                loop.start(_take(source, wanted))
+                loop.start(_take(source, wanted, loop))
             yield from loop.outputs()
             if loop.over():
                 return
@@ -156,6 +155,17 @@ def _drive(loop: "MapLoop", source):
         loop.close()
 
 
+# Sources whose iterators never raise (nor do `remaining`'s over them): taken from without a guard, whose
+# generator step cost every input ~0.1 µs (a fifteenth of a tiny map's host time).
+_PLAIN = (list, tuple, range)
+
+
+def _source(xs, loop: "MapLoop"):
+    """The iterator a map takes its inputs from: what is left of `xs` (`resume=`), guarded unless plain."""
+    source = remaining(xs, loop.next_index, loop.after_start)
+    return source if type(xs) in _PLAIN else _guarded(source, loop)
+
+
 def _guarded(source, loop: "MapLoop"):
     """`source`'s items; its end, or its own exception, is told to the loop (and ends this)."""
     try:
@@ -166,9 +176,14 @@ def _guarded(source, loop: "MapLoop"):
     loop.source_ended()
 
 
-def _take(source, wanted: int) -> list:
-    """Up to `wanted` inputs from `source` (`_guarded`: taken at C speed, none lost to its exception)."""
-    return list(islice(source, wanted))
+def _take(source, wanted: int, loop: "MapLoop") -> list:
+    """Up to `wanted` inputs from `source` (taken at C speed; `_guarded`: none lost to its exception). Fewer
+    is the source's end: told to the loop here when the source is plain (a guarded one told it already, with
+    its exception if it raised)."""
+    items = list(islice(source, wanted))
+    if len(items) < wanted and not loop.exhausted:
+        loop.source_ended()
+    return items
 
 
 WINDOW_LOOK_S = 0.05  # how often a map without `window=` asks the runner how many inputs it works on at once
@@ -314,78 +329,54 @@ class MapLoop:
         Each `yield` returns when the caller asks for the next output (its loop body ran); an exception
         there (`close()`, a `break` or an error let go of the iterator, Ctrl-C) means it never asked:
         the output it held is then `out`, which a checkpoint does not count."""
-        done = self.done
+        done, ordered = self.done, self.ordered
         while True:
-            if self.ordered:
+            if ordered:
                 index = self.next_index
                 if index not in done:
                     break
-                entry = done.pop(index)
-                if type(entry) is Span:
-                    yield from self._span(entry, index)
-                    continue
-                ok, value = entry
-                if not ok and not self.yield_errors:
-                    raise _indexed(value, index)  # (not consumed: a state says to run it again)
-                self.next_index = index + 1
-            else:
-                if not self.arrived:
-                    break
+            elif self.arrived:
                 index = self.arrived.popleft()
-                entry = done.pop(index)
-                if type(entry) is Span:
-                    yield from self._span(entry, index)
-                    continue
+            else:
+                break
+            entry = done.pop(index)
+            if type(entry) is Span:
+                values = entry
+            else:
                 ok, value = entry
-                if self.failure is not None and index > self.failure[0]:
+                if not ok:
+                    if not self.yield_errors:  # (only ordered maps keep such an entry: see finished)
+                        raise _indexed(value, index)  # (not consumed: a state says to run it again)
+                    value = _indexed(value, index)
+                values = (value,)
+            # Each value in its turn, its books kept here: a Span's values too, without a generator of their own
+            # (each level of `yield from` costs every output a frame's resume: ~0.15 µs, a tenth of a tiny map's
+            # host time).
+            consumed, failure, checkpoint = self.consumed, self.failure, self.checkpoint
+            report = None if self.report is silent else self.report
+            for value in values:
+                if ordered:
+                    self.next_index = index + 1
+                elif failure is not None and index > failure[0]:
+                    index += 1
                     continue  # after a failure: cancelled with the rest
-                consumed = self.consumed
-                if index == consumed.next and not consumed.stops:
+                elif index == consumed.next and not consumed.stops:
                     consumed.next = index + 1  # in order, no run above: Consumed.add's answer, without its call
                 else:
                     consumed.add(index)
-            try:
-                yield self._handed(value if ok else _indexed(value, index))
-            except BaseException:
-                self.out = index
-                raise
-            if self.checkpoint is not None and time.monotonic() >= self.save_at:
-                self.save()
-        if not self.ordered and self.failure is not None and not any(i < self.failure[0] for i in self.pending):
-            raise _indexed(self.failure[1], self.failure[0])
-
-    def _span(self, values: Span, index: int):
-        """The outputs of a Span, from input `index` on: outputs() for each, without a turn of its loop each
-        (and `_handed`'s counting done here: a call an output was a tenth of a tiny map's host time)."""
-        ordered, consumed, failure = self.ordered, self.consumed, self.failure
-        report = None if self.report is silent else self.report
-        checkpoint = self.checkpoint
-        for value in values:
-            if ordered:
-                self.next_index = index + 1
-            elif failure is not None and index > failure[0]:
+                self.yielded += 1
+                if report is not None:
+                    report(self.yielded)
+                try:
+                    yield value
+                except BaseException:
+                    self.out = index
+                    raise
                 index += 1
-                continue  # after a failure: cancelled with the rest
-            elif index == consumed.next and not consumed.stops:
-                consumed.next = index + 1
-            else:
-                consumed.add(index)
-            self.yielded += 1
-            if report is not None:
-                report(self.yielded)
-            try:
-                yield value
-            except BaseException:
-                self.out = index
-                raise
-            index += 1
-            if checkpoint is not None and time.monotonic() >= self.save_at:
-                self.save()
-
-    def _handed(self, value):
-        self.yielded += 1
-        self.report(self.yielded)
-        return value
+                if checkpoint is not None and time.monotonic() >= self.save_at:
+                    self.save()
+        if not ordered and self.failure is not None and not any(i < self.failure[0] for i in self.pending):
+            raise _indexed(self.failure[1], self.failure[0])
 
     def over(self) -> bool:
         """Whether the map has ended (its source's own exception, if any, is raised here)."""

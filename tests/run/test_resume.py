@@ -309,7 +309,8 @@ def test_resuming_a_range_at_input_a_million_is_instant(tmp_path):
     began = time.perf_counter()
     assert list(executor.map(g, range(start + 5), resume=state)) == list(range(start, start + 5))
     took = time.perf_counter() - began
-    assert (tmp_path / "ran.txt").read_text().split() == [str(x) for x in range(start, start + 5)]
+    # (which of the five ran first is the Executor's threads' choice: under load they reorder)
+    assert sorted(map(int, (tmp_path / "ran.txt").read_text().split())) == list(range(start, start + 5))
     assert took < 1.0, f"resuming at input {start} took {took:.3f} s"
     xs = Indexed(start + 5)
     assert list(executor.map(add_one(), xs, resume=dict(state, graph="add_one"))) == list(range(start + 1,

@@ -101,3 +101,27 @@ def test_leaving_in_the_middle_of_a_span_closes_the_runner_once():
     assert [next(it) for _ in range(3)] == [0, 10, 20]
     it.close()
     assert inflight.closed
+
+
+@pytest.mark.parametrize("kind", [list, tuple, lambda xs: xs, iter, lambda xs: (x for x in xs)])
+@pytest.mark.parametrize("count", [0, 1, 16, 32, 33])
+def test_every_kind_of_source_ends_the_map_where_it_ends(kind, count):
+    # Plain sequences (list, tuple, range) are taken from without a guard: their end is found by a short take,
+    # also when it falls on the window's edge (16) or on a multiple of it.
+    xs = kind(range(count))
+    assert list(map_outputs(Spans(3), xs, graph=None, window=16)) == [x * 10 for x in range(count)]
+    assert sorted(map_outputs(Spans(3), kind(range(count)), graph=None, window=16, ordered=False)) == [
+        x * 10 for x in range(count)]
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_source_that_raises_gives_every_output_before_then_its_own_error(ordered):
+    def source():
+        yield from range(20)
+        raise OSError("the disk went away")
+
+    got = []
+    with pytest.raises(OSError, match="the disk went away"):
+        for value in map_outputs(Spans(4), source(), graph=None, window=16, ordered=ordered):
+            got.append(value)
+    assert sorted(got) == [x * 10 for x in range(20)]
