@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from itertools import islice
+from operator import length_hint
 
 from .._log import warn
 from ..errors import SomaError
@@ -217,6 +218,7 @@ class MapLoop:
         self.consumed = None if ordered else Consumed(self.next_index, self.after_start)
         self.taken = self.yielded = consumed_count(self.next_index, self.after_start)
         self.out = None  # the index of the output the caller held when the map ended (see outputs())
+        self.handing = None  # (index, yielded, count, iterator) of the Span being handed out (see _settle)
         self.saved = self.yielded  # how many were consumed in the checkpoint's file (or at the start)
         self.save_at = time.monotonic() + (self.checkpoint.every if self.checkpoint is not None else 0.0)
         self.completed = self.closed = False
@@ -258,6 +260,8 @@ class MapLoop:
     def state(self, held: bool) -> dict:
         """The consumed inputs, as `state_dict()` gives them. `held=False`: without the output the caller
         holds (its loop body may not have run: what a checkpoint saves)."""
+        if self.handing is not None:
+            self._settle()
         if self._identity is None:
             self._identity = identity(self.graph_print(), self.length, self.ordered)
         if self.ordered:
@@ -341,6 +345,21 @@ class MapLoop:
                 break
             entry = done.pop(index)
             if type(entry) is Span:
+                if ordered and self.report is silent and self.checkpoint is None:
+                    # The common case: its books kept by how far its iterator went (`_settle`), with no step of
+                    # ours per value (each was ~35 bytecodes: a fifth of a tiny map's host time).
+                    count, values, yielded = len(entry), iter(entry), self.yielded
+                    self.handing = (index, yielded, count, values)
+                    try:
+                        yield from values
+                    except BaseException:
+                        self._settle()
+                        self.handing = None
+                        self.out = self.next_index - 1
+                        raise
+                    self.handing = None
+                    self.next_index, self.yielded = index + count, yielded + count
+                    continue
                 values = entry
             else:
                 ok, value = entry
@@ -377,6 +396,12 @@ class MapLoop:
                     self.save()
         if not ordered and self.failure is not None and not any(i < self.failure[0] for i in self.pending):
             raise _indexed(self.failure[1], self.failure[0])
+
+    def _settle(self) -> None:
+        """The books of the Span being handed out (`handing`) brought up to the value the caller holds."""
+        index, yielded, count, values = self.handing
+        handed = count - length_hint(values)
+        self.next_index, self.yielded = index + handed, yielded + handed
 
     def over(self) -> bool:
         """Whether the map has ended (its source's own exception, if any, is raised here)."""

@@ -125,3 +125,19 @@ def test_a_source_that_raises_gives_every_output_before_then_its_own_error(order
         for value in map_outputs(Spans(4), source(), graph=None, window=16, ordered=ordered):
             got.append(value)
     assert sorted(got) == [x * 10 for x in range(20)]
+
+
+@pytest.mark.parametrize("progress", [False, True])  # (True: each value's books kept as it goes; else by the span)
+def test_state_dict_after_every_output_counts_each_one_through_spans(progress, capsys):
+    g = Graph.somatize(Tag())
+    it = map_outputs(Spans(10), range(30), graph=g, window=30, progress=progress)
+    states = []
+    for value in it:
+        states.append(it.state_dict()["next"])
+        if value == 240:
+            break
+    assert states == list(range(1, 26))
+    it.close()
+    assert it.state_dict()["next"] == 25  # left holding the 25th: it counts (its loop body ran)
+    rest = list(map_outputs(Spans(10), range(30), graph=g, window=30, resume=it.state_dict()))
+    assert rest == [x * 10 for x in range(25, 30)]
