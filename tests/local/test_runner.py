@@ -193,7 +193,7 @@ def test_gil_bound_wave_is_faster_than_the_executor():
     """GIL-bound branches: threads in one process take turns, two worker processes do not.
 
     Two branches on two workers (four on two is the benchmark's question, benchmarks/gil_wave.py).
-    The machine is shared: sometimes two busy processes get one core's worth. Each round
+    The machine is shared: sometimes two busy processes get one core's worth. Each round (up to 8)
     measures that before and after (parallel_capacity) and counts only when two cores were there; each
     pair (Executor, Local) runs back to back and a round's median pair ratio is its result.
     """
@@ -203,7 +203,10 @@ def test_gil_bound_wave_is_faster_than_the_executor():
     verdicts = []
     with soma.Local(workers=2) as pool:
         pool.run(g, 0)  # warm: node code loaded
-        for _ in range(5):
+        stop_at = time.monotonic() + 70  # (rounds are slower under load: the test's timeout is 120 s)
+        for _ in range(8):
+            if time.monotonic() > stop_at:
+                break
             before = parallel_capacity(2 * n)
             ratios = []
             for _ in range(5):
@@ -220,9 +223,10 @@ def test_gil_bound_wave_is_faster_than_the_executor():
             if capacity >= 1.6 and ratio > 1.3:
                 return
     counted = [v for v in verdicts if v[0] >= 1.6]
-    if len(counted) < 2:  # (one round is not enough: capacity is measured around a round, not during it, and at
-        # load 14 a round measured with two cores free around it ran at 0.89x)
-        pytest.skip(f"two processes got two cores in fewer than two rounds of this test (capacity, ratio per "
+    if len(counted) < 3:  # (two rounds are not enough: capacity is measured around a round, not during it; at
+        # load 14 a round measured with two cores free around it ran at 0.89x, and beside another program's
+        # bursts of benchmarks two such rounds ran at 0.96x and 1.24x, the next three at 1.61x)
+        pytest.skip(f"two processes got two cores in fewer than three rounds of this test (capacity, ratio per "
                     f"round: {verdicts})")
     raise AssertionError(f"Local was not > 1.3x the Executor on a GIL-bound wave with two cores free "
                          f"(capacity, ratio per round: {verdicts})")
