@@ -27,7 +27,8 @@ every value, and answers. Contenders:
   takes back what its pools keep, and spills what cannot fit to a file on disk.
   A contender that fails (DataLoader's workers pass tensors through /dev/shm:
   when it is full a worker's tensor is lost, and the loader, given a timeout
-  here, raises) is reported as failed, with its error.
+  here, raises) is reported as failed, with its error, also when that happens
+  in a later round only (soma failing in any round fails the benchmark).
 """
 
 from __future__ import annotations
@@ -224,8 +225,10 @@ def measure(suite: h.Suite, children: dict, case: str, unit: str, per_call: floa
             failed[(case, name)] = got["error"]
             print(f"  {case}: {name} failed: {got['error']}", flush=True)
             continue
-        contenders[name] = lambda name=name, where=where: _seconds(children[where].ask(case, name), name, case)
+        contenders[name] = lambda name=name, where=where: _seconds(children[where], name, case, failed)
     samples = h.alternate(contenders, repeat=suite.repeat(full=5, quick=3), warmup=0, self_timed=True)
+    for name in [name for name in samples if (case, name) in failed]:
+        del samples[name]  # (a peer that failed in a later round is reported as failed, as one that failed at once)
     params = {"case": case, "workers": WORKERS, "shm_mib": SMALL_MIB}
     for name, seconds in samples.items():
         suite.add(name, params, [per_call / s for s in seconds], unit)
@@ -234,10 +237,20 @@ def measure(suite: h.Suite, children: dict, case: str, unit: str, per_call: floa
             suite.add_ratio("local_64", params, samples[name], samples["local_64"], vs=name)
 
 
-def _seconds(got: dict, name: str, case: str) -> float:
-    if "error" in got:
+def _seconds(child, name: str, case: str, failed: dict) -> float | None:
+    """One round of `name`: its seconds. soma failing in a later round fails the benchmark; a peer failing then
+    (the DataLoader's workers lose a tensor to a full /dev/shm in some rounds and not others: CI, Dec 5) is
+    reported as failed, as one that failed in its first round, and not run again (None for its rounds)."""
+    if (case, name) in failed:
+        return None
+    got = child.ask(case, name)
+    if "error" not in got:
+        return got["seconds"]
+    if name.startswith("local"):
         raise RuntimeError(f"{name} failed in a later round ({case}): {got['error']}\n{got.get('traceback', '')}")
-    return got["seconds"]
+    failed[(case, name)] = f"{got['error']} (in a later round: its first ones ran)"
+    print(f"  {case}: {name} failed in a later round: {got['error']}", flush=True)
+    return None
 
 
 def main(argv) -> None:
