@@ -182,8 +182,7 @@ class SegmentStore:
         """`(view, name)`: a fresh view of at least `nbytes` in a segment this process owns (reused when one is
         free; in the spill directory when /dev/shm has no room, see `soma.wire.room`). The view spans the whole
         segment and stays this process's view of it until it dies."""
-        if self._pool and self.wanted.heard():
-            self.trim(0)  # another process of the pool lacks room: what this one keeps for reuse goes first
+        self._give_back_if_wanted()  # (another process lacking room: what this one keeps goes first)
         seg = self._take_free(nbytes) or self._create(nbytes)
         return self._view(seg), seg.name
 
@@ -243,11 +242,11 @@ class SegmentStore:
                 return
             seg.sent -= n
             self._maybe_reusable(seg)
-        if seg.in_pool and self.wanted.heard():
-            # Another process of the pool lacks room now: a segment that comes free is given back at once, not
-            # kept until this process next reserves or idles (under load that look came after the other's
-            # wait for room had ended: a 20 MiB output spilled, CI beside two CPU burners).
-            self.trim(0)
+        if seg.in_pool:
+            # A segment that comes free while another process lacks room is given back at once, not kept until
+            # this process next reserves or idles (under load that look came after the other's wait for room
+            # had ended: a 20 MiB output spilled, CI beside two CPU burners).
+            self._give_back_if_wanted()
 
     def _maybe_reusable(self, seg: _Segment) -> None:
         # lock held
@@ -462,10 +461,18 @@ class SegmentStore:
         """This process has had nothing to do for `idle_s` seconds (its owner calls this every so often while it
         idles): give back what it keeps for reuse when another process wants room, and after IDLE_TRIM_S all
         but `idle_keep` of it, so that an idle pool does not keep /dev/shm full of values its caller dropped."""
+        if self._give_back_if_wanted():
+            return
+        if idle_s >= IDLE_TRIM_S and (self._pooled_bytes > self.idle_keep or self._spills):
+            self.trim(self.idle_keep, spilled=True)
+
+    def _give_back_if_wanted(self) -> bool:
+        """Give back every segment kept for reuse in /dev/shm when another process of the pool said it lacks room
+        since this one last heard it (`RoomWanted`); True when it did."""
         if self._pool and self.wanted.heard():
             self.trim(0)
-        elif idle_s >= IDLE_TRIM_S and (self._pooled_bytes > self.idle_keep or self._spills):
-            self.trim(self.idle_keep, spilled=True)
+            return True
+        return False
 
     def trim(self, keep: int, spilled: bool = False) -> int:
         """Give back free segments kept for reuse in /dev/shm (largest first) until at most `keep` bytes of them

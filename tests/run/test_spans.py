@@ -114,19 +114,6 @@ def test_every_kind_of_source_ends_the_map_where_it_ends(kind, count):
         x * 10 for x in range(count)]
 
 
-@pytest.mark.parametrize("ordered", [True, False])
-def test_a_source_that_raises_gives_every_output_before_then_its_own_error(ordered):
-    def source():
-        yield from range(20)
-        raise OSError("the disk went away")
-
-    got = []
-    with pytest.raises(OSError, match="the disk went away"):
-        for value in map_outputs(Spans(4), source(), graph=None, window=16, ordered=ordered):
-            got.append(value)
-    assert sorted(got) == [x * 10 for x in range(20)]
-
-
 @pytest.mark.parametrize("progress", [False, True])  # (True: each value's books kept as it goes; else by the span)
 def test_state_dict_after_every_output_counts_each_one_through_spans(progress, capsys):
     g = Graph.somatize(Tag())
