@@ -27,9 +27,9 @@ import weakref
 from ..ctx import Ctx
 from ..errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
 from ..plan import Plan, Seq, Step, Wave, fold
-from ..values import Done, unwrap
+from ..values import Done, Opaque
 from .batching import Entry, Meeting, batch_outputs, failing, is_batching, max_batch_of
-from .postcondition import check_postcondition
+from .postcondition import UNCHECKED, check_postcondition
 from .threads import kept_threads, on_threads
 
 
@@ -179,6 +179,7 @@ class Interpreter:
         self._caught = BaseException if remote else Exception
         self._kept = kept_threads() if remote else None
         self._guards: dict = {}  # node id → its node's guard, found once
+        self._forwards: dict = {}  # (node id, held) → (its forward call, its Ctx): _forward_of, made once
         self._compiled: dict = {}  # plan → its compiled call
         # node id → where that batching node's inputs meet (shared with every interpreter holding the node)
         self._meetings = {node_id: meeting_of(node) for node_id, node in nodes.items() if is_batching(node)}
@@ -247,18 +248,19 @@ class Interpreter:
 
     def each(self, plan: Plan):
         """`call(x)`: `run(plan, x)` for a one-node plan that takes no batches, untraced, inputs never cancelled
-        once started (a worker's lone job, or a chunk's inputs): `invoke` without a RunState (the caller names
-        the node on its status page itself). None for any other plan."""
+        once started (a worker's lone job, or a chunk's inputs): the node's forward call itself, without a
+        RunState (the caller names the node on its status page itself). None for any other plan."""
         if type(plan) is not Step or self.batching:
             return None
-        node_id, forward, worker, allocate = plan.id, self._forward, self.worker, self.allocate
-        node, device = self.nodes[node_id], self.devices.get(node_id)
-        guard = self._guard(node_id, node)
-        ctx = Ctx(node_id, device, worker, allocate)  # (one for every input: what it says is the same for all)
+        return self._forward_of(plan.id)[0]
 
-        def call(x):
-            return unwrap(forward(node, node_id, device, ctx, guard, x, None))
-        return call
+    def each_held(self, plan: Plan):
+        """`(the node's lock, call(x))`: `each`'s call for a caller that holds the lock around a run of inputs
+        (a chunk's quick ones: one lock round for the run, where one per input was a tenth of a tiny input's
+        cost). The caller must not wait for anything else while it holds the lock. None where `each` is."""
+        if type(plan) is not Step or self.batching:
+            return None
+        return self._guard(plan.id, self.nodes[plan.id]).lock, self._forward_of(plan.id, held=True)[0]
 
     def compile(self, plan: Plan):
         """`plan` as one call `run(x, state, spans)` (made once per plan)."""
@@ -321,28 +323,47 @@ class Interpreter:
             guard = self._guards[node_id] = guard_of(node)
         return guard
 
-    def _forward(self, node, node_id: str, device, ctx: Ctx, guard, x, spans: list | None):
-        """setup once, forward, check it returned Done, check the postcondition: the Done's value."""
-        with guard.lock:  # one input at a time per node object
-            if not guard.ready:
-                self.setup(node, node_id, ctx, spans)
-                guard.ready = True
+    def _forward_of(self, node_id: str, held: bool = False):
+        """`(forward, its ctx)`, `forward(x, spans=None)`: setup once, forward, check it returned Done, check the
+        postcondition: the Done's value unwrapped; under the node's lock, taken here unless the caller `held`
+        it. Made once per node id, in one Python frame: what a chunk's tiny input costs beside its node is
+        mostly calls (issue 31), so what is the same for every input is bound here."""
+        found = self._forwards.get((node_id, held))
+        if found is not None:
+            return found
+        node, device = self.nodes[node_id], self.devices.get(node_id)
+        guard, caught, setup, failed = self._guard(node_id, node), self._caught, self.setup, self.node_failed
+        acquire, release, unchecked = guard.lock.acquire, guard.lock.release, UNCHECKED
+        ctx = Ctx(node_id, device, self.worker, self.allocate)  # (one for every input: it says the same to all)
+
+        def forward(x, spans: list | None = None):
+            if not held:
+                acquire()  # one input at a time per node object (not `with`: its __exit__ costs as much again)
             try:
-                out = node.forward(x, ctx)
-            except self._caught as exc:
-                raise self.node_failed(node_id, exc, device=device) from exc
-        if type(out) is not Done:
-            raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
-        if device is not None:  # (an unplaced node has none to check: no call for it)
-            check_postcondition(node_id, device, out.value)
-        return out.value
+                if not guard.ready:
+                    setup(node, node_id, ctx, spans)
+                    guard.ready = True
+                try:
+                    out = node.forward(x, ctx)
+                except caught as exc:
+                    raise failed(node_id, exc, device=device) from exc
+            finally:
+                if not held:
+                    release()
+            if type(out) is not Done:
+                raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
+            value = out.value
+            if device is not None and type(value) not in unchecked:  # (unplaced, or a number: nothing to check)
+                check_postcondition(node_id, device, value)
+            return value.obj if type(value) is Opaque else value  # (unwrap's rule, without its call)
+
+        found = self._forwards[node_id, held] = (forward, ctx)
+        return found
 
     def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):
         """Run one node: setup once, forward, check it returned Done, check the postcondition, unwrap."""
-        node = self.nodes[node_id]
-        device = self.devices.get(node_id)
-        ctx = Ctx(node_id, device, self.worker, self.allocate)
-        guard = self._guard(node_id, node)
+        forward, ctx = self._forward_of(node_id)
+        guard = self._guard(node_id, self.nodes[node_id])
         state.enter(node_id)
         start = time.monotonic_ns() if spans is not None else 0
         outcome = "ok"
@@ -350,10 +371,10 @@ class Interpreter:
             if spans is not None and not guard.ready:
                 with guard.lock:
                     if not guard.ready:
-                        self.setup(node, node_id, ctx, spans)
+                        self.setup(self.nodes[node_id], node_id, ctx, spans)
                         guard.ready = True
                 start = time.monotonic_ns()  # (the node's own span starts after its setup's)
-            value = self._forward(node, node_id, device, ctx, guard, x, spans)
+            value = forward(x, spans)
         except BaseException as exc:
             # What the node itself raised (under the NodeError that names it), or soma's own verdict.
             cause = exc.__cause__ if type(exc) is NodeError and exc.__cause__ is not None else exc
@@ -363,7 +384,7 @@ class Interpreter:
             state.leave(node_id)
             if spans is not None and start:
                 spans.append(span(node_id, start, outcome))
-        return unwrap(value)
+        return value
 
     def setup(self, node, node_id: str, ctx: Ctx, spans: list | None = None) -> None:
         """`node.setup(ctx)`, once per node object, before its first forward (when the node defines it).

@@ -11,12 +11,13 @@ its thread bumps `seq` before and after writing the text (odd: being written), s
 reader never takes half a line, and threads never wait for each other. A thread that
 runs one node for job after job (a chunk's inputs) writes the text " node" once (no
 jobs: the slot's job field names the job) and then only stores each job's id into
-the field: one 8-byte store, no seq (the node is the same before and after it).
+the field: one 8-byte store, no seq (the node is the same before and after it), made
+through a one-item view of the field (`naming`): a subscript store, where a call per
+input cost four times as much (issue 31's tiny inputs).
 """
 
 from __future__ import annotations
 
-import functools
 import mmap
 import os
 import struct
@@ -45,6 +46,7 @@ class StatusPage:
             os.close(fd)
         self._seqs = [0] * SLOTS
         self._jobs = None  # the job fields as one array of int64 (memoryview.cast: a store is one C call)
+        self._fields: list = [None] * SLOTS  # each slot's job field alone, a one-item view (made once: `naming`)
         self._free = list(range(SLOTS - 1, -1, -1))
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -62,16 +64,19 @@ class StatusPage:
             self._jobs[mine.field] = job
 
     def naming(self, node: str):
-        """This thread now runs `node`, for job after job: a call `now(job)` that names each (a chunk's inputs:
-        the cheapest write there is, one store of the job's id). A thread without a slot gets a call that
-        does nothing (it goes unnamed, as in `enter`)."""
+        """This thread now runs `node`, for job after job: a one-item int64 view, `job`, where `job[0] = id`
+        names each (a chunk's inputs: the cheapest write there is, one store of the job's id). A thread
+        without a slot gets a view of its own that no one reads (it goes unnamed, as in `enter`)."""
         mine = self._mine()
         if mine is None:
-            return _unnamed
+            return memoryview(bytearray(8)).cast("q")
         if mine.showing != node:
             mine.showing = node
             self._put(mine.slot, f" {node}".encode()[: SLOT - _TEXT], 0)
-        return functools.partial(self._jobs.__setitem__, mine.field)
+        field = self._fields[mine.slot]
+        if field is None:
+            field = self._fields[mine.slot] = self._jobs[mine.field:mine.field + 1]
+        return field
 
     def enter_batch(self, jobs: list, node: str) -> None:
         """This thread now runs `node` for all of `jobs` at once (a batch)."""
@@ -138,18 +143,17 @@ class StatusPage:
         return pairs
 
     def close(self) -> None:
+        for field in self._fields:
+            if field is not None:
+                field.release()  # (an exported view keeps an mmap from closing: a writer's view is no use now)
         if self._jobs is not None:
-            self._jobs.release()  # (an exported view keeps an mmap from closing)
+            self._jobs.release()
         self._map.close()
 
 
 def _field(slot: int) -> int:
     """The index of `slot`'s job field in the page as int64s."""
     return (slot * SLOT + 8) // 8
-
-
-def _unnamed(job: int) -> None:
-    pass
 
 
 class _Slot:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from soma import Done, Node, Opaque
-from soma.errors import Cancelled, NodeError
+from soma.errors import Cancelled, NodeError, PostconditionError
 from soma.local.worker import chunks
 from soma.local.worker.lanes import Lane, Lanes
 from soma.local.worker.resources import DeviceSetup
@@ -414,6 +414,140 @@ def test_a_chunk_whose_piece_cannot_load_fails_each_input_with_that_error(tmp):
         got, _ = host_reads(*w.sent, last)
         assert [o.ok for o in got.values()] == [False, False]
         assert "never told about" in str(failures.error_from(got[1].body))
+    finally:
+        w.close()
+
+
+class Mixed(Node):
+    """By input: an int, a numpy array, bytes, a str, a list holding an array, or an object that says it is on
+    `meta` (no torch needed: anything with `.device` is checked)."""
+
+    def forward(self, x, ctx):
+        import numpy as np
+
+        class Elsewhere:
+            device = "meta"
+
+        return Done([x, np.full(3, x), bytes([x]), str(x), [x, np.zeros(2)], Elsewhere()][x % 6])
+
+
+def placed(w: Worker, node, piece: int, device: str = "cpu") -> None:
+    """`node` registered as piece `piece` of w's worker, one node placed on `device`."""
+    w.runner.library.register({piece: nodecode.dumps(node)},
+                              {piece: protocol.pack_piece(Step("p"), {"p": piece}, {"p": device})})
+
+
+def test_a_placed_nodes_chunk_checks_every_output_whatever_its_type(tmp):
+    """The postcondition runs on each output of a chunk (a number is answered by its type alone, Interpreter's
+    UNCHECKED): ints, arrays, bytes and lists pass on `cpu`; the one output that says it is elsewhere fails
+    that input alone, with the named placement error, in the middle of the chunk."""
+    import numpy as np
+
+    w = Worker(Half(), tmp)
+    try:
+        placed(w, Mixed(), 70)
+        xs = list(range(12))
+        run = chunks.ChunkRun(Chunk(list(range(1, 13)), 70, codec.Encoder(w.segments.get_store).pack_each(xs), False))
+        got, _ = host_reads(*w.sent, w.run(run))
+        for job, x in enumerate(xs, 1):
+            if x % 6 == 5:
+                err = failures.error_from(got[job].body)
+                assert not got[job].ok and type(err) is PostconditionError
+                assert (err.node, err.declared, err.actual) == ("p", "cpu", "meta")
+                continue
+            assert got[job].ok, (x, got[job].body)
+            want = [x, np.full(3, x), bytes([x]), str(x), [x, np.zeros(2)]][x % 6]
+            body = got[job].body
+            if x % 6 == 1:
+                assert np.array_equal(body, want)
+            elif x % 6 == 4:
+                assert body[0] == x and np.array_equal(body[1], want[1])
+            else:
+                assert body == want and type(body) is type(want)
+    finally:
+        w.close()
+
+
+class Misplaces(Node):
+    """A tensor of x on cpu, but on `meta` for the input `wrong`."""
+
+    def __init__(self, wrong):
+        self.wrong = wrong
+
+    def forward(self, x, ctx):
+        import torch
+
+        return Done(torch.full((2,), float(x), device="meta" if x == self.wrong else "cpu"))
+
+
+def test_a_wrong_device_tensor_fails_exactly_its_input_of_a_chunk_with_the_placement_error(tmp):
+    torch = pytest.importorskip("torch")
+    w = Worker(Half(), tmp)
+    try:
+        placed(w, Misplaces(wrong=3), 71)
+        xs = [1, 2, 3, 4, 5]
+        run = chunks.ChunkRun(Chunk([11, 12, 13, 14, 15], 71, codec.Encoder(w.segments.get_store).pack_each(xs),
+                                    False))
+        got, _ = host_reads(*w.sent, w.run(run))
+        assert [got[i].ok for i in (11, 12, 13, 14, 15)] == [True, True, False, True, True]
+        err = failures.error_from(got[13].body)
+        assert type(err) is PostconditionError and (err.node, err.declared, err.actual) == ("p", "cpu", "meta")
+        assert str(err) == "node `p` failed: it declared `cpu` but returned a value on `meta`"
+        for job, x in zip((11, 12, 14, 15), (1, 2, 4, 5)):
+            assert torch.equal(got[job].body, torch.full((2,), float(x)))
+    finally:
+        w.close()
+
+
+def test_the_nodes_lock_held_over_quick_inputs_is_let_go_before_each_part_and_at_the_end(tmp, monkeypatch):
+    """A chunk's quick inputs share one round of their node's lock (Interpreter.each_held), not one each: it
+    is free whenever a part is sent (another thread running the same node object gets its turn there, and a
+    send never waits holding it), free after the chunk, also after a failed input, and another thread that runs
+    the same node all along (the lone job's call, which takes the lock itself) never deadlocks with it."""
+    monkeypatch.setattr(chunks, "PART_S", 0.0005)  # (a part every half millisecond: many of them)
+    w = Worker(Half(), tmp)
+    try:
+        piece = w.runner.library.pieces.get(PIECE) or w.runner.library.load(PIECE, *w.runner.library.describe(PIECE))
+        lock, _ = piece.each_held
+        free_at_send: list = []
+
+        def send(part):
+            free = lock.acquire(blocking=False)
+            if free:
+                lock.release()
+            free_at_send.append(free)
+            w.sent.append(part)
+
+        ids = list(range(1, 3001))
+        xs = [13 if i % 100 == 0 else 1000 + i for i in ids]  # (13: a failed input now and then)
+        last = chunks.run_chunk(w.runner, w.chunk(ids, xs), Lane(), Turns(), send)
+        assert len(free_at_send) > 1 and all(free_at_send)
+        assert lock.acquire(blocking=False)  # (free after the chunk)
+        lock.release()
+        got, _ = host_reads(*w.sent, last)
+        assert sorted(got) == ids
+        assert [got[i].ok for i in ids] == [x != 13 for x in xs]
+        assert [got[i].body for i in ids if got[i].ok] == [x / 2 for x in xs if x != 13]
+
+        stop, beside = threading.Event(), []
+
+        def other():  # the same node object, through the call that takes its lock per input
+            while not stop.is_set():
+                beside.append(piece.each(4))
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        w.sent.clear()
+        ids = [i + 5000 for i in ids]
+        try:
+            last = chunks.run_chunk(w.runner, w.chunk(ids, xs), Lane(), Turns(), w.sent.append)
+        finally:
+            stop.set()
+            thread.join(20)
+        assert not thread.is_alive() and beside and set(beside) == {2.0}
+        got, _ = host_reads(*w.sent, last)
+        assert [got[i].ok for i in ids] == [x != 13 for x in xs]
+        assert [got[i].body for i in ids if got[i].ok] == [x / 2 for x in xs if x != 13]
     finally:
         w.close()
 

@@ -54,13 +54,13 @@ def test_a_thread_naming_one_node_for_job_after_job_stores_only_each_job(tmp_pat
     writer, reader = StatusPage(path, create=True), StatusPage(path, create=False)
     now = writer.naming("encoder")
     for job in (5, 6, 2**40, -3):
-        now(job)
+        now[0] = job
         assert reader.read() == [(job, "encoder")]
     writer.enter_batch([7, 8], "batcher")
     assert sorted(reader.read()) == [(7, "batcher"), (8, "batcher")]
     writer.enter(9, "encoder")
     assert reader.read() == [(9, "encoder")]
-    writer.naming("encoder")(10)
+    writer.naming("encoder")[0] = 10
     writer.enter(11, "join")
     assert reader.read() == [(11, "join")]
     writer.leave()
@@ -82,7 +82,7 @@ def test_a_thread_without_a_slot_goes_unnamed_when_naming(tmp_path):
     for t in threads:
         t.start()
     started.wait(5)
-    page.naming("late")(99)  # every slot is taken: nothing is written, nothing raised
+    page.naming("late")[0] = 99  # every slot is taken: nothing is written, nothing raised
     assert (99, "late") not in page.read() and len(page.read()) == SLOTS
     go.set()
     for t in threads:

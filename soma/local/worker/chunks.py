@@ -89,11 +89,17 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     # What is the same for every input is bound once, and one clock read ends an input and starts the next.
     # An input is plain when it calls its node directly (way.call: a one-node piece, loaded, not on a CUDA
     # device) untraced and takes no GIL turn (its lane's last input took under turns.MIN_S), the worker not
-    # over max_memory; any other goes `way.run_one`.
+    # over max_memory; any other goes `way.run_one`. When every input may be plain (`direct`), the node's lock
+    # is taken once for a run of plain inputs (Interpreter.each_held), not once per input: it is let go before
+    # a part is sent and before an input that is not plain (a GIL turn must never be waited for holding it),
+    # so another thread that runs the same node object waits at most a part's PART_S and one input for it.
     ids, claim, done, clock, producer = run.chunk.ids, run.waiting.pop, run.done, time.perf_counter, way.producer
     add = done.extend  # (one C call: a taker never sees part of an input)
-    call, name, could_not_run, watch_memory = way.call, way.name, runner.could_not_run, runner.max_memory
+    call, naming, could_not_run, watch_memory = way.call, way.naming, runner.could_not_run, runner.max_memory
     direct = call is not None and not run.chunk.traced and not watch_memory  # (plain whenever quick)
+    lock, holding = None, False
+    if direct:
+        lock, call = way.piece.each_held
     pace = lane.pace
     quick = pace is not None and pace < MIN_S
     start = clock()
@@ -103,11 +109,16 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
             if not claim(job_id, False):
                 continue  # answered out of turn (Cancelled, given back) before it started, or not wanted (id 0)
             if start >= due and done:
+                if holding:
+                    lock.release()
+                    holding = False
                 _send_part(runner, run, producer, send)
                 start = clock()
             spans = None
             if quick and (direct or way.plain(position)):
-                name(job_id)
+                naming[0] = job_id  # (the status page: see StatusPage.naming)
+                if direct and not holding:
+                    holding = lock.acquire()
                 try:
                     ok, value = True, call(xs[position])
                 except NodeError as err:
@@ -117,8 +128,11 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
                 if watch_memory:
                     runner.check_memory()
             else:
+                if holding:
+                    lock.release()
+                    holding = False
                 ok, value, spans = way.run_one(position, job_id, xs[position], pace)
-                name = way.name  # (Interpreter.run named its nodes: the direct call names its own again)
+                naming = way.naming  # (Interpreter.run named its nodes: the direct call names its own again)
             xs[position] = None  # (its input goes as soon as it is done with)
             now = clock()
             pace = now - start
@@ -128,6 +142,8 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
             add((job_id, ok, value, spans, pace))
             start = now
     finally:
+        if holding:
+            lock.release()
         runner.status.leave()
         lane.pace = pace
     with run.sending:
@@ -143,7 +159,7 @@ class _Way:
         self.runner, self.run, self.turns = runner, run, turns
         self.piece, self.failure, self.loaded = _loaded(runner, run)
         self.producer = self.piece.producer if self.piece is not None else "?"
-        self.call = self.name = None
+        self.call = self.naming = None
 
     def inputs(self) -> list:
         """The chunk's inputs, decoded at once (Nones when the piece could not load, or they cannot be
@@ -165,7 +181,7 @@ class _Way:
         if not self.runner.cuda:
             self.call = piece.each  # (made once per piece as it loaded: library.Loaded)
             if self.call is not None:
-                self.name = self.runner.status.naming(piece.entry)
+                self.naming = self.runner.status.naming(piece.entry)
         return xs
 
     def plain(self, position: int) -> bool:
@@ -186,12 +202,12 @@ class _Way:
             spans, self.loaded = self.loaded or [], None  # (the piece's load: a span of its first traced input)
         token = self.turns.enter(self.run.piece, pace) if pace is None or pace >= MIN_S else None
         if self.call is not None and spans is None:
-            self.name(job_id)
+            self.naming[0] = job_id
             ok, value = _called(runner, piece, self.call, x)
         else:
             ok, value = _run_input(runner, piece, job_id, x, spans, traced[position][0] if spans is not None else None)
             if self.call is not None:
-                self.name = runner.status.naming(piece.entry)  # (Interpreter.run named it: name it again)
+                self.naming = runner.status.naming(piece.entry)  # (Interpreter.run named it: name it again)
         if token is not None:
             self.turns.leave(self.run.piece, token)
         return ok, value, spans

@@ -22,7 +22,7 @@ class Loaded:
     """A piece this worker can run: its plan, an Interpreter over its nodes' copies here, its first and last node,
     and `batch`: how many of its jobs run together (a batching node's max_batch; 0 when it has none)."""
 
-    __slots__ = ("batch", "each", "entry", "interpreter", "plan", "producer")
+    __slots__ = ("batch", "each", "each_held", "entry", "interpreter", "plan", "producer")
 
     def __init__(self, plan, interpreter, entry: str, producer: str):
         self.plan = plan
@@ -30,6 +30,7 @@ class Loaded:
         # A one-node piece that takes no batches: `each(x)` runs its node on an untraced input in a few calls,
         # not through Interpreter.run's RunState (the caller names the node on the status page itself); else None.
         self.each = interpreter.each(plan)
+        self.each_held = interpreter.each_held(plan)  # (lock, call): a chunk's run of quick inputs (chunks.py)
         self.batch = max((max_batch_of(n) for n in interpreter.nodes.values() if is_batching(n)), default=0)
         self.entry = entry  # named on the status page while its input is decoded
         self.producer = producer  # ... and while its output is encoded
