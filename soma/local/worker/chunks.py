@@ -92,7 +92,8 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     # over max_memory; any other goes `way.run_one`. When every input may be plain (`direct`), the node's lock
     # is taken once for a run of plain inputs (Interpreter.each_held), not once per input: it is let go before
     # a part is sent and before an input that is not plain (a GIL turn must never be waited for holding it),
-    # so another thread that runs the same node object waits at most a part's PART_S and one input for it.
+    # where another thread that runs the same node object can take it (a lock is not fair: as with a round per
+    # input, nothing promises that it does before the chunk ends; a chunk is ~5 ms of work).
     ids, claim, done, clock, producer = run.chunk.ids, run.waiting.pop, run.done, time.perf_counter, way.producer
     add = done.extend  # (one C call: a taker never sees part of an input)
     call, naming, could_not_run, watch_memory = way.call, way.naming, runner.could_not_run, runner.max_memory
