@@ -24,9 +24,10 @@ and the inputs it carried, each input with its node spans (docs/trace.md):
 
     (block, start ns, end ns, thread id, [(input index, [[node, start, end, tid, outcome]]), ...])
 
-The control methods (`hello`, `clock`, `running_token`, `take_spans`) are called
-in a concurrency group of their own (`copies.control`), so a busy copy answers
-which input it is running (a timeout) or what time it is (a trace) at once, also
+The control methods (`hello`, `clock`, `running_token`, `forget`, `take_spans`) are
+called in a concurrency group of their own (`copies.control`), so a busy copy answers
+which input it is running (a timeout), skips an input given up while it waits
+(`forget`: a cancelled future), or what time it is (a trace) at once, also
 while one of the driver's calls to it still waits for its input (measured with
 Ray 2.60, in order and out of order alike).
 
@@ -41,7 +42,7 @@ import sys
 import threading
 import time
 
-from ..errors import NodeError, PostconditionError, SomaError, traceback_text
+from ..errors import Cancelled, NodeError, PostconditionError, SomaError, traceback_text
 from ..plan import Step
 from ..run.batching import is_batching
 from ..run.interpreter import Interpreter, RunState
@@ -51,6 +52,8 @@ from ..values import Opaque
 from ..wire import nodecode
 from .devices import cuda_index, cuda_visible_devices, machine_gpus
 from .records import StartRecord, remove
+
+FORGOTTEN_KEPT = 10_000  # tokens `forget` keeps at most (each ~100 bytes; one per input given up while queued)
 
 
 class Failed:
@@ -251,6 +254,12 @@ class NodeCopy:
         self.actor_id = ray.get_runtime_context().get_actor_id()
         self.broken: Failed | None = None  # this copy could not be made: every call answers with why
         self.running = None  # the token of the input running now (timed inputs only); read by `running_token`
+        # Tokens of inputs whose caller gave up (`forget`) before their call here started: they never start.
+        # Ray's own cancel of a queued actor call can arrive seconds late (it retries while the call is on
+        # its way), so the driver also says so here, in the control group, answered at once. `_starting`
+        # makes "started" and "forgotten" one decision: an input is one or the other, never both.
+        self.forgotten: dict = {}  # token → None (insertion order: the oldest go first past FORGOTTEN_KEPT)
+        self._starting = threading.Lock()
         self.traced: list = []  # the records of traced calls (see the module's docstring), until taken
         node = None
         try:
@@ -357,7 +366,12 @@ class NodeCopy:
         except PostconditionError as err:
             return Failed(err)
         x = shaped(shape, args)
-        self.running = token
+        if token is not None:
+            with self._starting:
+                if token in self.forgotten:
+                    del self.forgotten[token]
+                    return Failed(Cancelled(self.node_id))  # (nobody reads it: its caller gave it up)
+                self.running = token
         try:
             value = self.interpreter.run(self.plan, x, RunState(index=index), spans)
         except NodeError as err:
@@ -379,6 +393,17 @@ class NodeCopy:
 
     def running_token(self):
         return self.running
+
+    def forget(self, token: int) -> bool:
+        """Its caller gave input `token` up: if its call here has not started, it never will (True); False
+        when it is running now."""
+        with self._starting:
+            if self.running == token:
+                return False
+            self.forgotten[token] = None
+            while len(self.forgotten) > FORGOTTEN_KEPT:  # (a call Ray did cancel never comes to pop its token)
+                del self.forgotten[next(iter(self.forgotten))]
+            return True
 
     def forget_record(self) -> bool:
         """soma stops this copy: its start record is nobody's business any more."""

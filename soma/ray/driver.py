@@ -131,24 +131,28 @@ class Driver:
 
     # -- submitting and fetching ---------------------------------------------------------------
     def submit(self, graph: ActorGraph, items: list, timed: bool, trace=None, retries: int = 0,
-               held: bool = False) -> list[Submission]:
+               held: bool = False, cancellable: bool = False) -> list[Submission]:
         """Submit the inputs `items` ((index, x) pairs) together: one call per node for all of them, traced
         in the block `trace` when one is open (all of them in that block). `retries`: how many more tries
         each gets when an actor dies while running it (soma.ray.tries). `held`: a map held them until a copy
-        was free (they go to copies that are up: soma.ray.spreading)."""
-        submissions = [Submission(index, next(self._tokens), timed, trace, x, retries) for index, x in items]
+        was free (they go to copies that are up: soma.ray.spreading). `cancellable`: a caller may give them up
+        (a future, an awaiting task): their actors can be told to skip them (faults.abandon)."""
+        submissions = [Submission(index, next(self._tokens), timed, trace, x, retries, cancellable=cancellable)
+                       for index, x in items]
         for submission in submissions:
             submission.held = held
         self._submit(graph, [x for _, x in items], submissions)
         return submissions
 
-    def submit_run(self, graph: ActorGraph, x, timed: bool, trace=None, retries: int = 0) -> list[Submission]:
+    def submit_run(self, graph: ActorGraph, x, timed: bool, trace=None, retries: int = 0,
+                   cancellable: bool = False) -> list[Submission]:
         """`submit` of one run's input; a graph with a batching node submits concurrent runs together
         (soma.ray.gathering). Call `run_over` once the run is over."""
         if graph.gathering is None or timed:
-            return self.submit(graph, [(None, x)], timed, trace, retries)
-        return graph.gathering.submit(lambda items, trace, retries: self.submit(graph, items, False, trace, retries),
-                                      x, trace, retries, drop=self._drop)
+            return self.submit(graph, [(None, x)], timed, trace, retries, cancellable=cancellable)
+        return graph.gathering.submit(
+            lambda items, trace, retries: self.submit(graph, items, False, trace, retries, cancellable=cancellable),
+            x, trace, retries, drop=self._drop)
 
     def _drop(self, submission: Submission) -> None:
         """A submitted run nobody waits for (its caller was interrupted): cancelled, its loads given back."""

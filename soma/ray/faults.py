@@ -119,7 +119,7 @@ def expire(ray, submission: Submission, timeout: float, book: ActorBook) -> RunT
             stop[actor_id] = call.actor
         else:
             waiting.append(call.node_id)
-            ray.cancel(call.ref)  # queued behind other inputs, or waiting for its args: it will not start
+            _cancel(ray, submission, call)  # queued behind other inputs, or waiting for its args: it will not start
     for actor in stop.values():
         actor.stopped = f"another input timed out while it ran node `{actor.owner.node_id}` there"
         book.drop(actor)
@@ -148,9 +148,20 @@ def abandon(ray, submission: Submission, book: ActorBook, how: str = "cancelled"
     done = _finished(ray, submission)
     for call in submission.calls:
         if call.ref not in done:
-            with contextlib.suppress(Exception):
-                ray.cancel(call.ref)
+            _cancel(ray, submission, call, forget=how != "again")
     book.release(submission, how)
+
+
+def _cancel(ray, submission: Submission, call, forget: bool = True) -> None:
+    """Its call at an actor will not start: Ray's cancel and, for an input whose calls carry its token, the
+    actor told to skip it (NodeCopy.forget): Ray's cancel of a call on its way to the actor is retried after
+    seconds, and the call may start meanwhile (CI saw a cancelled future's input start 2 s later). Not when
+    the input goes on in another try (`forget` False): its next calls carry the same token."""
+    with contextlib.suppress(Exception):
+        ray.cancel(call.ref)
+    if forget and submission.tokened and not call.actor.dead:
+        with contextlib.suppress(Exception):
+            control(call.actor.handle, "forget", submission.token)  # (not awaited: the actor decides)
 
 
 def _finished(ray, submission: Submission) -> set:

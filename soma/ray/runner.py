@@ -181,7 +181,8 @@ class Ray(RunnerBase):
         retries = checked_retries(retries)
         driver, g, graph = self._compiled(g, "Ray.submit")
         try:
-            [submission] = driver.submit(graph, [(None, x)], timeout is not None, self._trace, retries)
+            [submission] = driver.submit(graph, [(None, x)], timeout is not None, self._trace, retries,
+                                         cancellable=True)
         except NodeError as err:  # its input cannot travel: the future says so, as Local's does
             future = InputFuture()
             future.set_exception(err)
@@ -200,9 +201,9 @@ class Ray(RunnerBase):
         timed = timeout is not None
         deadline = time.monotonic() + timeout if timed else None
         if graph.gathering is not None and not timed:  # it may wait batch_wait for company: not on the loop
-            [submission] = await asyncio.to_thread(driver.submit_run, graph, x, timed, self._trace, retries)
+            [submission] = await asyncio.to_thread(driver.submit_run, graph, x, timed, self._trace, retries, True)
         else:
-            [submission] = driver.submit_run(graph, x, timed, self._trace, retries)
+            [submission] = driver.submit_run(graph, x, timed, self._trace, retries, cancellable=True)
         tries = driver.tries(graph, submission, timeout, deadline)
         try:
             return await tries.aoutcome()

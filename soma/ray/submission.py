@@ -144,13 +144,18 @@ def _side_by_side(_, walks: list):
 class Submission:
     """One input on its way: its calls (in submission order, which is a topological order) and its output refs."""
 
-    __slots__ = ("index", "token", "timed", "trace", "trace_tag", "started_ns", "calls", "out", "leaves", "refs",
-                 "pending", "over", "batch", "x", "tries", "retries", "keep", "lost", "held", "sent_at", "alone")
+    __slots__ = ("index", "token", "timed", "tokened", "trace", "trace_tag", "started_ns", "calls", "out", "leaves",
+                 "refs", "pending", "over", "batch", "x", "tries", "retries", "keep", "lost", "held", "sent_at",
+                 "alone")
 
-    def __init__(self, index, token: int, timed: bool, trace, x=None, retries: int = 0, tries: int = 1):
+    def __init__(self, index, token: int, timed: bool, trace, x=None, retries: int = 0, tries: int = 1,
+                 cancellable: bool = False):
         self.index = index  # its position in a map; None for run
         self.token = token  # unique per runner: which input an actor is running now (when timed)
         self.timed = timed  # it has a timeout: its calls carry the token, so a late one can be found
+        # Its calls carry the token: timed, or a caller may give it up (a future, an awaiting task), so an
+        # actor can be told to skip it (NodeCopy.forget) when Ray's own cancel comes too late.
+        self.tokened = timed or cancellable
         self.trace = trace  # the runner's Trace when this input is traced, else None
         # What the actors file its spans under: its index, and its trace block (the block's start), so a block
         # collects only its own inputs' spans, not those of an input that was still running when an earlier
@@ -184,7 +189,7 @@ class Submission:
     def again(self, counted: bool) -> "Submission":
         """The same input, to be submitted again: another try (`counted`), or the same one sent elsewhere."""
         again = Submission(self.index, self.token, self.timed, self.trace, self.x, self.retries,
-                           self.tries + (1 if counted else 0))
+                           self.tries + (1 if counted else 0), self.tokened)
         again.trace_tag, again.started_ns = self.trace_tag, self.started_ns  # (one input, one trace interval)
         again.held, again.alone = self.held, False  # (its time would count the try before: not its cost)
         return again
@@ -233,7 +238,7 @@ def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> l
         start, checks = len(args), []
         shape = _flatten(value, args, checks, graph.devices, start)
         metas.append((len(args) - start, shape, tuple(checks), submission.trace_tag))
-        simple = simple and shape == 0 and not checks and submission.trace_tag is None and not submission.timed
+        simple = simple and shape == 0 and not checks and submission.trace_tag is None and not submission.tokened
     actor = graph.actors[node_id].pick(len(submissions), held=submissions[0].held)
     if len(submissions) > 1 or not actor.ready or actor.load > 1:
         for submission in submissions:
@@ -245,8 +250,8 @@ def _call(graph: ActorGraph, node_id: str, values: list, submissions: list) -> l
             else:
                 only = submissions[0]
                 _, shape, checks, trace_tag = metas[0]
-                refs = [actor.handle.call_with.remote((only.token if only.timed else None, shape, checks, trace_tag),
-                                                      *args)]
+                token = only.token if only.tokened else None
+                refs = [actor.handle.call_with.remote((token, shape, checks, trace_tag), *args)]
         elif simple:
             refs = actor.batched("call_many", len(submissions)).remote(*args)
         else:

@@ -445,6 +445,13 @@ def test_ray_arun_and_amap_answer_as_run_and_map_and_never_block_the_loop(observ
     assert seen["ticks_during"] >= 10, seen  # a 20 ms ticker kept ticking through a 0.6 s node
 
 
+def test_ray_cancelled_inputs_never_start_even_when_rays_own_cancel_comes_too_late(observed):
+    seen = check(observed, "cancel_without_ray_cancel")
+    assert seen["first_started"] and seen["cancelled"] == [True] * 3
+    assert seen["results"] == ["CancelledError"] * 3 and seen["probe"] == "probe"
+    assert seen["started"] == [0]  # the actor skipped every input given up while it waited
+
+
 def test_ray_cancelling_the_task_that_awaits_arun_cancels_its_input(observed):
     seen = check(observed, "cancelled_task")
     assert seen["results"] == ["CancelledError"] * 6 and seen["probe"] == "probe" and seen["started"] == [0]
