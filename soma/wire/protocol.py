@@ -33,7 +33,7 @@ opens a frame into a record. The values inside (a node's input and output) are
 A chunk (the host's choice for inputs measured cheap) is answered input by input,
 in parts: each part a `ChunkPart` of the inputs done since the last, each with its
 own ok or error, seconds and spans, the outputs of those that ran ok encoded as one
-list. The worker sends a part when what is done has waited PART_S (20 ms) while
+list. The worker sends a part when what is done has waited PART_S (40 ms) while
 the chunk still runs, when a Cancel names one of its inputs that has not started
 (answered Cancelled in that part), when a GiveBack names any of it, and when the
 chunk is over; `more` says whether later parts follow. A GiveBack is always

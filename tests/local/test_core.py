@@ -41,7 +41,7 @@ from soma.local.host.events import (  # noqa: E402
     Spawn,
 )
 from soma.local.host.flows import Chunk, Flow  # noqa: E402
-from soma.local.host.program import compile_program  # noqa: E402
+from soma.local.host.program import compile_program, pieces  # noqa: E402
 from soma.plan import Seq, Step, Wave  # noqa: E402
 from soma.run.mapping import Span  # noqa: E402
 
@@ -476,3 +476,49 @@ def test_an_event_out_of_order_is_a_named_error():
     core.spawned(0, Proc(0, 1))
     with pytest.raises(SomaError, match=r"^worker w0 was spawned while the slot was starting"):
         core.spawned(0, Proc(0, 2))
+
+
+def test_a_straggler_answered_alone_in_its_chunks_last_part_leaves_the_chunks_of_its_piece_as_they_were():
+    """A chunk's pace is its typical input's (the median of its largest part), so one slow input answered alone
+    (after the rest was handed on, or behind them) does not shrink the piece's next chunks, and with them a map's
+    window; every input slow does."""
+    core = HostCore(["cpu"])
+    proc = Proc(0, 1)
+    core.spawned(0, proc)
+    core.ready(0)
+    core.take()
+    program = PROGRAMS[0]
+    [piece] = pieces(program)
+    got, taken = [], [0]
+
+    class Into:
+        put = staticmethod(got.append)
+
+    def chunk_answered(parts: list) -> None:
+        """A chunk of as many inputs as `parts` count, answered in those parts: (inputs, each one's seconds)."""
+        first, count = taken[0], sum(n for n, _ in parts)
+        taken[0] += count
+        xs = [f"x{first + i}" for i in range(count)]
+        core.start(program, [Chunk(first, Into, program, xs)])
+        [job] = [job for action in core.take() if type(action) is Send for job in action.jobs]
+        place = 0
+        for n, seconds in parts:
+            ids = [job.base + p for p in range(place, place + n)]
+            values = [evaluate(piece, xs[p]) for p in range(place, place + n)]
+            core.outcomes(0, proc, [Bundled(ids, [True] * n, values, seconds)], 0.0)
+            place += n
+        for action in core.take():
+            action.sink.put(action.item)
+        delivered = [y for index, ok, span in got if index >= first for y in span]
+        assert delivered == [evaluate(piece, x) for x in xs]
+
+    chunk_answered([(10, 1e-4)])  # (a piece's first job loads its code: not its pace)
+    chunk_answered([(10, 1e-4)])
+    cheap = core.chunk(piece)
+    assert cheap > 100
+    chunk_answered([(9, 1e-4), (1, 0.3)])  # one straggler, answered alone after the others
+    assert core.chunk(piece) == cheap
+    chunk_answered([(1, 0.3), (9, 1e-4)])  # ... or first, alone
+    assert core.chunk(piece) == cheap
+    chunk_answered([(10, 0.01)])  # every input slow: the next chunks are smaller at once
+    assert core.chunk(piece) < cheap // 10

@@ -51,9 +51,11 @@ class ChunkEvents:
             items, back = chunks.failed(chunk, job.places, internal(err, f"handling the outcomes of node "
                                                                            f"`{job.piece.entry}`")), []
             job.pending.clear()
+        if len(one.jobs) > job.pace[0]:
+            job.pace = (len(one.jobs), one.seconds)
         if not job.pending:
             self._chunk_job_over(job)
-            self.dispatch.choice.measure(job, one.seconds, now, len(job.places))
+            self.dispatch.choice.measure(job, job.pace[1], now, len(job.places))
         back = chunks.still_open(chunk, back)
         if back:
             self.dispatch.waiting.add_first([self._rest(job, back)])

@@ -82,7 +82,8 @@ class Job:
     """
 
     __slots__ = ("id", "flow", "try_", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
-                 "behind", "traced", "value", "twins", "packed", "position", "send", "base", "places", "pending")
+                 "behind", "traced", "value", "twins", "packed", "position", "send", "base", "places", "pending",
+                 "pace")
 
     def __init__(self, job_id: int, flow: Flow, piece: Piece, then, value, twins: dict):
         self.id = job_id
@@ -108,6 +109,9 @@ class Job:
         # p travels as job id `base + p` (the job's own `id` never travels). `pending`: its places whose
         # outcomes have not come back (a worker answers a chunk in parts). None for a job of one input.
         self.base, self.places, self.pending = 0, None, None
+        # ... and (inputs, typical seconds) of its part with the most inputs so far: the chunk's pace, measured
+        # when it is over (core_chunks), so a straggler answered alone in the last part does not count as it.
+        self.pace = (0, 0.0)
 
     def chunk_ids(self) -> list:
         """The job ids of the inputs it still owes, as they travel (a Chunk's job)."""

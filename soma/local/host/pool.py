@@ -283,9 +283,11 @@ class WorkerPool:
         try:
             for outcome in result.outcomes:
                 if type(outcome) is ChunkPart:  # (part of) a chunk's outcomes: see host/chunks.py
-                    seconds = outcome.seconds
+                    # Its typical input's time (the median: one straggler among cheap inputs must not make the
+                    # next chunks of the piece small: its map's window, which follows, would shrink with them)
+                    seconds = sorted(outcome.seconds)
                     decoded.append(bundled(decoder, outcome.ids, outcome.said, outcome.body,
-                                            sum(seconds) / len(seconds) if seconds else 0.0))
+                                           seconds[len(seconds) // 2] if seconds else 0.0))
                     continue
                 job_id, ok, body, spans, seconds = outcome
                 if type(job_id) is list:  # a Bundle's outcomes

@@ -25,7 +25,7 @@ How messages flow through a worker (the host is drawn in `soma.local`):
                                                      one-node piece's untraced input: Interpreter.each)
                                    encode the output (tensors become segment handles; one number: no Encoder)
                                    a Chunk is a turn of its own: its inputs one by one, answered in
-                                   ChunkParts (what is done goes when it has waited 20 ms behind a long
+                                   ChunkParts (what is done goes when it has waited 40 ms behind a long
                                    input, and at once on a Cancel or GiveBack naming the chunk)
                      outbox.py: Result[outcomes, releases]; outcomes of short jobs travel together
                                    (Grouped: and what is done goes before a turn that may be long: a batch)

@@ -39,7 +39,8 @@ from ...wire.protocol import ChunkPart
 from .turns import MIN_S
 from .values import decode_input, encode_listed
 
-PART_S = 0.02  # what is done waits at most this long (and one input) before it goes, while the chunk runs
+PART_S = 0.04  # what is done waits at most this long (and one input) before it goes, while the chunk runs
+#               (above host/chunks.CHUNK_S: a chunk that takes what it should answers in one message)
 FIELDS = 5  # an input done is this many items of ChunkRun.done: job id, ok, output or error body, spans, seconds
 
 
@@ -93,7 +94,7 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     # is taken once for a run of plain inputs (Interpreter.each_held), not once per input: it is let go before
     # a part is sent and before an input that is not plain (a GIL turn must never be waited for holding it),
     # where another thread that runs the same node object can take it (a lock is not fair: as with a round per
-    # input, nothing promises that it does before the chunk ends; a chunk is ~5 ms of work).
+    # input, nothing promises that it does before the chunk ends; a chunk is ~25 ms of work).
     ids, claim, done, clock, producer = run.chunk.ids, run.waiting.pop, run.done, time.perf_counter, way.producer
     add = done.extend  # (one C call: a taker never sees part of an input)
     call, naming, could_not_run, watch_memory = way.call, way.naming, runner.could_not_run, runner.max_memory
