@@ -15,8 +15,13 @@ small bytes; lists, tuples and dicts of them, tensors and arrays anywhere in
 them) goes through msgpack, fast for small messages. A value msgpack would
 change or that would make a big message goes whole as one PICKLE instead: one
 holding a `bytearray` or `memoryview` (msgpack would turn them into `bytes`), a
-`bytes` of at least the inline limit, more than MSGPACK_ITEMS items, or a
-msgpack form over BIG_MESSAGE bytes. Its large buffers then sit in shared
+`bytes` of at least the inline limit, more than MSGPACK_ITEMS items, more than
+TUPLES_PICKLED tuples (msgpack has none: each costs a Python call on each side,
+pickle makes them in C), or a msgpack form over BIG_MESSAGE bytes. A list of
+values packed each on its own (`pack_each`: a batch's or a chunk's outputs)
+that cannot go in one msgpack pass goes as one pickle when it is plain data
+through and through (a pickle without memo shares nothing between them), else
+value by value. Its large buffers then sit in shared
 memory: nothing large crosses the socket, and a `bytes` is copied once on each
 side (what ProcessPoolExecutor copies twice on each).
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from itertools import chain
 
 import msgpack
 
@@ -65,6 +71,10 @@ EXT_TUPLE, EXT_TENSOR, EXT_PICKLE, EXT_ARRAY, EXT_REF = 1, 2, 3, 4, 5
 MSGPACK_ITEMS = 4096
 # A msgpack form bigger than this is made again as one pickle, in shared memory rather than through the socket.
 BIG_MESSAGE = 1 << 20
+# More tuples than this in a value, and it travels as one pickle: msgpack has no tuple, so each one costs a Python
+# call on each side (a list of 2-tuples there and back: ~2 µs a tuple through msgpack, ~0.2 through pickle, whose
+# Pickler costs ~20 µs more a message: the two meet at ~12 tuples, measured).
+TUPLES_PICKLED = 16
 
 
 class Unsendable(Exception):
@@ -103,13 +113,16 @@ MSGPACK, PICKLE = 0, 1
 _PLAIN = frozenset({int, float, str, bool, type(None)})
 _CONTAINERS = frozenset({list, tuple, dict})
 _CHANGED = frozenset({bytearray, memoryview})  # msgpack packs them as bytes: they would arrive as bytes
+_chain = chain.from_iterable
 
 
 def route(value) -> int:
     """MSGPACK when msgpack carries `value` exactly and small, else PICKLE (see the module's docstring).
 
-    The walk looks at types a container at a time (`set(map(type, items))` runs in C), so a list of
-    a thousand ints costs a few microseconds, and it stops once MSGPACK_ITEMS items are passed.
+    The walk goes a level of nesting at a time: every container's items on one level are gathered and their
+    types looked at in C (`chain.from_iterable`, `set(map(type, ...))`), so a list of a thousand ints, or of a
+    thousand small tuples or dicts, costs a few Python steps, not one per container (one per container was
+    most of what encoding a list of tuples cost: ~1 µs a tuple). It stops once MSGPACK_ITEMS items are passed.
     """
     kind = type(value)
     if kind in _PLAIN:
@@ -118,30 +131,57 @@ def route(value) -> int:
         return MSGPACK if len(value) < INLINE_LIMIT else PICKLE
     if kind not in _CONTAINERS:
         return PICKLE if kind in _CHANGED else MSGPACK  # (an object of its own: msgpack's default pickles it)
-    budget = MSGPACK_ITEMS
-    stack = [value]
-    while stack:
-        container = stack.pop()
-        budget -= len(container)
-        if budget < 0:
+    budget, tuples = MSGPACK_ITEMS, TUPLES_PICKLED
+    level, kinds = [value], {kind}  # the containers of one level of nesting, and the types among them
+    while level:
+        budget -= sum(map(len, level))  # (a dict's len: its keys; its values count below as items, not here)
+        if tuple in kinds:
+            tuples -= list(map(type, level)).count(tuple) if len(level) > 1 else 1
+        if budget < 0 or tuples < 0:
             return PICKLE
-        if type(container) is dict:
-            keys = set(map(type, container))
-            kinds = set(map(type, container.values()))
-            items = container.values() if keys <= _PLAIN else [*container, *container.values()]
-            kinds |= keys
+        if dict in kinds:
+            dicts = [c for c in level if type(c) is dict]
+            items = list(_chain([c for c in level if type(c) is not dict] if len(dicts) < len(level) else ()))
+            items += _chain(map(dict.values, dicts))
+            keys = list(_chain(dicts))
+            key_kinds = set(map(type, keys))
+            if not key_kinds <= _PLAIN:
+                items += keys  # (keys that are containers are walked too; plain keys need nothing more)
+            kinds = set(map(type, items)) | key_kinds
         else:
-            kinds = set(map(type, container))
-            items = container
+            items = level[0] if len(level) == 1 else list(_chain(level))  # (one list or tuple: its own items)
+            kinds = set(map(type, items))
         if kinds <= _PLAIN:
-            continue
+            return MSGPACK
         if kinds & _CHANGED:
             return PICKLE
         if bytes in kinds and any(type(x) is bytes and len(x) >= INLINE_LIMIT for x in items):
             return PICKLE
-        if kinds & _CONTAINERS:
-            stack.extend(x for x in items if type(x) in _CONTAINERS)
+        if not kinds & _CONTAINERS:
+            return MSGPACK
+        level = items if kinds <= _CONTAINERS else [x for x in items if type(x) in _CONTAINERS]
+        kinds &= _CONTAINERS
     return MSGPACK
+
+
+def _plain_only(value) -> bool:
+    """Whether `value` holds nothing but plain data (None, bools, ints, floats, strs, bytes; lists, tuples and
+    dicts of them): no tensor, array or object of its own, which two values pickled together could share.
+    A level of nesting at a time, as `route` walks."""
+    level, kinds = [value], {type(value)}
+    while True:
+        if not kinds <= _PLAIN_ONLY:
+            return False
+        if not kinds & _CONTAINERS:
+            return True
+        containers = level if kinds <= _CONTAINERS else [x for x in level if type(x) in _CONTAINERS]
+        items = list(_chain(containers))  # (a dict gives its keys here ...)
+        if dict in kinds:
+            items += _chain(map(dict.values, [c for c in containers if type(c) is dict]))  # (... and its values)
+        level, kinds = items, set(map(type, items))
+
+
+_PLAIN_ONLY = _PLAIN | _CONTAINERS | {bytes}
 
 
 # -- encoding -----------------------------------------------------------------------------------
@@ -206,6 +246,8 @@ class Encoder:
             except (OverflowError, ValueError):
                 pass
             self.rollback(checkpoint)
+        if _plain_only(values):  # (many tuples, or many items: plain data shares nothing in a pickle without memo)
+            return msgpack.packb(self._pickled(values, fast=True), strict_types=True, use_bin_type=True)
         parts = [_handles.packer.pack_array_header(len(values))]  # (msgpack's own; the items follow it)
         for value in values:
             self._numbered = {}  # no REF to another value's tensors ...
@@ -359,7 +401,9 @@ _TUPLE_MARK = _ext(EXT_TUPLE, b"")  # first item of the list a tuple travels as
 
 
 def _default_of_thread(obj):
-    return _local.encoder._default(obj)
+    if type(obj) is tuple:  # (Encoder._default's first case, a call sooner: a tuple is the common one)
+        return [_TUPLE_MARK, *obj]
+    return _local.encoder.ext(obj)
 
 
 _local = ThreadPacker(default=_default_of_thread, strict_types=True, use_bin_type=True)

@@ -1,6 +1,8 @@
 """Values on the wire: msgpack with tuples, tensors as handles, anything else by pickle."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from soma.wire import codec
 from tests.conftest import in_threads
@@ -171,6 +173,63 @@ def test_plain_small_values_go_through_msgpack_and_the_rest_as_one_pickle():
     assert codec.route([memoryview(b"x")]) == codec.PICKLE
     assert codec.route((b"x" * codec.INLINE_LIMIT,)) == codec.PICKLE  # a big bytes: shared memory
     assert codec.route({str(i): i for i in range(codec.MSGPACK_ITEMS + 1)}) == codec.PICKLE
+
+
+def test_a_value_of_many_tuples_goes_as_one_pickle_and_comes_back_exactly():
+    few, many = [(i, "x") for i in range(codec.TUPLES_PICKLED)], [(i, "x") for i in range(codec.TUPLES_PICKLED + 1)]
+    assert codec.route(few) == codec.route(tuple(few[1:])) == codec.MSGPACK
+    assert codec.route(many) == codec.route(tuple(few)) == codec.route({"a": [few, [(1,)]]}) == codec.PICKLE
+    for value in (few, many, {"rows": many, "k": (1, [2.5, (3, None)])}):
+        out = roundtrip(value)
+        assert out == value and [type(x) for x in out] == [type(x) for x in value]
+
+
+def _route_by_rule(value) -> int:
+    """The rule `route` follows, stated directly (one container at a time, recursively)."""
+    counts = {"items": 0, "tuples": 0}
+
+    def msgpack_can(x) -> bool:
+        if type(x) in (bytearray, memoryview):
+            return False
+        if type(x) is bytes:
+            return len(x) < codec.INLINE_LIMIT
+        if type(x) not in (list, tuple, dict):
+            return True
+        counts["items"] += len(x)
+        counts["tuples"] += type(x) is tuple
+        children = [*x, *x.values()] if type(x) is dict else x
+        return all(msgpack_can(child) for child in children)
+
+    ok = msgpack_can(value)
+    small = counts["items"] <= codec.MSGPACK_ITEMS and counts["tuples"] <= codec.TUPLES_PICKLED
+    return codec.MSGPACK if ok and small else codec.PICKLE
+
+
+_leaves = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=3),
+                    st.binary(max_size=3), st.sampled_from([bytearray(b"a"), memoryview(b"m"), b"x" * 20_000,
+                                                            1j, frozenset({1})]))
+_values = st.recursive(_leaves, lambda inner: st.one_of(
+    st.lists(inner, max_size=40), st.lists(inner, max_size=6).map(tuple),
+    st.dictionaries(st.one_of(st.text(max_size=2), st.integers(),
+                              st.tuples(st.sampled_from([1, "k", memoryview(b"m")]))), inner, max_size=6)),
+    max_leaves=300)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_values)
+def test_route_walks_a_level_at_a_time_to_the_answer_of_its_rule(value):
+    assert codec.route(value) == _route_by_rule(value)
+
+
+def test_outputs_packed_each_on_their_own_go_as_one_pickle_when_they_are_many_tuples_of_plain_data(stores):
+    sender, receiver = stores
+    values = [(i, [i, "x"], {"k": (i,)}) for i in range(1000)]  # (msgpack: 3,000 tuples, a hook call each)
+    data = codec.Encoder(lambda create: sender).pack_each(values)
+    out = codec.Decoder(lambda create: receiver).unpack(data)
+    assert out == values and {type(v) for v in out} == {tuple} and type(out[0][2]["k"]) is tuple
+    out[0][1].append("changed")  # (no memo: nothing is shared between them, as each alone)
+    assert out[1][1] == [1, "x"]
+    assert data[0] == 0xC7 or data[0] in (0xC8, 0xC9)  # one PICKLE extension, not a list of values packed each
 
 
 def test_a_cycle_still_travels():
