@@ -42,6 +42,7 @@ from .values import decode_input, encode_listed
 PART_S = 0.04  # what is done waits at most this long (and one input) before it goes, while the chunk runs
 #               (above host/chunks.CHUNK_S: a chunk that takes what it should answers in one message)
 FIELDS = 5  # an input done is this many items of ChunkRun.done: job id, ok, output or error body, spans, seconds
+BLOCK = 64  # quick inputs run in blocks of at most this many (`_quick`): a part is looked at between blocks
 
 
 class ChunkRun:
@@ -90,11 +91,12 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     # What is the same for every input is bound once, and one clock read ends an input and starts the next.
     # An input is plain when it calls its node directly (way.call: a one-node piece, loaded, not on a CUDA
     # device) untraced and takes no GIL turn (its lane's last input took under turns.MIN_S), the worker not
-    # over max_memory; any other goes `way.run_one`. When every input may be plain (`direct`), the node's lock
-    # is taken once for a run of plain inputs (Interpreter.each_held), not once per input: it is let go before
-    # a part is sent and before an input that is not plain (a GIL turn must never be waited for holding it),
-    # where another thread that runs the same node object can take it (a lock is not fair: as with a round per
-    # input, nothing promises that it does before the chunk ends; a chunk is ~25 ms of work).
+    # over max_memory; any other goes `way.run_one`. When every input may be plain (`direct`), quick inputs run
+    # in blocks (`_quick`: a tight loop; parts looked at between blocks) and the node's lock is
+    # taken once for a run of blocks (Interpreter.each_held), not once per input: it is let go before a part is
+    # sent and before an input that is not quick (a GIL turn must never be waited for holding it), where another
+    # thread that runs the same node object can take it (a lock is not fair: as with a round per input, nothing
+    # promises that it does before the chunk ends; a chunk is ~25 ms of work).
     ids, claim, done, clock, producer = run.chunk.ids, run.waiting.pop, run.done, time.perf_counter, way.producer
     add = done.extend  # (one C call: a taker never sees part of an input)
     call, naming, could_not_run, watch_memory = way.call, way.naming, runner.could_not_run, runner.max_memory
@@ -106,29 +108,32 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     quick = pace is not None and pace < MIN_S
     start = clock()
     due = start + PART_S  # (what is done goes in a part then, unless another thread took it: `done` is empty)
+    count, position = len(ids), 0
     try:
-        for position, job_id in enumerate(ids):
-            if not claim(job_id, False):
-                continue  # answered out of turn (Cancelled, given back) before it started, or not wanted (id 0)
+        while position < count:
             if start >= due and done:
                 if holding:
                     lock.release()
                     holding = False
                 _send_part(runner, run, producer, send)
                 start = clock()
-            spans = None
-            if quick and (direct or way.plain(position)):
-                naming[0] = job_id  # (the status page: see StatusPage.naming)
-                if direct and not holding:
+            if quick and direct:  # a block of quick inputs (see _quick)
+                if not holding:
                     holding = lock.acquire()
-                try:
-                    ok, value = True, call(xs[position])
-                except NodeError as err:
-                    ok, value = False, failures.error_body(err)
-                except BaseException as err:  # never lose an input: the host is waiting for it
-                    ok, value = False, failures.error_body(could_not_run(producer, err))
-                if watch_memory:
-                    runner.check_memory()
+                if not done:
+                    run.part_since, due = start, start + PART_S
+                position, start, pace = _quick(ids, xs, position, min(count, position + BLOCK), start, due, pace,
+                                               claim, naming, call, add, clock, could_not_run, producer)
+                quick = pace < MIN_S
+                continue
+            job_id = ids[position]
+            if not claim(job_id, False):
+                position += 1
+                continue  # answered out of turn (Cancelled, given back) before it started, or not wanted (id 0)
+            spans = None
+            if quick and way.plain(position):  # (not direct: its call takes the node's lock itself)
+                naming[0] = job_id  # (the status page: see StatusPage.naming)
+                ok, value = _called(runner, way.piece, call, xs[position])
             else:
                 if holding:
                     lock.release()
@@ -136,6 +141,7 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
                 ok, value, spans = way.run_one(position, job_id, xs[position], pace)
                 naming = way.naming  # (Interpreter.run named its nodes: the direct call names its own again)
             xs[position] = None  # (its input goes as soon as it is done with)
+            position += 1
             now = clock()
             pace = now - start
             quick = pace < MIN_S
@@ -283,6 +289,35 @@ def _called(runner, piece, call, *args) -> tuple:
     finally:
         if runner.max_memory:
             runner.check_memory()
+
+
+def _quick(ids: list, xs: list, first: int, end: int, start: float, due: float, pace: float, claim, naming, call,
+           add, clock, could_not_run, producer) -> tuple:
+    """Inputs `first` to `end` of a chunk while they stay quick, called directly one after another (their
+    node's lock held by the caller), each added to what is done as it ends with its own seconds (a give-back
+    finds it there): the loop of `run_chunk` without what only a slow input or a part needs (it looks at those
+    between blocks of up to BLOCK inputs, and once a part is `due`). `(the next position, when the last input
+    ended, its seconds)`."""
+    position = first
+    while position < end:
+        job_id = ids[position]
+        if claim(job_id, False):  # (else answered out of turn: Cancelled, given back; or not wanted: id 0)
+            naming[0] = job_id  # (the status page: see StatusPage.naming)
+            try:
+                ok, value = True, call(xs[position])
+            except NodeError as err:
+                ok, value = False, failures.error_body(err)
+            except BaseException as err:  # never lose an input: the host is waiting for it
+                ok, value = False, failures.error_body(could_not_run(producer, err))
+            xs[position] = None  # (its input goes as soon as it is done with)
+            now = clock()
+            pace = now - start
+            add((job_id, ok, value, None, pace))
+            start = now
+            if pace >= MIN_S or now >= due:
+                return position + 1, start, pace  # (a GIL turn for the next input, or a part: run_chunk's loop)
+        position += 1
+    return position, start, pace
 
 
 def _send_part(runner, run: ChunkRun, producer: str, send) -> None:
