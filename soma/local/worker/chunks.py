@@ -42,7 +42,7 @@ from .values import decode_input, encode_listed
 PART_S = 0.04  # what is done waits at most this long (and one input) before it goes, while the chunk runs
 #               (above host/chunks.CHUNK_S: a chunk that takes what it should answers in one message)
 FIELDS = 5  # an input done is this many items of ChunkRun.done: job id, ok, output or error body, spans, seconds
-BLOCK = 64  # quick inputs run in blocks of at most this many (`_quick`): a part is looked at between blocks
+QUICK_RUN = 64  # quick inputs run in stretches of at most this many (`_quick`): a part is looked at between them
 
 
 class ChunkRun:
@@ -92,8 +92,8 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     # An input is plain when it calls its node directly (way.call: a one-node piece, loaded, not on a CUDA
     # device) untraced and takes no GIL turn (its lane's last input took under turns.MIN_S), the worker not
     # over max_memory; any other goes `way.run_one`. When every input may be plain (`direct`), quick inputs run
-    # in blocks (`_quick`: a tight loop; parts looked at between blocks) and the node's lock is
-    # taken once for a run of blocks (Interpreter.each_held), not once per input: it is let go before a part is
+    # in stretches (`_quick`: a tight loop; parts looked at between them) and the node's lock is
+    # taken once for a run of them (Interpreter.each_held), not once per input: it is let go before a part is
     # sent and before an input that is not quick (a GIL turn must never be waited for holding it), where another
     # thread that runs the same node object can take it (a lock is not fair: as with a round per input, nothing
     # promises that it does before the chunk ends; a chunk is ~25 ms of work).
@@ -117,12 +117,12 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
                     holding = False
                 _send_part(runner, run, producer, send)
                 start = clock()
-            if quick and direct:  # a block of quick inputs (see _quick)
+            if quick and direct:  # a stretch of quick inputs (see _quick)
                 if not holding:
                     holding = lock.acquire()
                 if not done:
                     run.part_since, due = start, start + PART_S
-                position, start, pace = _quick(ids, xs, position, min(count, position + BLOCK), start, due, pace,
+                position, start, pace = _quick(ids, xs, position, min(count, position + QUICK_RUN), start, due, pace,
                                                claim, naming, call, add, clock, could_not_run, producer)
                 quick = pace < MIN_S
                 continue
@@ -296,7 +296,7 @@ def _quick(ids: list, xs: list, first: int, end: int, start: float, due: float, 
     """Inputs `first` to `end` of a chunk while they stay quick, called directly one after another (their
     node's lock held by the caller), each added to what is done as it ends with its own seconds (a give-back
     finds it there): the loop of `run_chunk` without what only a slow input or a part needs (it looks at those
-    between blocks of up to BLOCK inputs, and once a part is `due`). `(the next position, when the last input
+    between stretches of up to QUICK_RUN inputs, and once a part is `due`). `(the next position, when the last input
     ended, its seconds)`."""
     position = first
     while position < end:
