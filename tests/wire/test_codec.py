@@ -221,6 +221,33 @@ def test_route_walks_a_level_at_a_time_to_the_answer_of_its_rule(value):
     assert codec.route(value) == _route_by_rule(value)
 
 
+def _same(a, b) -> bool:
+    """Equal, and of the same types all the way down (a tuple stays a tuple, a list a list)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return a == b or (a != a and b != b)  # (NaN)
+
+
+_plain = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=3), st.binary(max_size=3)),
+    lambda inner: st.one_of(st.lists(inner, max_size=30), st.lists(inner, max_size=5).map(tuple),
+                            st.dictionaries(st.one_of(st.text(max_size=2), st.integers()), inner, max_size=5)),
+    max_leaves=200)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_plain, max_size=40))
+def test_plain_values_cross_exactly_alone_and_packed_each_whichever_way_they_go(values):
+    for value in values:
+        assert _same(roundtrip(value), value)
+    data = codec.Encoder(lambda create: None).pack_each(values)
+    assert _same(codec.Decoder(lambda create: None).unpack(data), values)
+
+
 def test_outputs_packed_each_on_their_own_go_as_one_pickle_when_they_are_many_tuples_of_plain_data(stores):
     sender, receiver = stores
     values = [(i, [i, "x"], {"k": (i,)}) for i in range(1000)]  # (msgpack: 3,000 tuples, a hook call each)
