@@ -196,7 +196,7 @@ def cancel_without_ray_cancel(cluster):
     import ray
 
     folder = tempfile.mkdtemp(prefix="soma-forget-")
-    g = Graph.somatize(OneCopyMarkAndSleep(folder, 1.5))
+    g = Graph.somatize(OneCopyMarkAndSleep(folder, 3.0))  # (the cancels below have 3 s to reach the actor)
     cluster.run(g, "probe")
     real_cancel, ray.cancel = ray.cancel, lambda *args, **kwargs: None
     try:
