@@ -86,3 +86,20 @@ def test_an_input_counts_what_the_host_copied_it_into_once_an_output_was_measure
     assert choice.shm_per_input([piece]) is None  # (no output yet: the map still takes one input per worker)
     choice.weigh(piece, 4 << 20)
     assert choice.shm_per_input([piece]) == 24 << 20
+
+
+def test_a_chunk_of_a_piece_whose_values_travel_through_dev_shm_holds_at_most_chunk_shm_of_them():
+    """A chunk's job holds its inputs until its last is done: chunks of large arrays would fill /dev/shm."""
+    from soma.local.host.chunks import CHUNK_SHM
+
+    choice, piece = WorkerChoice(["cpu", "cpu"]), piece_of(AddOne())
+    job = Job(piece)
+    job.sent_at = 0.0
+    choice.measure(job, 1e-5, 0.0)  # (a piece's first job loads its code: not its pace)
+    choice.measure(job, 1e-5, 0.0)
+    cheap = choice.chunk(piece)
+    assert cheap > 100  # 10 µs inputs with small values: many to a chunk
+    choice.weigh(piece, 100 << 10)  # outputs of 100 KiB through /dev/shm
+    assert choice.chunk(piece) == CHUNK_SHM // (100 << 10) < cheap
+    choice.weigh(piece, 20 << 20, inputs=True)  # and inputs of 20 MiB
+    assert choice.chunk(piece) == 1

@@ -21,6 +21,7 @@ no lock, no I/O); nothing here sends or receives.
 
 from __future__ import annotations
 
+from .chunks import CHUNK_SHM
 from .chunks import size as chunk_size
 from .program import Piece
 
@@ -206,8 +207,12 @@ class WorkerChoice:
         return max(2, 2 * piece.batch, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
 
     def chunk(self, piece: Piece) -> int:
-        """How many inputs of `piece` a chunk holds (see chunks.size): 1 until measured."""
-        return chunk_size(self.service_s.get(piece.id))
+        """How many inputs of `piece` a chunk holds (see chunks.size): 1 until measured; no more than take
+        CHUNK_SHM bytes of /dev/shm, their inputs and outputs as measured (a chunk's job holds its inputs until
+        its last is done: chunks of 20 MiB arrays filled a 64 MiB /dev/shm the map's window had room for)."""
+        size = chunk_size(self.service_s.get(piece.id))
+        shm = self.output_shm.get(piece.id, 0) + self.input_shm.get(piece.id, 0)
+        return min(size, max(1, CHUNK_SHM // shm)) if shm else size
 
     def parallelism(self, pieces: list) -> int:
         """How many inputs of a program (its `pieces`) the pool works on at once: map's default window
