@@ -19,7 +19,9 @@ Each module imports only those below it (calls go down, answers come back up):
                    input; the only module that takes the book's lock or changes a copy's load
     submission.py  one input (or a map's batch) through the plan (`Submission`, its `Call`s): every call
                    submitted at once, the plan walked by `soma.plan.fold`
-    actor.py       the only module that runs inside Ray actors: one copy of one node (`NodeCopy`)
+    actor.py       what Ray actors run: one copy of one node (`NodeCopy`)
+    values.py      values on Ray's wire, in the driver and the actors alike: soma's tensor serializer,
+                   read-only arrays made writable
     records.py     which call a dead actor had started (a start record per actor, on its machine)
     devices.py     pure: a node's actor options, the CUDA order, which machines can host it
     spreading.py   pure: the cost model (an input's cost against a copy's measured start-up)

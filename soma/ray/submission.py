@@ -37,14 +37,9 @@ import time
 from ..errors import NodeError
 from ..plan import Plan, fold
 from ..run.postcondition import check_postcondition
-from .actor import (
-    carries_autograd,
-    first_failure,
-    grad_crossing,
-    tensors_out_of_band,
-    writable,
-)
+from .actor import carries_autograd, first_failure, grad_crossing
 from .spreading import HEAVY_S
+from .values import tensors_out_of_band, writable
 
 
 class Out:
