@@ -139,18 +139,8 @@ def route(value) -> int:
             tuples -= list(map(type, level)).count(tuple) if len(level) > 1 else 1
         if budget < 0 or tuples < 0:
             return PICKLE
-        if dict in kinds:
-            dicts = [c for c in level if type(c) is dict]
-            items = list(_chain([c for c in level if type(c) is not dict] if len(dicts) < len(level) else ()))
-            items += _chain(map(dict.values, dicts))
-            keys = list(_chain(dicts))
-            key_kinds = set(map(type, keys))
-            if not key_kinds <= _PLAIN:
-                items += keys  # (keys that are containers are walked too; plain keys need nothing more)
-            kinds = set(map(type, items)) | key_kinds
-        else:
-            items = level[0] if len(level) == 1 else list(_chain(level))  # (one list or tuple: its own items)
-            kinds = set(map(type, items))
+        items = _items(level, kinds)
+        kinds = set(map(type, items))
         if kinds <= _PLAIN:
             return MSGPACK
         if kinds & _CHANGED:
@@ -174,11 +164,20 @@ def _plain_only(value) -> bool:
             return False
         if not kinds & _CONTAINERS:
             return True
-        containers = level if kinds <= _CONTAINERS else [x for x in level if type(x) in _CONTAINERS]
-        items = list(_chain(containers))  # (a dict gives its keys here ...)
-        if dict in kinds:
-            items += _chain(map(dict.values, [c for c in containers if type(c) is dict]))  # (... and its values)
-        level, kinds = items, set(map(type, items))
+        if not kinds <= _CONTAINERS:
+            level, kinds = [x for x in level if type(x) in _CONTAINERS], kinds & _CONTAINERS
+        level = _items(level, kinds)
+        kinds = set(map(type, level))
+
+
+def _items(level, kinds: set):
+    """Every item of the containers of one level (`kinds`: their types), a dict's keys and values alike, gathered
+    in C (one list or tuple alone: its own items)."""
+    if dict not in kinds:
+        return level[0] if len(level) == 1 else list(_chain(level))
+    items = list(_chain(level))  # (a dict gives its keys here ...)
+    items += _chain(map(dict.values, [c for c in level if type(c) is dict]))  # (... and its values)
+    return items
 
 
 _PLAIN_ONLY = _PLAIN | _CONTAINERS | {bytes}

@@ -259,6 +259,26 @@ def test_outputs_packed_each_on_their_own_go_as_one_pickle_when_they_are_many_tu
     assert data[0] == 0xC7 or data[0] in (0xC8, 0xC9)  # one PICKLE extension, not a list of values packed each
 
 
+def test_arrays_and_tensors_in_a_value_of_many_tuples_cross_as_handles_and_the_same_one_stays_one(stores):
+    """A value of many tuples goes as one pickle: the arrays and tensors in it still travel as handles, exact,
+    writable, and one named twice arrives as one object (as through msgpack)."""
+    import numpy as np
+    import torch
+
+    big, t = np.arange(1 << 14, dtype=np.float32), torch.arange(float(1 << 14))
+    value = [(i, big, t, {"small": np.full(3, i, dtype=np.int16), "b": b"x"})
+             for i in range(codec.TUPLES_PICKLED + 4)]
+    assert codec.route(value) == codec.PICKLE
+    out, _, _ = across(stores, value)
+    assert len(out) == len(value) and all(type(row) is tuple for row in out)
+    assert out[0][1] is out[5][1] and out[0][2] is out[5][2]  # (one object, as sent)
+    assert np.array_equal(out[3][1], big) and torch.equal(out[3][2], t)
+    assert [row[3]["small"].tolist() for row in out] == [[i] * 3 for i in range(len(value))]
+    assert out[3][3]["small"].dtype == np.int16 and out[3][3]["b"] == b"x"
+    out[0][1][0] = -1.0  # (writable; the sender's array is its own)
+    assert big[0] == 0.0
+
+
 def test_a_cycle_still_travels():
     cycle = [1]
     cycle.append(cycle)
