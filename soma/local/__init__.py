@@ -27,7 +27,7 @@ How one `run(g, x)` goes (calls go down, answers come back as return values; the
       │                                        ── ROUTER ── ipc ──▶ worker: decode, run, encode
       ├─▶ HostLoop.await_item    loop      the caller receives while nobody else does (or sleeps on its
       │                                    sink while another caller or the listener does):
-      │     pool.frame() ◀── PULL ◀── Result[outcomes, releases] ◀──────────── worker
+      │     pool.receiver ◀── PULL ◀── Result[outcomes, releases] ◀──────────── worker
       │     pool.handle(frame)   pool      authenticate, decode outputs (map segments), count leases
       │     HostCore.outcomes    core      the postcondition on what arrived (outcomes.py); the job's
       │                                    continuation: the next jobs, or the flow's end → Deliver

@@ -147,7 +147,8 @@ class Local(RunnerBase):
         when the worker running it dies (a node's own exception, a PostconditionError and a
         RunTimeout are never retried). `timeout`: seconds for the whole input, tries included.
         """
-        retries = checked_retries(retries)
+        if type(retries) is not int or retries < 0:  # (0 and the like pass without a call: a run's hot path)
+            retries = checked_retries(retries)
         loop, g, program = self._ready(g, "Local.run")
         sink = queue.SimpleQueue()
         trace = self._trace
@@ -218,7 +219,7 @@ class Local(RunnerBase):
         if self._closed:  # (closed since it was accepted)
             raise SomaError(closed_message("Local"))
         program = self._program(g, whole)
-        if self._registry.has_dead:
+        if self._registry.dead:
             self._loop.forget(self._registry.take_dead())
         return self._loop, g, program
 

@@ -70,7 +70,7 @@ class Driver:
         with self._lock:
             if self.closed:
                 raise SomaError(CLOSED)
-            if self._registry.has_dead:
+            if self._registry.dead:
                 self._forget(set(self._registry.take_dead()))
             version = g.placement_version
             found = self._graphs.get(g)

@@ -42,7 +42,7 @@ class NodeRegistry:
         self._key_by_id: dict[int, int] = {}  # id(node) → key
         self._entries: dict[int, list] = {}  # key → [ref to the node, pickled code or None, id(node)]
         self._keys = itertools.count(1)
-        self._dead: deque = deque()  # keys of nodes gone on the host
+        self.dead: deque = deque()  # keys of nodes gone on the host, until `take_dead` (read as a flag on a run's way)
 
     def key_of(self, node) -> int:
         with self._lock:
@@ -51,7 +51,7 @@ class NodeRegistry:
                 return key
             key = next(self._keys)
             try:
-                ref = weakref.ref(node, lambda _, key=key: self._dead.append(key))
+                ref = weakref.ref(node, lambda _, key=key: self.dead.append(key))
             except TypeError:  # a node without __weakref__: keep it alive as long as the pool
                 ref = (lambda n: (lambda: n))(node)
             self._key_by_id[id(node)] = key
@@ -75,16 +75,12 @@ class NodeRegistry:
             note_sent(node)
         return entry[1]
 
-    @property
-    def has_dead(self) -> bool:
-        return bool(self._dead)
-
     def take_dead(self) -> list[int]:
         """Keys of nodes the host has let go since the last call; their code is dropped here."""
         dead = []
-        while self._dead:
+        while self.dead:
             try:
-                dead.append(self._dead.popleft())
+                dead.append(self.dead.popleft())
             except IndexError:
                 break
         if dead:

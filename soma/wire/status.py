@@ -13,7 +13,8 @@ runs one node for job after job (a chunk's inputs) writes the text " node" once 
 jobs: the slot's job field names the job) and then only stores each job's id into
 the field: one 8-byte store, no seq (the node is the same before and after it), made
 through a one-item view of the field (`naming`): a subscript store, where a call per
-input cost four times as much (issue 31's tiny inputs).
+input cost four times as much (issue 31's tiny inputs). A job field of 0 names no job
+(ids start at 1): leaving a job stores 0 and keeps the node's name for the next.
 """
 
 from __future__ import annotations
@@ -107,9 +108,16 @@ class StatusPage:
         return mine
 
     def leave(self) -> None:
-        """This thread runs nothing now."""
+        """This thread runs nothing now. After one job, one store: its job field to 0 (no job has id 0); the
+        node's name stays written, so the thread's next job of the same node is one store too (a run's two
+        writes of the whole slot were a tenth of a worker's CPU for an empty round trip)."""
         mine = getattr(self._local, "mine", None)
-        if mine is not None and mine.showing is not None:
+        if mine is None:
+            return
+        showing = mine.showing
+        if type(showing) is str:
+            self._jobs[mine.field] = 0
+        elif showing is not None:  # a batch's jobs are in the text: it is cleared
             mine.showing = None
             self._put(mine.slot, b"", 0)
 
@@ -136,7 +144,8 @@ class StatusPage:
                 if before % 2 == 0 and int.from_bytes(self._map[base:base + 4], "little") == before:
                     jobs, _, node = data.decode(errors="replace").partition(" ")
                     if node and not jobs:
-                        pairs.append((job, node))  # (one job: the field names it)
+                        if job:  # (one job: the field names it; 0: the thread is between jobs)
+                            pairs.append((job, node))
                     elif node:
                         pairs += [(int(job), node) for job in jobs.split(",") if job.lstrip("-").isdigit()]
                     break

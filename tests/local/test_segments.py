@@ -29,16 +29,17 @@ class HeldBackMap:
 
 def test_a_task_says_wait_for_room_only_while_a_map_held_back_by_memory_is_open(prefix):
     segments = HostSegments(prefix, 1 << 20, LeaseBook(os.getpid()))
-    assert segments.room_s() is None  # by the value's size (soma.wire.room.room_wait_s)
+    assert segments.for_task()[1] is None  # by the value's size (soma.wire.room.room_wait_s)
     held = HeldBackMap()
     segments.held_back.add(held)
-    assert segments.room_s() == room.ROOM_WAIT_S
+    assert segments.for_task()[1] == room.ROOM_WAIT_S
     segments.held_back.discard(held)
-    assert segments.room_s() is None
+    assert segments.for_task()[1] is None
     segments.held_back.add(held)
     del held  # a map dropped without closing (its iterator garbage): nobody waits on its account any more
     gc.collect()
-    assert segments.room_s() is None
+    assert segments.for_task()[1] is None
+    assert segments.for_task()[0] == 0  # (no map open, nothing received: the caller holds nothing)
 
 
 def _dev_shm_full_until(event, monkeypatch):

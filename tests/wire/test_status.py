@@ -74,7 +74,7 @@ def test_a_thread_without_a_slot_goes_unnamed_when_naming(tmp_path):
     started, go = threading.Barrier(SLOTS + 1), threading.Event()
 
     def hold(i):
-        page.enter(i, "n")
+        page.enter(i + 1, "n")  # (job ids start at 1: 0 names no job)
         started.wait(5)
         go.wait(5)
 
@@ -88,3 +88,25 @@ def test_a_thread_without_a_slot_goes_unnamed_when_naming(tmp_path):
     for t in threads:
         t.join(5)
     page.close()
+
+
+def test_between_jobs_of_one_node_a_thread_reads_as_running_nothing(tmp_path):
+    """Leaving a job stores 0 in its field (the node's name stays for the next job): read, that is nothing; a
+    batch's jobs, written in the text, are cleared whole."""
+    path = str(tmp_path / "status")
+    writer, reader = StatusPage(path, create=True), StatusPage(path, create=False)
+    for job in (1, 2, 3):
+        writer.enter(job, "encoder")
+        assert reader.read() == [(job, "encoder")]
+        writer.leave()
+        assert reader.read() == []
+    writer.enter_batch([4, 5], "batcher")
+    writer.leave()
+    assert reader.read() == []
+    writer.enter(6, "encoder")
+    assert reader.read() == [(6, "encoder")]
+    writer.leave()
+    writer.leave()  # (twice: still nothing)
+    assert reader.read() == []
+    writer.close()
+    reader.close()

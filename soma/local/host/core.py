@@ -83,8 +83,9 @@ class HostCore(WorkerEvents, ChunkEvents):
         return any(state == READY and not load for state, load in zip(self.state, self.dispatch.choice.load))
 
     def busy(self) -> bool:
-        """Whether any job is queued or out at a worker."""
-        return self.dispatch.busy()
+        """Whether any job is queued or out at a worker (the dispatch's books, read here: a run asks once)."""
+        dispatch = self.dispatch
+        return bool(dispatch.outstanding or dispatch.waiting.lines)
 
     def parallelism(self, program_pieces: list) -> int:
         """How many inputs of a program this pool works on at once (see WorkerChoice.parallelism)."""

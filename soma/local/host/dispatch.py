@@ -39,10 +39,6 @@ class Dispatch:
         self.outstanding: dict = {}  # job id → job given to a worker (sent, or parked for it)
         self.parked: list = [[] for _ in worker_devices]  # jobs for a worker that has not said hello yet
 
-    def busy(self) -> bool:
-        """Whether any job is queued or out at a worker."""
-        return bool(self.outstanding or self.waiting)
-
     def at(self, slot: int) -> list:
         """The jobs out at the worker of `slot` (sent, or parked for it)."""
         return [job for job in self.outstanding.values() if job.slot == slot]

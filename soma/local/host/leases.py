@@ -136,20 +136,23 @@ class HostSegments:
         waiting in maps' windows, values on their way): SegmentStore.received_bytes."""
         return self.store.received_bytes() if self.store is not None else 0
 
-    def caller_held(self) -> int:
-        """Bytes of /dev/shm the caller's results hold (a Task's `held`: a worker short of that room raises
-        SharedMemoryFull saying so, rather than spill). What the host's store received and still maps is the
-        caller's while no map is open; with one open, some of it waits in the map's window and reorder buffer,
-        which the map frees itself as its caller consumes: then 0 (a worker short of room spills)."""
-        return 0 if self.maps_open else self.received()
+    def for_task(self) -> tuple:
+        """`(held, room_s)`, what a Task tells its worker of the host's memory, once the host's own dead receipts
+        are applied (`apply_releases`: so the frees the Task carries are current). One call for a Task's way.
 
-    def room_s(self) -> float | None:
-        """How long a worker's reservation short of room waits for frees on their way (a Task's `room_s`): while
-        a map held back by memory is open, ROOM_WAIT_S, for its window counted room for each output it started
-        and the room lacking is the frees of outputs its caller dropped, on their way to their owners (under
-        load they took longer than the spill's time: issue 31's CI beside two CPU burners); else None (by the
-        value's size: soma.wire.room)."""
-        return ROOM_WAIT_S if self.held_back else None
+        `held`: bytes of /dev/shm the caller's results hold (a worker short of that room raises SharedMemoryFull
+        saying so, rather than spill). What the host's store received and still maps is the caller's while no
+        map is open; with one open, some of it waits in the map's window and reorder buffer, which the map frees
+        itself as its caller consumes: then 0 (a worker short of room spills).
+
+        `room_s`: how long a worker's reservation short of room waits for frees on their way: while a map held
+        back by memory is open, ROOM_WAIT_S, for its window counted room for each output it started and the room
+        lacking is the frees of outputs its caller dropped, on their way to their owners (under load they took
+        longer than the spill's time: issue 31's CI beside two CPU burners); else None (by the value's size:
+        soma.wire.room)."""
+        if self._released or self.book.frees:
+            self.apply_releases()
+        return (0 if self.maps_open else self.received()), (ROOM_WAIT_S if self.held_back else None)
 
     def trim_if_idle(self, busy: bool) -> None:
         """The host's side of what each worker does (`SegmentStore.idle`): with no job queued or out, what it

@@ -4,7 +4,7 @@
                                                              ▼  whoever holds `lock` takes the inbox in,
     the holder of `lock` (a caller waiting for its outcome,     hands every event to the core (core.py),
     or the listener thread when no caller waits)                and carries out the actions it gets back:
-          │  frames ◀── pool (PULL) ◀── workers                   Send → sending.encode → pool.send
+          │  frames ◀── pool.receiver (PULL) ◀── workers          Send → sending.encode → pool.send
           │  pool.handle(frame) → Ready / Outcomes events         CancelAt → pool.cancel
           │  pool.find_dead() every PUMP_S → core.lost             Retire → pool.end → core.lost, then a
           ▼                                                                  replacement: core.spawned
@@ -38,7 +38,7 @@ from .flows import Chunk, Flow
 from .listener import PUMP_S, Listener
 from .loop_maps import MapHints
 from .loop_workers import WorkerLife
-from .sending import copied, encode
+from .sending import encode
 
 LEAD_S = PUMP_S / 2  # a caller receives for this long at most before it leaves it to others
 _LEAD = object()  # put in a waiting caller's sink: "nobody is receiving: you do"
@@ -206,9 +206,9 @@ class HostLoop(WorkerLife, MapHints):
                 self._act()
                 deadline = time.monotonic() + seconds
                 wait_ms = max(1, int(seconds * 1000))
-                pool = self.pool
+                receive = self.pool.receiver.wait
                 while not self._deliveries and time.monotonic() < deadline:
-                    frame = pool.frame(wait_ms)
+                    frame = receive(wait_ms)
                     if frame is not None:
                         self._on_frame(frame)
                 self._drain()  # (with nothing out, what is queued may still be releases: the frees wait on them)
@@ -283,10 +283,10 @@ class HostLoop(WorkerLife, MapHints):
             job.sent_at = now
             if job.traced:
                 job.sent_ns = time.monotonic_ns()
-        items, failed = encode(self._input_store, groups)
+        items, failed, copied = encode(self._input_store, groups)
         for job, err in failed:
             self.core.unsent([job], err)
-        for piece, shm in copied(items):
+        for piece, shm in copied:
             self.core.weigh_inputs(piece, shm)
         if items and self.pool.send(slot, items) is None:  # its connection is still completing: soon again
             self._unreachable.setdefault(slot, []).extend(items)
@@ -316,11 +316,11 @@ class HostLoop(WorkerLife, MapHints):
 
     def _drain(self) -> None:
         """Handle every frame queued now (lock held)."""
-        pool = self.pool
-        frame = pool.frame_now()
+        queued = self.pool.receiver.queued
+        frame = queued()
         while frame is not None:
             self._on_frame(frame)
-            frame = pool.frame_now()
+            frame = queued()
 
     def service(self) -> None:
         """The listener's turn, when no caller receives: take the lock if it is free, handle what came, look at

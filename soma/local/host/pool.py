@@ -4,7 +4,7 @@
                                                         what their status page said they ran), found dead
          ── send(slot, items) / cancel(slot, ids) ─▶ Task ── ROUTER ──▶ worker   (with the code and piece
                                                                                   specs it lacks)
-         ── frame() ◀── PULL ◀── Result/Hello ── worker
+         ── receiver.wait() / queued() ◀── PULL ◀── Result/Hello ── worker   (transport.Receiver)
          ── handle(frame) → [Ready | Outcomes]          authenticated, outputs decoded (segments mapped,
                                                         leases counted)
 
@@ -52,7 +52,7 @@ class WorkerPool:
         self._unswept: set = set()  # pids of dead workers whose segments are still to unlink (no descriptor was free)
         self._book = LeaseBook(self.host_pid)
         self.segments = HostSegments(self.prefix, self.arena, self._book)
-        self._results_closed = False
+        self.receiver = None  # frames from the workers (transport.Receiver), once the sockets are open
         self._by_pid: dict = {}  # pid → the worker process, while it is in the pool
         self._zctx = None
 
@@ -162,7 +162,7 @@ class WorkerPool:
         self._results.setsockopt(zmq.LINGER, 0)
         self._tasks.bind(self.endpoints[0])
         self._results.bind(self.endpoints[1])
-        self._receiver = transport.Receiver(self._results)
+        self.receiver = transport.Receiver(self._results)
 
     def send(self, slot: int, items: list):
         """Send jobs to the worker of `slot` in one Task, with the code and piece specs it lacks: True; False
@@ -172,7 +172,6 @@ class WorkerPool:
         Each item (a flows.Job, or a sending.BundleSend: several inputs in one entry) has `.piece`, `.shared`
         (segment names it lends) and `.wire()` (its JobSpec's or Bundle's fields).
         """
-        self.apply_host_releases()  # so the frees this Task carries are current
         worker = self.workers[slot]
         if self.closing or worker is None or worker.retired:
             return False
@@ -186,9 +185,9 @@ class WorkerPool:
             for node_id, key in piece.keys.items():
                 if key not in worker.loaded and key not in code:
                     code[key] = self.registry.code(node_id, key)
+        held, room_s = self.segments.for_task()  # (first: its frees are current)
         frees = self._book.take_frees(worker.pid) if self._book.frees else []
-        task = Task(code, pieces, [item.wire() for item in items], frees, worker.forget,
-                    self.segments.caller_held(), self.segments.room_s())
+        task = Task(code, pieces, [item.wire() for item in items], frees, worker.forget, held, room_s)
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
         if not sent_ok:
             self._book.give_back_frees(worker.pid, frees)
@@ -228,25 +227,14 @@ class WorkerPool:
                     worker.forget.append(key)
             worker.pieces.clear()  # pieces naming those keys are gone there; the others are cheap to resend
 
-    def frame(self, timeout_ms: int) -> bytes | None:
-        """The next frame from a worker, or None when none came within `timeout_ms`."""
-        return None if self._results_closed else self._receiver.wait(timeout_ms)
-
-    def frame_now(self) -> bytes | None:
-        """The next frame if one is queued now (None when none is, or none may be read any more)."""
-        if self._results_closed or not self._receiver.ready():
-            return None
-        return self._receiver.now()
-
     def results_fd(self) -> int:
         """A descriptor that becomes readable when frames may have arrived (ZeroMQ's: edge-triggered)."""
         return self._results.get(self._zmq.FD)
 
     def close_results(self) -> None:
         """The listener lets go of the results socket for good (closing)."""
-        if self._zctx is not None and not self._results_closed:
-            self._results_closed = True
-            self._results.close(0)
+        if self.receiver is not None:
+            self.receiver.close()
 
     def handle(self, frame: bytes) -> list:
         """What a frame from a worker means: `[Ready]`, `[Outcomes]`, or nothing (dropped, and logged)."""

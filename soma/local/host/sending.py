@@ -1,8 +1,9 @@
 """What jobs travel as: inputs encoded for the worker they go to (the loop's side of a `Send`).
 
     core: Send(slot, jobs) ── flows.entries(jobs) ─▶ [each job alone | a batching node alone's in a bundle]
-    loop: encode(get_store, entries) ─▶ items (jobs, `BundleSend`s) for pool.send, and the inputs that could
-          not be encoded, each with its NodeError (handed back to the core: `unsent`)
+    loop: encode(get_store, entries) ─▶ items (jobs, `BundleSend`s) for pool.send, the inputs that could
+          not be encoded, each with its NodeError (handed back to the core: `unsent`), and the /dev/shm each
+          piece's inputs were copied into (`copied`: the core weighs them)
 
 An input is encoded once, when its job is first sent: a wave's branches share one
 encoding (`Job.twins`), a bundle's inputs are one encoder pass and one payload
@@ -62,8 +63,8 @@ class BundleSend:
         return self.ids, self.piece.id, self.packed.payload
 
 
-def encode(get_store, groups: list) -> tuple[list, list]:
-    """`(items to send, [(job, the NodeError its input raised)])` for `groups` (flows.entries)."""
+def encode(get_store, groups: list) -> tuple[list, list, list]:
+    """`(items to send, [(job, the NodeError its input raised)], copied(items))` for `groups` (flows.entries)."""
     items, failed = [], []
     for group in groups:
         first = group[0]
@@ -91,7 +92,7 @@ def encode(get_store, groups: list) -> tuple[list, list]:
             for job in bundled:
                 by_packed.setdefault(id(job.packed), []).append(job)
             items += [BundleSend(members[0].packed, members) for members in by_packed.values()]
-    return items, failed
+    return items, failed, copied(items)
 
 
 def copied(items: list) -> list:
