@@ -161,6 +161,10 @@ class WorkerPool:
         self._results.setsockopt(zmq.RCVHWM, 0)
         self._results.setsockopt(zmq.LINGER, 0)
         self._tasks.bind(self.endpoints[0])
+        # pyzmq's Socket.send, in Python, only adds routing ids and groups (draft sockets) to its base class's send,
+        # in C: that one, called directly, is one call per frame, not two (as the worker's Outbox does).
+        self._send_frame = super(zmq.Socket, self._tasks).send
+        self._sndmore = int(zmq.SNDMORE)
         self._results.bind(self.endpoints[1])
         self.receiver = transport.Receiver(self._results)
 
@@ -209,8 +213,8 @@ class WorkerPool:
 
     def _send(self, worker, frame: bytes):
         try:
-            self._tasks.send(worker.identity, self._zmq.SNDMORE)
-            self._tasks.send(frame)
+            self._send_frame(worker.identity, self._sndmore)
+            self._send_frame(frame)
             return True
         except self._zmq.ZMQError as err:
             # Right after HELLO the connection may still be completing; a dead worker never completes it.
@@ -284,16 +288,16 @@ class WorkerPool:
                     decoded.append(bundled(decoder, job_id, ok, body, seconds))
                     continue
                 start = time.monotonic_ns() if spans is not None else 0
-                mark = decoder.shm_mark()
+                shm = None  # (what the output takes of /dev/shm: weighed for ok outputs only)
                 if ok:
                     try:
-                        value = decoder.unpack(body)
+                        value, shm = decoder.unpack_weighed(body)
                     except Exception as err:
                         value = Undecodable(err)
                 else:
                     value = failures.error_from(body)
                 decode = (start, time.monotonic_ns(), len(body) if ok else 0) if spans is not None else None
-                decoded.append(Arrived(job_id, ok, value, spans, seconds, decode, decoder.shm_taken(mark)))
+                decoded.append(Arrived(job_id, ok, value, spans, seconds, decode, shm))
         finally:
             for name in decoder.received:
                 self._book.received(name, worker.pid)
