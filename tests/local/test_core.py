@@ -245,8 +245,11 @@ class CoreMachine(RuleBasedStateMachine):
         self.core.spawned(slot, self.procs[slot])
         self.act()
 
-    @rule(program=st.integers(0, len(PROGRAMS) - 1), n=st.integers(1, 6), retries=st.integers(0, 2))
-    def start(self, program, n, retries):
+    @rule(program=st.integers(0, len(PROGRAMS) - 1), n=st.integers(1, 6), retries=st.integers(0, 2),
+          together=st.booleans())
+    def start(self, program, n, retries, together):
+        """`n` inputs of a program: in one start, or (`together`) in as many taken at once, as the loop hands
+        the core the starts posted by several threads (`start_all`)."""
         items = []
         for _ in range(n):
             index = self.next_index
@@ -254,7 +257,10 @@ class CoreMachine(RuleBasedStateMachine):
             items.append((index, f"x{index}"))
             self.inputs[index] = (PROGRAMS[program], f"x{index}", retries)
         flows = {index: Flow(index, self.sink, None, PROGRAMS[program], x, retries) for index, x in items}
-        self.core.start(PROGRAMS[program], list(flows.values()))
+        if together:
+            self.core.start_all([(PROGRAMS[program], [flow]) for flow in flows.values()])
+        else:
+            self.core.start(PROGRAMS[program], list(flows.values()))
         self.flows.update(flows)
         self.act()
 
@@ -469,6 +475,28 @@ def test_a_closed_core_ends_every_input_with_its_error():
     for action in core.take():
         action.sink.put(action.item)
     assert got == [(0, False, error), (1, False, error), (2, False, error)]
+
+
+def test_starts_taken_at_once_are_placed_at_once_a_batching_nodes_inputs_in_bundles_over_the_workers():
+    """Eight callers' inputs of a batching node (max_batch 4), posted while the loop was busy and handed to the
+    core together, go as two bundles of four, one per idle worker; started one by one (one pump per start), the
+    first two go alone and the rest in smaller bundles, or wait."""
+
+    def sends(start) -> list:
+        core = HostCore(["cpu", "cpu"])
+        for slot in (0, 1):
+            core.spawned(slot, Proc(slot, 1))
+            core.ready(slot)
+        core.take()
+        program = PROGRAMS[3]
+        flows = [Flow(i, Sink(None), None, program, f"x{i}") for i in range(8)]
+        start(core, program, flows)
+        return sorted((action.slot, len(action.jobs)) for action in core.take() if type(action) is Send)
+
+    assert sends(lambda core, program, flows: core.start_all([(program, [flow]) for flow in flows])) == [(0, 4),
+                                                                                                         (1, 4)]
+    one_by_one = sends(lambda core, program, flows: [core.start(program, [flow]) for flow in flows])
+    assert len(one_by_one) > 2 and max(n for _, n in one_by_one) < 4, one_by_one
 
 
 def test_an_event_out_of_order_is_a_named_error():

@@ -237,9 +237,18 @@ class HostLoop(WorkerLife, MapHints):
         return _Held(self)
 
     def _take_inbox(self) -> None:
+        """Hand the posted events to the core, in order; consecutive starts as one (`HostCore.start_all`: one
+        pump for all of them)."""
         inbox = self.inbox
+        start = self.core.start
         while inbox:
             method, args = inbox.popleft()
+            if method == start and inbox and inbox[0][0] == start:
+                starts = [args]
+                while inbox and inbox[0][0] == start:
+                    starts.append(inbox.popleft()[1])
+                self.core.start_all(starts)
+                continue
             method(*args)
 
     def _act(self) -> None:
