@@ -496,9 +496,8 @@ class Decoder:
 
     def unpack_weighed(self, data: bytes) -> tuple:
         """`(unpack(data), what its segments take of /dev/shm: see shm_taken)`: one value's way (one call)."""
-        shm_bytes, spilled = self._shm_bytes, self._spilled
-        value = self.unpack(data)
-        return value, (None if self._spilled != spilled else self._shm_bytes - shm_bytes)
+        mark = self.shm_mark()
+        return self.unpack(data), self.shm_taken(mark)
 
     def shm_mark(self) -> tuple:
         return self._shm_bytes, self._spilled

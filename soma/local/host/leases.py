@@ -150,8 +150,7 @@ class HostSegments:
         lacking is the frees of outputs its caller dropped, on their way to their owners (under load they took
         longer than the spill's time: issue 31's CI beside two CPU burners); else None (by the value's size:
         soma.wire.room)."""
-        if self._released or self.book.frees:
-            self.apply_releases()
+        self.apply_releases()
         return (0 if self.maps_open else self.received()), (ROOM_WAIT_S if self.held_back else None)
 
     def trim_if_idle(self, busy: bool) -> None:

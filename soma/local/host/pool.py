@@ -161,9 +161,7 @@ class WorkerPool:
         self._results.setsockopt(zmq.RCVHWM, 0)
         self._results.setsockopt(zmq.LINGER, 0)
         self._tasks.bind(self.endpoints[0])
-        # pyzmq's Socket.send, in Python, only adds routing ids and groups (draft sockets) to its base class's send,
-        # in C: that one, called directly, is one call per frame, not two (as the worker's Outbox does).
-        self._send_frame = super(zmq.Socket, self._tasks).send
+        self._send_frame = transport.sender(self._tasks)
         self._sndmore = int(zmq.SNDMORE)
         self._results.bind(self.endpoints[1])
         self.receiver = transport.Receiver(self._results)

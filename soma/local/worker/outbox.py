@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from ...wire import protocol
+from ...wire import protocol, transport
 from ...wire.protocol import Result
 
 FLUSH_S = 0.001  # outcomes of short jobs wait at most this long to travel together
@@ -26,9 +26,7 @@ class Outbox:
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RECONNECT_IVL, 5)
         self.socket.connect(endpoint)
-        # pyzmq's Socket.send, in Python, only adds routing ids and groups (draft sockets) to its base class's
-        # send, in C: that one, called directly, is one call per frame, not two.
-        self._send = super(zmq.Socket, self.socket).send
+        self._send = transport.sender(self.socket)
         self.lock = threading.Lock()  # any thread may send
         self.secret, self.id, self.pid = secret, worker_id, os.getpid()
         self.segments, self.runner = segments, runner
