@@ -430,7 +430,8 @@ def timeout(cluster):
                                       "is_timeout_error": isinstance(err, TimeoutError)}
     out["after"] = cluster.run(g, 0)
     try:
-        list(cluster.map(g, [0, 1, 0], timeout=1.0))
+        # (5 s each: input 0 may start a fresh copy, which took over 1 s on CI's shared cores; input 1 sleeps 120)
+        list(cluster.map(g, [0, 1, 0], timeout=5.0))
     except Exception as err:
         out["map_error"] = _error(err) | {"index": err.index, "nodes": list(err.nodes)}
     out.update(_one_copy_timeout(cluster))
