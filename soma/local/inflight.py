@@ -68,18 +68,19 @@ class LocalInflight(Inflight):
         outside = max(per_input, self.loop.shm_received() - arrived * per_input)
         return max(0, self.shm_total - outside) // per_input
 
-    def start(self, items: list) -> None:
+    def start(self, indices: list, xs: list) -> None:
         if self.sink is None:
             self.sink = LoopSink()
         if self.held_back:
             self.loop.flush_frees()
         trace = self.tracer.current_trace
-        if self.chunked is not None and trace is None and len(items) > 1:
-            size = min(self.loop.chunk(self.chunked), -(-len(items) // self.workers))
+        if self.chunked is not None and trace is None and len(xs) > 1:
+            size = min(self.loop.chunk(self.chunked), -(-len(xs) // self.workers))
             if size > 1:
-                self.flows.update(self.loop.start_chunks(self.program, items, self.sink, self.graph, size))
+                self.flows.update(self.loop.start_chunks(self.program, indices, xs, self.sink, self.graph, size))
                 return
-        self.flows.update(self.loop.start_inputs(self.program, items, self.sink, trace, self.retries, self.graph))
+        self.flows.update(self.loop.start_inputs(self.program, zip(indices, xs), self.sink, trace, self.retries,
+                                                 self.graph))
 
     def _popped(self, got: list) -> None:
         flows = self.flows

@@ -85,8 +85,8 @@ class RayInflight(Inflight):
         return parallelism(self.graph, self.driver.cpus)
 
     # -- starting ------------------------------------------------------------------------------
-    def start(self, items: list) -> None:
-        self.held.extend(items)
+    def start(self, indices: list, xs: list) -> None:
+        self.held.extend(zip(indices, xs))
         self._send_held()
 
     def _holds(self) -> bool:

@@ -208,7 +208,8 @@ class ExecutorInflight(Inflight):
                    if callable(getattr(self.g.node(n), "forward_batch", None))]
         return min(self.executor.threads, max([len(self.g.nodes())] + batches))
 
-    def start(self, items: list) -> None:
+    def start(self, indices: list, xs: list) -> None:
+        items = list(zip(indices, xs))
         threads = self.executor._threads()
         if self.batch_node is not None and self.executor._trace is None:
             size = max(1, max_batch_of(self.g.node(self.batch_node)))

@@ -336,20 +336,14 @@ class Interpreter:
         acquire, release, unchecked = guard.lock.acquire, guard.lock.release, UNCHECKED
         ctx = Ctx(node_id, device, self.worker, self.allocate)  # (one for every input: it says the same to all)
 
-        def forward(x, spans: list | None = None):
-            if not held:
-                acquire()  # one input at a time per node object (not `with`: its __exit__ costs as much again)
+        def called(x, spans: list | None = None):  # (the node's lock held: by `forward`, or by the caller)
+            if not guard.ready:
+                setup(node, node_id, ctx, spans)
+                guard.ready = True
             try:
-                if not guard.ready:
-                    setup(node, node_id, ctx, spans)
-                    guard.ready = True
-                try:
-                    out = node.forward(x, ctx)
-                except caught as exc:
-                    raise failed(node_id, exc, device=device) from exc
-            finally:
-                if not held:
-                    release()
+                out = node.forward(x, ctx)
+            except caught as exc:
+                raise failed(node_id, exc, device=device) from exc
             if type(out) is not Done:
                 raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
             value = out.value
@@ -357,7 +351,14 @@ class Interpreter:
                 check_postcondition(node_id, device, value)
             return value.obj if type(value) is Opaque else value  # (unwrap's rule, without its call)
 
-        found = self._forwards[node_id, held] = (forward, ctx)
+        def forward(x, spans: list | None = None):
+            acquire()  # one input at a time per node object (not `with`: its __exit__ costs as much again)
+            try:
+                return called(x, spans)
+            finally:
+                release()
+
+        found = self._forwards[node_id, held] = (called if held else forward, ctx)
         return found
 
     def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):

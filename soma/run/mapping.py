@@ -6,7 +6,7 @@ every runner: taking inputs lazily from `xs` within the window, order, errors
 in their place with their `.index`, per-input timeouts, progress, and stopping
 cleanly when the caller leaves the loop.
 
-    xs ──1. take (only while taken - yielded < window)──▶ inflight.start([(index, x), ...])
+    xs ──1. take (only while taken - yielded < window)──▶ inflight.start(indices, xs)
                                                                │  (the runner's workers)
     caller ◀──2. yield in input order (or as ready)◀── 3. inflight.wait() → [(index, ok, value)]
 
@@ -30,6 +30,7 @@ from operator import length_hint
 
 from .._log import warn
 from ..errors import SomaError
+from .pending import Pending
 from .progress import reporter, silent
 from .resuming import (
     DEFAULT_EVERY_S,
@@ -66,8 +67,8 @@ class Inflight:
         """How many inputs the runner can usefully work on at once (the default window is twice this)."""
         raise NotImplementedError
 
-    def start(self, items: list) -> None:
-        """Start these `(index, x)` inputs."""
+    def start(self, indices: list, xs: list) -> None:
+        """Start these inputs: `xs[i]` is input `indices[i]` (ascending)."""
         raise NotImplementedError
 
     def wait(self, timeout: float | None) -> list:
@@ -226,7 +227,7 @@ class MapLoop:
         self.exhausted = False
         self.source_error = None  # xs itself raised: the caller gets it after every earlier output
         self.failure = None  # (index, error) of the earliest input known to have failed (errors="raise")
-        self.pending: set = set()  # started and not finished
+        self.pending = Pending()  # started and not finished
         self.done: dict = {}  # index → (ok, value): finished and not yet handed out
         self.arrived: deque = deque()  # ordered=False: finished indices in arrival order
         self.deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
@@ -319,12 +320,11 @@ class MapLoop:
         if not xs:
             return
         indices = list(islice(self.positions, len(xs)))
-        items = list(zip(indices, xs))
-        self.taken += len(items)
+        self.taken += len(xs)
         if self.timeout is not None and not self.inflight.enforces_timeout:
             self.deadlines.update(dict.fromkeys(indices, time.monotonic() + self.timeout))
-        self.pending.update(indices)
-        self.inflight.start(items)
+        self.pending.add(indices)
+        self.inflight.start(indices, xs)
 
     # -- 2. handing outputs out ----------------------------------------------------------------------------
     def outputs(self):
@@ -394,7 +394,7 @@ class MapLoop:
                 index += 1
                 if checkpoint is not None and time.monotonic() >= self.save_at:
                     self.save()
-        if not ordered and self.failure is not None and not any(i < self.failure[0] for i in self.pending):
+        if not ordered and self.failure is not None and not (self.pending and self.pending.oldest() < self.failure[0]):
             raise _indexed(self.failure[1], self.failure[0])
 
     def _settle(self) -> None:
@@ -442,7 +442,7 @@ class MapLoop:
             if index not in self.pending:
                 continue
             if type(value) is Span:  # (untimed: a runner chunks only inputs without deadlines)
-                self.pending.difference_update(range(index, index + len(value)))
+                self.pending.discard_run(index, len(value))
                 self.done[index] = value
                 if not self.ordered:
                     self.arrived.append(index)

@@ -41,7 +41,7 @@ answered by one Result, at once, even while an input runs long: it carries the
 parts of what is done and, in `returned`, the named inputs that had not started
 (dropped: the host sends them elsewhere). Every input of a chunk is answered
 exactly once, in a part or in `returned`; an id of 0 is an input not wanted.
-`chunk_outcomes` turns a part into one `Outcome` per input for the host.
+The host reads a part as it reads a Bundle's outcomes (host/outcomes.py's `bundled`).
 
 A frame is `mac + body`, body = msgpack([kind, *fields]), mac = keyed BLAKE2b of
 the body with the pool's secret. A frame that does not authenticate or decode is
@@ -124,7 +124,7 @@ class Outcome(NamedTuple):
 
 
 class ChunkPart(NamedTuple):
-    """What became of some inputs of a Chunk (see the module's docstring); `chunk_outcomes` reads it."""
+    """What became of some inputs of a Chunk (see the module's docstring)."""
 
     ids: list  # the inputs answered here, in the chunk's order
     said: list  # per id: True (its output is the next of `body`'s list), bytes (its output, alone), or error body
@@ -232,42 +232,6 @@ def _entry(fields: list):
     if len(fields) == 3:
         return Bundle(*fields)
     return Chunk(*fields) if type(fields[0]) is list else JobSpec(*fields)
-
-
-def chunk_outcomes(part: ChunkPart, unpack, undecodable) -> list[Outcome]:
-    """Each input of a chunk's part as the `Outcome` its job would have had alone, with its output decoded:
-    `Outcome(job, ok, body, spans, seconds)`, `body` the output when ok (`unpack`: the host's
-    `Decoder.unpack`, called once for the list, and once for each output that travels alone) and the error
-    body when not. An output that cannot be decoded is `ok` with `undecodable(the exception)` for body (each
-    output of a list that cannot be decoded gets it)."""
-    said, ids = part.said, part.ids
-    listed = [answer is True for answer in said]
-    outputs: list = []
-    count = sum(listed)
-    if count:
-        try:
-            outputs = unpack(part.body)
-            if type(outputs) is not list or len(outputs) != count:
-                raise ValueError(f"a chunk's outputs decoded to {type(outputs).__name__} of "
-                                 f"{len(outputs) if type(outputs) is list else '?'} values, not {count}")
-        except Exception as err:
-            outputs = [undecodable(err)] * count
-    spans = part.spans if part.spans is not None else [None] * len(ids)
-    if count == len(ids):  # (the common case: every input ran ok)
-        return [Outcome(*o) for o in zip(ids, listed, outputs, spans, part.seconds)]
-    out, values = [], iter(outputs)
-    for job_id, answer, spans_of, seconds in zip(ids, said, spans, part.seconds):
-        if answer is True:
-            out.append(Outcome(job_id, True, next(values), spans_of, seconds))
-        elif type(answer) is bytes:
-            try:
-                value = unpack(answer)
-            except Exception as err:
-                value = undecodable(err)
-            out.append(Outcome(job_id, True, value, spans_of, seconds))
-        else:
-            out.append(Outcome(job_id, False, answer, spans_of, seconds))
-    return out
 
 
 def mac(secret: bytes, body: bytes) -> bytes:

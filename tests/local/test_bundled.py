@@ -17,7 +17,7 @@ def decoder():
 
 def test_every_input_ok_gets_its_output_from_the_one_list_in_order():
     got = bundled(decoder(), [7, 8, 9], [True, True, True], packed(["a", ("b", 2), [3]]), 0.01)
-    assert got == Bundled([7, 8, 9], [True, True, True], ["a", ("b", 2), [3]], 0.01, 0)  # (inline: no /dev/shm)
+    assert got == Bundled([7, 8, 9], [True, True, True], ["a", ("b", 2), [3]], 0.01, 0, True)  # (inline: no /dev/shm)
 
 
 def test_outputs_encoded_alone_and_failures_keep_their_places():
@@ -40,3 +40,4 @@ def test_a_list_of_the_wrong_length_leaves_each_of_its_outputs_undecodable_and_t
 def test_a_list_that_cannot_be_decoded_leaves_every_output_undecodable():
     got = bundled(decoder(), [5, 6], [True, True], b"\xc1 not msgpack", 0.0)
     assert got.oks == [True, True] and all(isinstance(v, Undecodable) for v in got.values)
+    assert not got.decoded  # (its chunk looks at each output: each fails by itself)

@@ -87,6 +87,17 @@ def test_every_output_of_a_chunked_map_is_its_own(local, ordered):
     assert (outs if ordered else sorted(outs)) == [x + 1 for x in range(N)]
 
 
+def test_a_resumed_map_runs_in_chunks_only_the_inputs_between_those_consumed(local):
+    g = Graph.somatize(Inc())
+    warm(local, g)
+    state = local.map(g, range(N), ordered=False).state_dict()  # (nothing consumed: the state's identity)
+    after = [[100 + k * 300, 250 + k * 300] for k in range(9)]  # (consumed runs: chunks must not span them)
+    resumed = {**state, "next": 40, "after": after}
+    consumed = set(range(40)).union(*(range(a, b) for a, b in after))
+    outs = list(local.map(g, range(N), ordered=False, resume=resumed))
+    assert sorted(outs) == [x + 1 for x in range(N) if x not in consumed]
+
+
 def test_arrays_held_from_a_chunked_map_never_change(local):
     g = Graph.somatize(Arrays())
     warm(local, g)

@@ -1,7 +1,8 @@
 """Chunks on the worker's side (issue 31): consecutive inputs of a piece that is not a batching node alone travel
-as one `Chunk`, run one by one, and come back in `ChunkPart`s that `protocol.chunk_outcomes` turns into one
-`Outcome` per input. The chunk code runs here on real pieces (real node code through nodecode, a real
-Interpreter, a real status page and shared-memory store), and every part crosses the real codec and protocol."""
+as one `Chunk`, run one by one, and come back in `ChunkPart`s that the host reads as its pool does
+(host/outcomes.py's `bundled`), each input with its own outcome. The chunk code runs here on real pieces (real
+node code through nodecode, a real Interpreter, a real status page and shared-memory store), and every part
+crosses the real codec and protocol."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import os
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 import pytest
 
 from soma import Done, Node, Opaque
 from soma.errors import Cancelled, NodeError, PostconditionError
+from soma.local.host.outcomes import bundled
 from soma.local.worker import chunks
 from soma.local.worker.lanes import Lane, Lanes
 from soma.local.worker.resources import DeviceSetup
@@ -103,16 +106,34 @@ def tmp():
         yield path
 
 
+class Read(NamedTuple):
+    """One input of a part as the host reads it (host/outcomes.bundled, as WorkerPool does)."""
+
+    job: int
+    ok: bool
+    value: object  # its output (decoded, or Undecodable), or its error
+    seconds: float  # how long it ran in the worker (the part's own figure for it)
+    spans: list | None  # a traced input's spans (the part's; the host never sends a chunk traced)
+
+
 def host_reads(*parts, returned=()) -> tuple:
-    """What the host makes of the parts: one sealed Result crossing the protocol, then `chunk_outcomes`."""
+    """What the host makes of the parts: one sealed Result crossing the protocol, then each part read as the
+    host's pool reads it (`bundled`): `({job: Read}, the Result)`."""
     frame = protocol.pack(SECRET, Result("w9", 1, list(parts), [], False, list(returned)))
     result = protocol.parse(SECRET, frame, "a test")
+    return reads(result), result
+
+
+def reads(result) -> dict:
     decoder = codec.Decoder(lambda create=True: None)
-    outcomes = []
+    got = {}
     for part in result.outcomes:
         assert type(part) is ChunkPart
-        outcomes += protocol.chunk_outcomes(part, decoder.unpack, lambda err: ("undecodable", err))
-    return {o.job: o for o in outcomes}, result
+        one = bundled(decoder, part.ids, part.said, part.body, 0.0)
+        spans = part.spans if part.spans is not None else [None] * len(part.ids)
+        for job, ok, value, seconds, spans_of in zip(one.jobs, one.oks, one.values, part.seconds, spans):
+            got[job] = Read(job, ok, value, seconds, spans_of)
+    return got
 
 
 def test_a_chunk_runs_each_input_in_order_and_answers_each_alone(tmp):
@@ -123,11 +144,11 @@ def test_a_chunk_runs_each_input_in_order_and_answers_each_alone(tmp):
         assert part.more is False and all(sent.more for sent in w.sent)  # (a part went early on a slow machine)
         got, _ = host_reads(*w.sent, part)
         assert list(got) == [11, 12, 13, 14]
-        assert got[11] == Outcome(11, True, 1.0, None, got[11].seconds) and got[14].body == 3.25
-        assert got[12].ok and got[12].body == 2.0
+        assert got[11] == Read(11, True, 1.0, got[11].seconds, None) and got[14].value == 3.25
+        assert got[12].ok and got[12].value == 2.0
         failed = got[13]
         assert not failed.ok
-        err = failures.error_from(failed.body)
+        err = failed.value
         assert isinstance(err, NodeError) and err.node == "n" and "13 is unlucky" in str(err)
         assert all(o.seconds > 0 for o in got.values()) and len({o.seconds for o in got.values()}) > 1
     finally:
@@ -168,14 +189,14 @@ def test_a_one_node_chunk_answers_each_input_as_it_would_run_alone(tmp):
             got = chunked[job]
             assert got.ok == alone.ok, x
             if alone.ok:
-                assert got.body == decoder.unpack(alone.body), x
+                assert got.value == decoder.unpack(alone.body), x
             else:
-                mine, theirs = failures.error_from(got.body), failures.error_from(alone.body)
+                mine, theirs = got.value, failures.error_from(alone.body)
                 assert type(mine) is type(theirs) is NodeError and mine.node == theirs.node == "n"
                 assert str(mine) == str(theirs), x
-        assert chunked[6].body == ["n", "w9", None]
-        assert "not Done" in str(failures.error_from(chunked[3].body))
-        assert "KeyboardInterrupt" in str(failures.error_from(chunked[5].body))
+        assert chunked[6].value == ["n", "w9", None]
+        assert "not Done" in str(chunked[3].value)
+        assert "KeyboardInterrupt" in str(chunked[5].value)
     finally:
         w.close()
 
@@ -202,7 +223,7 @@ def test_the_status_page_names_each_input_of_a_chunk_and_its_node_while_it_runs(
         ids = [21, 0, 22, 23]
         part = w.run(w.chunk(ids, [1, 2, 3, 4]))
         got, _ = host_reads(*w.sent, part)
-        assert [got[i].body for i in (21, 22, 23)] == [2, 4, 5]
+        assert [got[i].value for i in (21, 22, 23)] == [2, 4, 5]
         assert w.node.seen == [[(21, "n")], [(22, "n")], [(23, "n")]]
         assert StatusPage(os.path.join(tmp, "status"), create=False).read() == []  # (nothing runs after it)
     finally:
@@ -220,8 +241,8 @@ def test_a_chunk_of_a_two_node_piece_names_each_node_and_answers_each_input(tmp)
                                     False))
         last = w.run(run)  # (first: parts it sends while it runs, after PART_S under load, are in w.sent then)
         got, _ = host_reads(*w.sent, last)
-        assert [got[5].body, got[7].body] == [1.0, 2.0] and not got[6].ok
-        assert "13 is unlucky" in str(failures.error_from(got[6].body))
+        assert [got[5].value, got[7].value] == [1.0, 2.0] and not got[6].ok
+        assert "13 is unlucky" in str(got[6].value)
         assert w.runner.library.node("w", 2).seen == [[(5, "w")], [(6, "w")], [(7, "w")]]
     finally:
         w.close()
@@ -249,7 +270,7 @@ def test_a_cancel_answers_the_unstarted_input_cancelled_at_once_and_it_never_run
         assert chunks.answer_now(w.runner, run, {2, 99}, False, parts) == []
         got, _ = host_reads(*parts)
         assert list(got) == [2] and not got[2].ok
-        assert isinstance(failures.error_from(got[2].body), Cancelled)
+        assert isinstance(got[2].value, Cancelled)
         assert parts[0].more is True
         last = w.run(run)
         rest, _ = host_reads(*w.sent, last)
@@ -271,12 +292,12 @@ def test_give_back_returns_what_has_not_started_behind_a_straggler_with_what_is_
         assert returned == [4, 5]  # not started: dropped here, for the host to send elsewhere
         # (what was done went with the answer, or earlier when inputs 1 and 2 took PART_S on a slow machine)
         got, result = host_reads(*w.sent, *parts, returned=returned)
-        assert list(got) == [1, 2] and got[1].body == [1, 1] and result.returned == [4, 5]
+        assert list(got) == [1, 2] and got[1].value == [1, 1] and result.returned == [4, 5]
         assert all(part.more for part in w.sent + parts)  # input 3 is still to come
         GO.set()
         runner.join(20)
         last, _ = host_reads(answer[0])
-        assert list(last) == [3] and last[3].body == [3, 3] and answer[0].more is False
+        assert list(last) == [3] and last[3].value == [3, 3] and answer[0].more is False
         assert w.node.ran == [1, 2, 3]
     finally:
         GO.set()
@@ -292,7 +313,7 @@ def test_what_is_done_goes_in_parts_while_a_long_chunk_runs(tmp):
         assert all(part.more for part in w.sent) and last.more is False
         got, _ = host_reads(*w.sent, last)
         assert sorted(got) == ids  # each input answered once, across the parts
-        assert [o.body for o in got.values()] == [[i, i] for i in ids]
+        assert [o.value for o in got.values()] == [[i, i] for i in ids]
     finally:
         w.close()
 
@@ -344,8 +365,8 @@ def test_cancels_and_give_backs_racing_a_chunk_answer_each_input_exactly_once(tm
             ran = set(w.node.ran)
             assert len(ran) == len(w.node.ran)  # (none ran twice)
             assert ran == {i for i, o in got.items() if o.ok} and not ran & set(returned)
-            assert all(got[i].body == i for i in ran)
-            assert all(isinstance(failures.error_from(o.body), Cancelled) for o in got.values() if not o.ok)
+            assert all(got[i].value == i for i in ran)
+            assert all(isinstance(o.value, Cancelled) for o in got.values() if not o.ok)
     finally:
         sys.setswitchinterval(switch)
         w.close()
@@ -359,8 +380,8 @@ def test_over_max_memory_the_inputs_not_started_are_answered_cancelled(tmp):
         w.runner.max_memory = 1  # (bytes: over it after the first input)
         got, _ = host_reads(*w.sent, w.run(w.chunk([1, 2, 3], [2, 4, 6])))
         assert w.node.ran == [2] and w.runner.over_memory
-        assert got[1].ok and got[1].body == 1.0
-        assert [type(failures.error_from(got[i].body)) for i in (2, 3)] == [Cancelled, Cancelled]
+        assert got[1].ok and got[1].value == 1.0
+        assert [type(got[i].value) for i in (2, 3)] == [Cancelled, Cancelled]
     finally:
         w.close()
 
@@ -413,7 +434,7 @@ def test_a_chunk_whose_piece_cannot_load_fails_each_input_with_that_error(tmp):
         last = chunks.run_chunk(w.runner, run, Lane(), Turns(), w.sent.append)
         got, _ = host_reads(*w.sent, last)
         assert [o.ok for o in got.values()] == [False, False]
-        assert "never told about" in str(failures.error_from(got[1].body))
+        assert "never told about" in str(got[1].value)
     finally:
         w.close()
 
@@ -451,13 +472,13 @@ def test_a_placed_nodes_chunk_checks_every_output_whatever_its_type(tmp):
         got, _ = host_reads(*w.sent, w.run(run))
         for job, x in enumerate(xs, 1):
             if x % 6 == 5:
-                err = failures.error_from(got[job].body)
+                err = got[job].value
                 assert not got[job].ok and type(err) is PostconditionError
                 assert (err.node, err.declared, err.actual) == ("p", "cpu", "meta")
                 continue
-            assert got[job].ok, (x, got[job].body)
+            assert got[job].ok, (x, got[job].value)
             want = [x, np.full(3, x), bytes([x]), str(x), [x, np.zeros(2)]][x % 6]
-            body = got[job].body
+            body = got[job].value
             if x % 6 == 1:
                 assert np.array_equal(body, want)
             elif x % 6 == 4:
@@ -490,11 +511,11 @@ def test_a_wrong_device_tensor_fails_exactly_its_input_of_a_chunk_with_the_place
                                     False))
         got, _ = host_reads(*w.sent, w.run(run))
         assert [got[i].ok for i in (11, 12, 13, 14, 15)] == [True, True, False, True, True]
-        err = failures.error_from(got[13].body)
+        err = got[13].value
         assert type(err) is PostconditionError and (err.node, err.declared, err.actual) == ("p", "cpu", "meta")
         assert str(err) == "node `p` failed: it declared `cpu` but returned a value on `meta`"
         for job, x in zip((11, 12, 14, 15), (1, 2, 4, 5)):
-            assert torch.equal(got[job].body, torch.full((2,), float(x)))
+            assert torch.equal(got[job].value, torch.full((2,), float(x)))
     finally:
         w.close()
 
@@ -527,7 +548,7 @@ def test_the_nodes_lock_held_over_quick_inputs_is_let_go_before_each_part_and_at
         got, _ = host_reads(*w.sent, last)
         assert sorted(got) == ids
         assert [got[i].ok for i in ids] == [x != 13 for x in xs]
-        assert [got[i].body for i in ids if got[i].ok] == [x / 2 for x in xs if x != 13]
+        assert [got[i].value for i in ids if got[i].ok] == [x / 2 for x in xs if x != 13]
 
         stop, beside = threading.Event(), []
 
@@ -547,7 +568,7 @@ def test_the_nodes_lock_held_over_quick_inputs_is_let_go_before_each_part_and_at
         assert not thread.is_alive() and beside and set(beside) == {2.0}
         got, _ = host_reads(*w.sent, last)
         assert [got[i].ok for i in ids] == [x != 13 for x in xs]
-        assert [got[i].body for i in ids if got[i].ok] == [x / 2 for x in xs if x != 13]
+        assert [got[i].value for i in ids if got[i].ok] == [x / 2 for x in xs if x != 13]
     finally:
         w.close()
 
@@ -572,22 +593,6 @@ def test_chunk_messages_cross_the_protocol():
     assert protocol.parse(SECRET, protocol.pack(SECRET, GiveBack([3, 4])), "a test") == GiveBack([3, 4])
     plain = Result("w0", 1, [Outcome(5, True, b"\x01", None, 0.5)], [], False)
     assert protocol.parse(SECRET, protocol.pack(SECRET, plain), "a test") == plain._replace(returned=[])
-
-
-def test_chunk_outcomes_keep_outputs_that_travel_alone_and_undecodable_ones():
-    enc = codec.Encoder(lambda create=True: None)
-    err = failures.error_body(NodeError.failed("n", "it broke"))
-    part = ChunkPart([1, 2, 3, 4], [True, enc.pack("alone"), err, True], enc.pack_each(["a", "d"]), None,
-                     [0.1, 0.2, 0.3, 0.4], False)
-    decoder = codec.Decoder(lambda create=True: None)
-    got = protocol.chunk_outcomes(part, decoder.unpack, lambda e: "undecodable")
-    assert [(o.job, o.ok, o.body if o.ok else "error") for o in got] == [
-        (1, True, "a"), (2, True, "alone"), (3, False, "error"), (4, True, "d")]
-    assert [o.seconds for o in got] == [0.1, 0.2, 0.3, 0.4] and got[2].body == err
-    broken = part._replace(body=b"\xc1")
-    assert [o.body for o in protocol.chunk_outcomes(broken, decoder.unpack, lambda e: "undecodable")][::3] == [
-        "undecodable", "undecodable"]
-
 
 
 class FileGate(Node):
@@ -643,11 +648,10 @@ def test_a_real_worker_answers_a_chunk_and_gives_back_what_a_straggler_holds_up(
         returned: list = []
 
         def take(result):
-            decoder = codec.Decoder(lambda create=True: None)
             for part in result.outcomes:
-                for o in protocol.chunk_outcomes(part, decoder.unpack, lambda err: err):
-                    assert o.job not in outcomes, f"job {o.job} answered twice"
-                    outcomes[o.job] = o
+                for job, o in reads(result._replace(outcomes=[part])).items():
+                    assert job not in outcomes, f"job {job} answered twice"
+                    outcomes[job] = o
             returned.extend(result.returned)
 
         while {1, 2} - set(outcomes):  # a part, unasked: what is done does not wait for the straggler
@@ -655,14 +659,14 @@ def test_a_real_worker_answers_a_chunk_and_gives_back_what_a_straggler_holds_up(
         assert 3 not in outcomes
         send(protocol.Cancel([8]))
         take(receive())
-        assert not outcomes[8].ok and isinstance(failures.error_from(outcomes[8].body), Cancelled)
+        assert not outcomes[8].ok and isinstance(outcomes[8].value, Cancelled)
         send(GiveBack([3, 4, 5, 6, 7]))
         take(receive())
         assert sorted(returned) == [4, 5, 6, 7]  # not started: 3 runs, the others are the host's again
         open(go, "w").close()
         while 3 not in outcomes:
             take(receive())
-        assert {j: o.body for j, o in outcomes.items() if o.ok} == {1: 2, 2: 4, 3: 6}
+        assert {j: o.value for j, o in outcomes.items() if o.ok} == {1: 2, 2: 4, 3: 6}
         send(Task({}, {}, [JobSpec(9, PIECE, codec.Encoder(lambda create=True: None).pack(5), False)], [], []))
         last = receive()
         assert [o.job for o in last.outcomes] == [9] and not results.poll(200)  # nothing of the chunks came again

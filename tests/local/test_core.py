@@ -205,7 +205,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.answered[slot].update(ids)
         if whole:
             self.inbox[slot].remove(job)
-        self.core.outcomes(slot, self.procs[slot], [Bundled(ids, oks, values, 1e-4)], 0.0)
+        self.core.outcomes(slot, self.procs[slot], [Bundled(ids, oks, values, 1e-4, None, all(oks))], 0.0)
         self.act()
 
     def owed(self, slot: int, job) -> list:
@@ -533,7 +533,7 @@ def test_a_straggler_answered_alone_in_its_chunks_last_part_leaves_the_chunks_of
         for n, seconds in parts:
             ids = [job.base + p for p in range(place, place + n)]
             values = [evaluate(piece, xs[p]) for p in range(place, place + n)]
-            core.outcomes(0, proc, [Bundled(ids, [True] * n, values, seconds)], 0.0)
+            core.outcomes(0, proc, [Bundled(ids, [True] * n, values, seconds, None, True)], 0.0)
             place += n
         for action in core.take():
             action.sink.put(action.item)

@@ -266,7 +266,8 @@ def _one_batch(inflight_class, cluster, g, xs, start=None) -> list:
     their indices count from `start`, by default from the first input)."""
     driver = cluster._driver
     inflight = inflight_class(driver, driver.actor_graph(g), None, True, len(xs))
-    inflight.start(list(enumerate(xs, start=xs[0] if start is None else start)))
+    first = xs[0] if start is None else start
+    inflight.start(list(range(first, first + len(xs))), xs)
     outcomes = []
     deadline = time.monotonic() + DEADLINE_S
     while inflight.submissions and time.monotonic() < deadline:

@@ -30,8 +30,8 @@ class Spans(Inflight):
     def parallelism(self) -> int:
         return 8
 
-    def start(self, items: list) -> None:
-        self.started += items
+    def start(self, indices: list, xs: list) -> None:
+        self.started += zip(indices, xs)
 
     def wait(self, timeout):
         items, self.started = self.started, []

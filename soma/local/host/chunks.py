@@ -17,7 +17,7 @@ import copy
 
 from ...errors import Cancelled
 from ...run.mapping import Span
-from .events import Undecodable
+from .events import Bundled
 from .flows import Job
 from .outcomes import checked
 
@@ -40,22 +40,26 @@ def size(service_s: float | None) -> int:
     return max(1, min(MAX_FILL, int(CHUNK_S / max(service_s, 1e-7))))
 
 
-def arrived(job: Job, oks: list, values: list, ids: list, worker) -> tuple[list, list]:
-    """(Part of) a chunk's answer (ids, oks, values in the order of its places): `([(index, ok, value) to
+def arrived(job: Job, one: Bundled, worker) -> tuple[list, list]:
+    """(Part of) a chunk's answer (`one`: its ids, oks, values in the order of its places): `([(index, ok, value) to
     deliver], [places handed back unstarted])`. Only the job's pending places count (what was handed on to
     another worker meanwhile is that job's, and an input that ended already is not delivered twice); those
     answered are no longer pending, nor open once delivered."""
     chunk = job.flow
     base, index, piece, pending, open_ = job.base, chunk.index, job.piece, job.pending, chunk.open
     out, back = [], []
+    ids, oks, values = one.jobs, one.oks, one.values
     first, n = (ids[0], len(ids)) if ids else (base, 0)
-    # (the common case: the part's ids consecutive, its places a range made at C speed; else one by one)
-    places = range(first - base, first - base + n) if ids == list(range(first, first + n)) else [i - base for i in ids]
-    if (False not in oks and not piece.devices and Undecodable not in map(type, values)
-            and pending.issuperset(places) and open_.issuperset(places)):
-        _runs(out, index, places, values)  # (the common case: all ok, all wanted, nothing to look at)
-        pending.difference_update(places)
-        open_.difference_update(places)
+    # (the common case: the part's ids consecutive, its places a range checked and cleared as one slice; else
+    # one by one)
+    start, stop = first - base, first - base + n
+    places = range(start, stop) if ids == list(range(first, first + n)) else [i - base for i in ids]
+    if (one.decoded and type(places) is range and not piece.devices and pending.covers(start, stop)
+            and open_.covers(start, stop)):
+        if n:  # (all ok, all wanted, nothing to look at: one Span)
+            out.append((index + start, True, Span(values)))
+        pending.drop_run(start, stop)
+        open_.drop_run(start, stop)
         return out, back
     run_places, run_values = [], []
     for place, ok, value in zip(places, oks, values):

@@ -20,7 +20,7 @@ class ChunkEvents:
         node = running.get(job.base + place, job.piece.entry) if running else job.piece.entry
         self.chunk_jobs.pop(job.base, None)
         self._lost_running(self.walker.rest_of(job, [place]), worker, ended, node, down)
-        others = chunks.still_open(job.flow, sorted(job.pending - {place}))
+        others = chunks.still_open(job.flow, [p for p in job.pending if p != place])
         return [self._rest(job, others)] if others else []
 
     def _rest(self, job: Job, places: list) -> Job:
@@ -46,7 +46,7 @@ class ChunkEvents:
             return
         self.dispatch.choice.weigh(job.piece, one.shm)
         try:
-            items, back = chunks.arrived(job, one.oks, one.values, one.jobs, worker)
+            items, back = chunks.arrived(job, one, worker)
         except Exception as err:  # never leave an input waiting forever on soma's own mistake
             items, back = chunks.failed(chunk, job.places, internal(err, f"handling the outcomes of node "
                                                                            f"`{job.piece.entry}`")), []

@@ -53,6 +53,7 @@ class Bundled(NamedTuple):
     values: list  # each one's output (decoded, or Undecodable), or the NodeError / Cancelled it raised
     seconds: float  # each job's share of the call's time in the worker
     shm: int | None = None  # bytes of /dev/shm each output takes, on average (None: not known, see Arrived)
+    decoded: bool = False  # every job ran ok and every output decoded from the one list: none to look at alone
 
 
 class Outcomes(NamedTuple):

@@ -20,6 +20,7 @@ import time
 
 from ...plan import fold
 from ...run.interpreter import wave_outcome
+from .places import Places
 from .program import Piece
 
 
@@ -69,7 +70,7 @@ class Chunk(Flow):
     def __init__(self, index, sink, program, xs: list, graph=None):
         super().__init__(index, sink, None, program, xs, 0, graph)
         self.count = len(xs)
-        self.open = set(range(self.count))
+        self.open = Places(self.count)
 
 
 class Job:
@@ -162,14 +163,14 @@ class Walker:
         chunk.x = None  # (the job holds the inputs until they are encoded)
         job.base = next(self.chunk_bases)
         job.places = list(range(chunk.count))
-        job.pending = set(job.places)
+        job.pending = Places(chunk.count)
         return job
 
     def rest_of(self, job: Job, places: list) -> Job:
         """A job for these places of `job`'s chunk (which it ran, or was to run), to go elsewhere: the same
         encoded payload travels, the worker runs only the places named, under ids of a block of its own."""
         rest = Job(next(self.job_ids), job.flow, job.piece, None, job.value, {})
-        rest.base, rest.places, rest.pending = next(self.chunk_bases), places, set(places)
+        rest.base, rest.places, rest.pending = next(self.chunk_bases), places, Places(job.flow.count, places)
         rest.packed, rest.keep, rest.shared = job.packed, job.keep, job.shared
         return rest
 

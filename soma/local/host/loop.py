@@ -29,7 +29,6 @@ import queue
 import threading
 import time
 from collections import deque
-from operator import itemgetter
 
 from ...errors import SomaError
 from .core import HostCore
@@ -80,7 +79,7 @@ class HostLoop(WorkerLife, MapHints):
         self.listener.stop()  # (it lets go of the results socket on the way out)
 
     # -- what callers post ------------------------------------------------------------------------------
-    def start_inputs(self, program, items: list, sink, trace, retries: int, graph) -> dict:
+    def start_inputs(self, program, items, sink, trace, retries: int, graph) -> dict:
         """Start `(index, x)` inputs; each one's `(index, ok, value)` goes to `sink` once. Returns index → Flow."""
         flows = {index: Flow(index, sink, trace, program, x, retries, graph) for index, x in items}
         self._started(program, list(flows.values()))
@@ -95,25 +94,18 @@ class HostLoop(WorkerLife, MapHints):
         self._started(program, [flow], lead)
         return flow
 
-    def start_chunks(self, program, items: list, sink, graph, size: int) -> dict:
-        """Start `(index, x)` inputs of a map in chunks (flows.Chunk) of up to `size` consecutive ones; an ok
-        run's outcome comes as `(index, True, Span)` (core.py, chunks.py). Returns first index → Chunk."""
-        flows = {}
-        first, last = items[0][0], items[-1][0]
-        if last - first == len(items) - 1:  # (consecutive: the common case, sliced at C speed)
-            xs = list(map(itemgetter(1), items))
-            for at in range(0, len(xs), size):
-                flows[first + at] = Chunk(first + at, sink, program, xs[at:at + size], graph)
-            self._started(program, list(flows.values()))
-            return flows
-        run = []
-        for item in items:
-            if run and (len(run) == size or item[0] != run[-1][0] + 1):
-                flows[run[0][0]] = Chunk(run[0][0], sink, program, [x for _, x in run], graph)
-                run = []
-            run.append(item)
-        if run:
-            flows[run[0][0]] = Chunk(run[0][0], sink, program, [x for _, x in run], graph)
+    def start_chunks(self, program, indices: list, xs: list, sink, graph, size: int) -> dict:
+        """Start inputs `xs` (numbered `indices`, ascending) of a map in chunks (flows.Chunk) of up to `size`
+        consecutive ones; an ok run's outcome comes as `(index, True, Span)` (core.py, chunks.py). Returns first
+        index → Chunk."""
+        flows, count = {}, len(indices)
+        if indices[-1] - indices[0] == count - 1:  # (consecutive: the common case, sliced at C speed)
+            cuts = range(0, count, size)
+        else:  # (a resumed map's inputs: a chunk never spans a gap)
+            cuts = [at for at in range(count) if at == 0 or indices[at] != indices[at - 1] + 1]
+            cuts = [cut for start, stop in zip(cuts, cuts[1:] + [count]) for cut in range(start, stop, size)]
+        for start, stop in zip(cuts, list(cuts[1:]) + [count]):
+            flows[indices[start]] = Chunk(indices[start], sink, program, xs[start:stop], graph)
         self._started(program, list(flows.values()))
         return flows
 

@@ -69,6 +69,7 @@ def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
     listed = said.count(True)  # (the others are bytes and error bodies, never equal to True)
     mark = decoder.shm_mark()
     shared: list = []
+    decoded = True
     if listed:
         try:
             shared = decoder.unpack(body)
@@ -76,9 +77,9 @@ def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
                 raise ValueError(f"a bundle's outputs decoded to {type(shared).__name__} of "
                                  f"{len(shared) if type(shared) is list else '?'} values, not {listed}")
         except Exception as err:
-            shared = [Undecodable(err)] * listed
+            shared, decoded = [Undecodable(err)] * listed, False
     if listed == len(ids):  # (the common case: every input ran ok)
-        return Bundled(ids, [True] * listed, shared, seconds, _each(decoder, mark, listed))
+        return Bundled(ids, [True] * listed, shared, seconds, _each(decoder, mark, listed), decoded)
     oks, values, listed_values = [], [], iter(shared)
     for answer in said:
         if answer is True:

@@ -17,6 +17,7 @@ import copy
 
 from ...errors import NodeError, SharedMemoryFull
 from ...wire import codec
+from .places import Places
 
 
 class Packed:
@@ -174,7 +175,7 @@ def _chunk_split(get_store, job) -> list:
         places.append(place)
         kept.append(x)
     if places:
-        job.value, job.places, job.pending = kept, places, set(places)
+        job.value, job.places, job.pending = kept, places, Places(job.flow.count, places)
         try:
             _pack_chunk(get_store, job)
         except NodeError as err:  # (each alone went, all together not: they fail together, never silently)
@@ -185,7 +186,7 @@ def _chunk_split(get_store, job) -> list:
 def _alone(job, place: int):
     """A job of `job`'s chunk for the input at `place` alone, that fails (core.unsent: it never goes out)."""
     alone = copy.copy(job)
-    alone.places, alone.pending, alone.slot = [place], {place}, None
+    alone.places, alone.pending, alone.slot = [place], Places(job.flow.count, [place]), None
     return alone
 
 

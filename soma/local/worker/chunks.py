@@ -298,13 +298,13 @@ def _quick(ids: list, xs: list, first: int, end: int, start: float, due: float, 
     finds it there): the loop of `run_chunk` without what only a slow input or a part needs (it looks at those
     between stretches of up to QUICK_RUN inputs, and once a part is `due`). `(the next position, when the last input
     ended, its seconds)`."""
-    position = first
-    while position < end:
+    for position in range(first, end):
         job_id = ids[position]
         if claim(job_id, False):  # (else answered out of turn: Cancelled, given back; or not wanted: id 0)
             naming[0] = job_id  # (the status page: see StatusPage.naming)
             try:
-                ok, value = True, call(xs[position])
+                value = call(xs[position])
+                ok = True
             except NodeError as err:
                 ok, value = False, failures.error_body(err)
             except BaseException as err:  # never lose an input: the host is waiting for it
@@ -313,11 +313,10 @@ def _quick(ids: list, xs: list, first: int, end: int, start: float, due: float, 
             now = clock()
             pace = now - start
             add((job_id, ok, value, None, pace))
-            start = now
             if pace >= MIN_S or now >= due:
-                return position + 1, start, pace  # (a GIL turn for the next input, or a part: run_chunk's loop)
-        position += 1
-    return position, start, pace
+                return position + 1, now, pace  # (a GIL turn for the next input, or a part: run_chunk's loop)
+            start = now
+    return end, start, pace
 
 
 def _send_part(runner, run: ChunkRun, producer: str, send) -> None:
