@@ -449,12 +449,20 @@ def cell(record: Record | None, ratio: Record | None = None) -> str:
 
 # -- optional contenders ---------------------------------------------------------------------------------
 
+# Ray starts its workers at nice 15 (its `worker_niceness`): beside any busy program at nice 0 they got a few
+# % of a core (a 60 s soma_ray smoke ran past 300 s beside two CPU burners; 82 s at nice 0). Every contender here
+# runs at nice 0, so a Ray a benchmark starts does too (read by the raylet as it starts; the user's value stays).
+RAY_WORKER_NICENESS = ("RAY_worker_niceness", "0")
+
+
 def optional_ray():
-    """The `ray` module when it imports, else None (`pip install 'soma[ray]'` brings it)."""
+    """The `ray` module when it imports, else None (`pip install 'soma[ray]'` brings it); a Ray started after
+    this runs its workers at nice 0, as every other contender (RAY_WORKER_NICENESS)."""
     try:
         import ray
     except ImportError:
         return None
+    os.environ.setdefault(*RAY_WORKER_NICENESS)
     return ray
 
 

@@ -281,6 +281,8 @@ def main(argv) -> None:
     suite = h.Suite(NAME, args)  # (its mode and the machine's share; the records are the figures below)
     machine = h.MachineShare()  # (for the plot's title: a figure taken beside other programs says so)
     ray_skipped = why_no_ray_serve(args)
+    if ray_skipped is None:
+        os.environ.setdefault(*h.RAY_WORKER_NICENESS)  # (its server's Ray: replicas at nice 0, as the others)
     sizes, rounds = requests_per_level(suite.mode), suite.repeat(3, quick=1)
     print(f"{NAME} ({suite.mode}): {h.versions()}; requests per level {sizes}, {rounds} round(s); "
           f"ray_serve: {'skipped: ' + ray_skipped if ray_skipped else 'on loopback only'}", flush=True)

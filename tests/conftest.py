@@ -50,7 +50,9 @@ others, in three groups:
 
 Measured here (2 cores, shared): the session's Ray starts in 8-15 s, and in
 18-33 s with a CI run and two CPU burners beside it, once; the namespace costs
-one more interpreter start (<1 s).
+one more interpreter start (<1 s). Every Ray the suite starts runs its workers
+at nice 0 (RAY_WORKER_NICENESS below), not Ray's 15, so other programs on the
+machine do not starve its actors.
 
 Nothing left behind
 -------------------
@@ -102,6 +104,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xfail_on(runner, reason): a known bug of that runner: the test's "
                                        "runner[<runner>] is xfail(strict=True), so its fix is noticed")
     global _why_no_ray, _left_behind
+    os.environ.setdefault(*RAY_WORKER_NICENESS)  # (before any Ray starts: this session's and its subprocesses')
     _why_no_ray = why_ray_cannot_run_here(config)
     if _why_no_ray == _REPLACING:
         _replace_session_in_a_loopback_namespace(config)
@@ -109,6 +112,10 @@ def pytest_configure(config):
 
 
 _REPLACING = "replacing the session"
+# Ray starts its workers at nice 15 (its `worker_niceness`), so beside a busy program at nice 0 (CI's machine is
+# shared) every actor got a few % of a core: a test that takes 2 s quiet took minutes, and the soma_ray smoke ran
+# past 300 s. The suite's own workers (Local's) run at nice 0; every Ray the suite starts does too.
+RAY_WORKER_NICENESS = ("RAY_worker_niceness", "0")
 
 
 def why_ray_cannot_run_here(config) -> str | None:
