@@ -30,9 +30,9 @@ class LocalInflight(Inflight):
         self.flows: dict = {}  # index → Flow (a chunk's first index → its Chunk) not yet seen to end
         self.sweep_at = SWEEP_AT
         # Cheap inputs travel in chunks (host/chunks.py): a program of one piece with no batching node, whose
-        # inputs have no deadline and no retries (a chunk's inputs run one after another at one worker).
+        # inputs have no deadline (a chunk's inputs run one after another at one worker; each keeps its retries).
         one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
-        self.chunked = one if one is not None and not one.batch and timeout is None and not retries else None
+        self.chunked = one if one is not None and not one.batch and timeout is None else None
         self.workers = len(tracer.worker_devices)
         # Until an output is measured: a worker's worth each (a batching node's: a full batch, so its first calls
         # are full ones; a map's first inputs were all placed in one go, and bundles cut small then stay small).
@@ -77,7 +77,8 @@ class LocalInflight(Inflight):
         if self.chunked is not None and trace is None and len(xs) > 1:
             size = min(self.loop.chunk(self.chunked), -(-len(xs) // self.workers))
             if size > 1:
-                self.flows.update(self.loop.start_chunks(self.program, indices, xs, self.sink, self.graph, size))
+                self.flows.update(self.loop.start_chunks(self.program, indices, xs, self.sink, self.graph, size,
+                                                            self.retries))
                 return
         self.flows.update(self.loop.start_inputs(self.program, zip(indices, xs), self.sink, trace, self.retries,
                                                  self.graph))

@@ -164,6 +164,43 @@ def test_a_worker_killed_in_the_middle_of_a_chunk_fails_only_the_input_it_ran(lo
     assert list(local.map(g, range(100))) == [x + 1 for x in range(100)]  # (the pool works on)
 
 
+class DiesOnEach(Node):
+    """Kills its own worker at each input of `at` the first `times` times it runs it (files count them)."""
+
+    def __init__(self, at, times: int, folder: str):
+        self.at, self.times, self.folder = set(at), times, folder
+
+    def forward(self, x, ctx):
+        if x in self.at:
+            tries = os.path.join(self.folder, f"{x}.tries")
+            with open(tries, "a") as f:
+                f.write("x")
+            if os.path.getsize(tries) <= self.times:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return Done(x + 1)
+
+
+def test_retries_keep_a_map_in_chunks_and_each_input_its_own_tries(local, tmp_path):
+    """retries=1: an input of a chunk whose worker died running it runs again (a try counted for it alone);
+    one killed on both of its tries fails with WorkerDied, tries 2, in its place; every other output right."""
+    once, twice = N // 2 + 7, N // 4 + 3
+    g = Graph.somatize(DiesOnEach([once, twice], 1, str(tmp_path)))
+    warm(local, g, range(N, N + 500))
+    again = Graph.somatize(DiesOnEach([twice], 2, str(tmp_path / "again")))
+    os.mkdir(tmp_path / "again")
+    outs = list(local.map(g, range(N), retries=1))
+    assert outs == [x + 1 for x in range(N)]
+    assert all(os.path.getsize(tmp_path / f"{x}.tries") == 2 for x in (once, twice))  # (killed once, then ran)
+    warm(local, again, range(N, N + 500))
+    outs = list(local.map(again, range(N), retries=1, errors="yield"))
+    dead = [i for i, out in enumerate(outs) if isinstance(out, WorkerDied)]
+    assert dead == [twice], dead
+    assert outs[twice].tries == 2 and outs[twice].index == twice and "2 tries" in str(outs[twice]), outs[twice]
+    assert os.path.getsize(tmp_path / "again" / f"{twice}.tries") == 2
+    assert all(out == i + 1 for i, out in enumerate(outs) if i != twice)
+    assert list(local.map(g, range(100))) == [x + 1 for x in range(100)]  # (the pool works on)
+
+
 def test_a_worker_killed_in_the_second_node_of_a_chunk_names_that_node(local, tmp_path):
     """A chunk of a two-node piece: the status page names the node the killed worker ran, and its input."""
     flag = str(tmp_path / "died")

@@ -264,16 +264,17 @@ class CoreMachine(RuleBasedStateMachine):
         self.flows.update(flows)
         self.act()
 
-    @rule(n=st.integers(1, 6))
-    def start_chunk(self, n):
-        """Consecutive inputs of a map in one chunk (a program of one piece: no retries, no timeout)."""
+    @rule(n=st.integers(1, 6), retries=st.integers(0, 2))
+    def start_chunk(self, n, retries):
+        """Consecutive inputs of a map in one chunk (a program of one piece, no timeout), each with `retries`
+        of its own (an input lost with its worker every try ends WorkerDied with retries + 1 tries: checked)."""
         first, xs = self.next_index, []
         for _ in range(n):
             index = self.next_index
             self.next_index += 1
             xs.append(f"x{index}")
-            self.inputs[index] = (PROGRAMS[0], f"x{index}", 0)
-        chunk = Chunk(first, self.sink, PROGRAMS[0], xs)
+            self.inputs[index] = (PROGRAMS[0], f"x{index}", retries)
+        chunk = Chunk(first, self.sink, PROGRAMS[0], xs, retries=retries)
         self.core.start(PROGRAMS[0], [chunk])
         for i in range(n):
             self.flows[first + i] = chunk

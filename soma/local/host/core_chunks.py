@@ -5,6 +5,7 @@ HostCore: the same state, the same purity: no locks, no I/O)."""
 from __future__ import annotations
 
 from . import chunks
+from .core_workers import died
 from .events import Bundled, CancelAt, Deliver
 from .flows import Chunk, Job, chunk_base, stale
 from .outcomes import internal
@@ -14,13 +15,22 @@ class ChunkEvents:
     """The chunk half of HostCore (its `chunk_jobs`, `dispatch`, `walker` and `out` are the core's)."""
 
     def _chunk_lost(self, job: Job, place: int, worker, ended: str, running, down: str | None) -> list:
-        """A chunk's job whose worker died running the input at `place`: that input fails (WorkerDied), the
-        others it still owed (done and not reported, or not started) go again: returns their job."""
-        job.flow.jobs.discard(job)
-        node = running.get(job.base + place, job.piece.entry) if running else job.piece.entry
+        """A chunk's job whose worker died running the input at `place`: that input runs again if it has tries
+        left (its own, `Chunk.tried`: a try counted), else fails (WorkerDied); the others it still owed (done
+        and not reported, or not started) go again, no try counted: returns the job of those that go."""
+        chunk = job.flow
+        chunk.jobs.discard(job)
         self.chunk_jobs.pop(job.base, None)
-        self._lost_running(self.walker.rest_of(job, [place]), worker, ended, node, down)
-        others = chunks.still_open(job.flow, [p for p in job.pending if p != place])
+        again = [p for p in job.pending if p != place]
+        tries = chunk.tried.get(place, 1)
+        if tries <= chunk.retries:
+            chunk.tried[place] = tries + 1
+            again.append(place)
+        else:
+            node = running.get(job.base + place, job.piece.entry) if running else job.piece.entry
+            error = died(worker, ended, node, down, tries, chunk.retries)
+            self._deliver_chunk(chunk, chunks.failed(chunk, [place], error))
+        others = chunks.still_open(chunk, sorted(again))
         return [self._rest(job, others)] if others else []
 
     def _rest(self, job: Job, places: list) -> Job:

@@ -19,6 +19,15 @@ LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 STARTING, READY, LEAVING, RETIRING, DOWN, ASKED = "starting", "ready", "leaving", "retiring", "down", "asked"
 
 
+def died(worker, ended: str, node: str, down: str | None, tries: int, retries: int) -> WorkerDied:
+    """The error of an input whose every try was lost with the worker running it (`tries` made of it)."""
+    then = "run again, or pass retries=N" if not retries else f"{tries} tries, each lost to a dead worker " \
+                                                                f"(retries={retries})"
+    replaced = "the pool replaced it" if down is None else f"a new worker {down}"
+    return WorkerDied(f"worker {worker.id} (pid {worker.pid}) {ended} while running node `{node}`; {replaced}: "
+                      f"{then}", worker=worker.id, pid=worker.pid, node=node, tries=tries)
+
+
 class OutOfOrder(SomaError):
     """An event the core cannot take in its state (a bug in the loop that calls it): never a silent hang."""
 
@@ -106,12 +115,7 @@ class WorkerEvents:
         if flow.tries <= flow.retries:
             self._try_again(flow)
             return
-        then = "run again, or pass retries=N" if not flow.retries else (
-            f"{flow.tries} tries, each lost to a dead worker (retries={flow.retries})")
-        replaced = "the pool replaced it" if down is None else f"a new worker {down}"
-        self._end_job(job, False, WorkerDied(
-            f"worker {worker.id} (pid {worker.pid}) {ended} while running node `{node}`; {replaced}: {then}",
-            worker=worker.id, pid=worker.pid, node=node, tries=flow.tries))
+        self._end_job(job, False, died(worker, ended, node, down, flow.tries, flow.retries))
 
     def _try_again(self, flow: Flow) -> None:
         """Run the input again from the program's start; what is left of its last try is dropped."""

@@ -63,14 +63,16 @@ class Chunk(Flow):
     """Consecutive inputs of a map, `index` on, through a program of one piece, as one flow: one job runs them
     at one worker, one after another, and their outputs come back in one message (see core.py, "Chunks").
     Each input still ends by itself: `open` holds the places (0 to count - 1) of those not ended yet. Chunks
-    are made only for untraced inputs with no timeout and no retries (soma.local.inflight)."""
+    are made only for untraced inputs with no timeout (soma.local.inflight). `retries` is each input's own, as
+    for a Flow of one: `tried` holds the tries made of an input a dead worker was running (1 where absent)."""
 
-    __slots__ = ("count", "open")
+    __slots__ = ("count", "open", "tried")
 
-    def __init__(self, index, sink, program, xs: list, graph=None):
-        super().__init__(index, sink, None, program, xs, 0, graph)
+    def __init__(self, index, sink, program, xs: list, graph=None, retries: int = 0):
+        super().__init__(index, sink, None, program, xs, retries, graph)
         self.count = len(xs)
         self.open = Places(self.count)
+        self.tried: dict = {}  # place → tries made of it (its current one included), once one was lost
 
 
 class Job:
