@@ -11,8 +11,8 @@ Warm pools of 2 workers; contenders alternated round by round in this one proces
     threads    list(ThreadPoolExecutor(2).map(f, xs))
     procpool_chunked, mp_imap_chunked: the two process pools with chunksize=len(xs) // 64 (tiny, and
                benchmarks/_map_targets.py's cases)
-    local_retries  list(local.map(g, xs, retries=1))          (tiny only: a map with retries travels in
-               chunks too; until Dec 6 every input went alone, ~25x slower)
+    local_retries, local_timeout  list(local.map(g, xs, retries=1)), list(local.map(g, xs, timeout=60))
+               (tiny only: such maps travel in chunks too; until Dec 6 every input went alone, ~25x slower)
 
 The pools get the graph's work as one plain function `f`. Every contender's
 outputs are checked against the expected list, in order, after the clock
@@ -129,6 +129,7 @@ def tiny(suite: h.Suite, pools: Pools) -> None:
     g = Graph.somatize(Echo())
     contenders = pools.maps(g, echo, xs, chunked=True)
     contenders["local_retries"] = lambda: list(pools.local.map(g, xs, retries=1))
+    contenders["local_timeout"] = lambda: list(pools.local.map(g, xs, timeout=60.0))
     samples = h.alternate(contenders, repeat=suite.repeat(full=7, quick=2),
                           check=lambda name, out: h.expect(name, out, xs, "identity"))
     rates(suite, "tiny", samples, count, "inputs/s", {"inputs": count})

@@ -4,11 +4,14 @@ outcomes in one sink; a map's cheap inputs start in chunks (host/chunks.py)."""
 from __future__ import annotations
 
 import queue
+from bisect import bisect_right
 
+from ..errors import RunTimeout
 from ..run.aio import LoopSink
 from ..run.mapping import Inflight
 from ..wire.room import shm_room
 from .host.chunks import AHEAD
+from .host.flows import Chunk
 from .host.loop import HostLoop
 from .host.program import pieces
 
@@ -29,10 +32,15 @@ class LocalInflight(Inflight):
         self.sink = None if asynchronous else queue.SimpleQueue()
         self.flows: dict = {}  # index → Flow (a chunk's first index → its Chunk) not yet seen to end
         self.sweep_at = SWEEP_AT
-        # Cheap inputs travel in chunks (host/chunks.py): a program of one piece with no batching node, whose
-        # inputs have no deadline (a chunk's inputs run one after another at one worker; each keeps its retries).
+        # Cheap inputs travel in chunks (host/chunks.py): a program of one piece with no batching node (a
+        # chunk's inputs run one after another at one worker; each keeps its own retries and timeout).
         one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
-        self.chunked = one if one is not None and not one.batch and timeout is None else None
+        self.chunked = one if one is not None and not one.batch else None
+        # With a timeout, `expire` finds an input's chunk by bisection: the chunks started, in the order of
+        # their first index (those that ended are swept once as many again were started).
+        self.chunk_firsts: list = []
+        self.chunk_list: list = []
+        self.sweep_chunks_at = SWEEP_AT
         self.workers = len(tracer.worker_devices)
         # Until an output is measured: a worker's worth each (a batching node's: a full batch, so its first calls
         # are full ones; a map's first inputs were all placed in one go, and bundles cut small then stay small).
@@ -77,8 +85,10 @@ class LocalInflight(Inflight):
         if self.chunked is not None and trace is None and len(xs) > 1:
             size = min(self.loop.chunk(self.chunked), -(-len(xs) // self.workers))
             if size > 1:
-                self.flows.update(self.loop.start_chunks(self.program, indices, xs, self.sink, self.graph, size,
-                                                            self.retries))
+                started = self.loop.start_chunks(self.program, indices, xs, self.sink, self.graph, size, self.retries)
+                self.flows.update(started)
+                if self.timeout is not None:
+                    self._keep_chunks(started)
                 return
         self.flows.update(self.loop.start_inputs(self.program, zip(indices, xs), self.sink, trace, self.retries,
                                                  self.graph))
@@ -110,8 +120,24 @@ class LocalInflight(Inflight):
         return got
 
     def expire(self, index: int) -> BaseException:
-        flow = self.flows.pop(index)
-        return self.loop.expire(flow, self.timeout)
+        flow = self.flows.get(index)
+        if flow is not None and type(flow) is not Chunk:
+            del self.flows[index]
+            return self.loop.expire(flow, self.timeout)
+        at = bisect_right(self.chunk_firsts, index) - 1
+        chunk = self.chunk_list[at] if at >= 0 else None
+        if chunk is None or index >= chunk.index + chunk.count:  # (its chunk ended and was swept: nothing runs)
+            return RunTimeout.after(self.timeout, {}, [], None)
+        return self.loop.expire(chunk, self.timeout, index - chunk.index)
+
+    def _keep_chunks(self, started: dict) -> None:
+        """Remember chunks just started (first index → Chunk, ascending) for `expire`; sweep those that ended."""
+        self.chunk_firsts += started
+        self.chunk_list += started.values()
+        if len(self.chunk_list) > self.sweep_chunks_at:
+            kept = [chunk for chunk in self.chunk_list if not chunk.finished]
+            self.chunk_firsts, self.chunk_list = [chunk.index for chunk in kept], kept
+            self.sweep_chunks_at = max(SWEEP_AT, 2 * len(kept))
 
     def close(self) -> None:
         self.loop.map_open(self, False)

@@ -431,19 +431,27 @@ class MapLoop:
         """What the runner reports finished, and inputs whose time ran out meanwhile."""
         now = time.monotonic()
         deadlines = self.deadlines
+        expired = []
         while deadlines:
             index = next(iter(deadlines))
             if deadlines[index] > now:
                 break
             del deadlines[index]
-            if index in self.pending and not any(r[0] == index for r in results):
-                results.append((index, False, self.inflight.expire(index)))
+            expired.append(index)
+        if expired:
+            came = {i for index, _, value in results
+                    for i in (range(index, index + len(value)) if type(value) is Span else (index,))}
+            results += [(index, False, self.inflight.expire(index)) for index in expired
+                        if index in self.pending and index not in came]
         for index, ok, value in results:
             if index not in self.pending:
                 continue
-            if type(value) is Span:  # (untimed: a runner chunks only inputs without deadlines)
+            if type(value) is Span:
                 self.pending.discard_run(index, len(value))
                 self.done[index] = value
+                if deadlines:  # (a chunk's inputs each have their own deadline)
+                    for i in range(index, index + len(value)):
+                        deadlines.pop(i, None)
                 if not self.ordered:
                     self.arrived.append(index)
                 continue

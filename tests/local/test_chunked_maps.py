@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from soma import Done, Graph, Node
-from soma.errors import NodeError, WorkerDied
+from soma.errors import NodeError, RunTimeout, WorkerDied
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -199,6 +199,31 @@ def test_retries_keep_a_map_in_chunks_and_each_input_its_own_tries(local, tmp_pa
     assert os.path.getsize(tmp_path / "again" / f"{twice}.tries") == 2
     assert all(out == i + 1 for i, out in enumerate(outs) if i != twice)
     assert list(local.map(g, range(100))) == [x + 1 for x in range(100)]  # (the pool works on)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_timeout_keeps_a_map_in_chunks_and_ends_only_the_input_that_ran_out_of_time(local, tmp_path, ordered):
+    """timeout=5: the input that hangs (up to 60 s) ends RunTimeout in its place, naming its node and worker
+    (replaced); its chunk's other inputs, and every other input, come with their own outputs."""
+    hang = N // 2 + 5
+    g = Graph.somatize(WaitsAt(hang, str(tmp_path / "never")))
+    warm(local, g, range(N, N + 1000))
+    started = time.monotonic()
+    outs = list(local.map(g, range(N), timeout=5.0, errors="yield", ordered=ordered))
+    assert time.monotonic() - started < 50, "the input that hung was waited for"
+    late = [out for out in outs if isinstance(out, RunTimeout)]
+    assert len(late) == 1 and late[0].index == hang, late
+    assert late[0].nodes == (g.nodes()[0],) and "on worker w" in str(late[0]), late[0]
+    rest = [out for out in outs if not isinstance(out, RunTimeout)]
+    assert (rest if ordered else sorted(rest)) == [x for x in range(N) if x != hang]
+    assert list(local.map(g, range(100), timeout=60.0)) == list(range(100))  # (the pool works on)
+
+
+def test_inputs_of_a_chunked_map_within_their_timeout_all_come(local):
+    g = Graph.somatize(Inc())
+    warm(local, g)
+    assert list(local.map(g, range(N), timeout=60.0)) == [x + 1 for x in range(N)]
+    assert sorted(local.map(g, range(N), timeout=60.0, ordered=False)) == [x + 1 for x in range(N)]
 
 
 def test_a_worker_killed_in_the_second_node_of_a_chunk_names_that_node(local, tmp_path):

@@ -155,6 +155,9 @@ class CoreMachine(RuleBasedStateMachine):
                 for job in action.jobs:
                     if job.places is not None:
                         self.sent[id(job)] = sorted(job.pending)
+                        # (a worker runs every place its job names: never one whose input was given up)
+                        given_up = [job.flow.index + p for p in job.places if job.flow.index + p in self.given_up]
+                        assert not given_up, f"inputs {given_up} were given up by their caller but sent to run"
             elif type(action) is CancelAt:
                 self.cancelled_ids[action.slot].update(action.job_ids)
             elif type(action) is Retire:
@@ -386,15 +389,28 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 1 << 16))
     def expire(self, pick):
-        live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up
-                and type(self.flows[i]) is not Chunk]  # (a chunk's inputs have no timeout)
+        """An input's time runs out (a chunk's: that input alone; the chunk's others go on)."""
+        live = [i for i in self.flows if i not in self.outcomes and i not in self.given_up]
         if live:
             index = live[pick % len(live)]
             flow = self.flows[index]
-            running = {slot: [(j.id, j.piece.entry) for j in self.inbox[slot] if j.id in self.started[slot]]
-                       for slot in self.core.where(flow)}
             self.given_up.add(index)
-            err = self.core.expire(flow, 1.0, running)
+            if type(flow) is Chunk:
+                running = {slot: self.running(slot) for slot in self.core.where(flow)}
+                place = index - flow.index
+                ran_at = [slot for slot, shown in running.items() for job in self.inbox[slot] if job.flow is flow
+                          for job_id, _ in shown if job_id == job.base + place and place in job.pending]
+                err = self.core.expire(flow, 1.0, running, place)
+                if ran_at:  # (its worker runs it now: that worker is replaced, and the error says where it ran)
+                    assert err.nodes and f"on worker w{ran_at[0]}" in str(err), err
+                    assert ran_at[0] in self.retiring or any(
+                        type(a) is Retire and a.slot == ran_at[0] for a in self.core.out), (ran_at, err)
+                else:
+                    assert not err.nodes, err
+            else:
+                running = {slot: [(j.id, j.piece.entry) for j in self.inbox[slot] if j.id in self.started[slot]]
+                           for slot in self.core.where(flow)}
+                err = self.core.expire(flow, 1.0, running)
             assert isinstance(err, RunTimeout) and str(err).startswith("run timed out after 1.0 s")
             self.act()
 

@@ -1,6 +1,6 @@
 """What becomes of a chunk's inputs: the core's rules for `Chunk` flows (core.py calls these; pure).
 
-    a map of a one-piece program, untraced, no timeout (soma.local.inflight), inputs measured
+    a map of a one-piece program, untraced (soma.local.inflight), inputs measured
     cheap ──▶ Chunk(index, [x0 .. xk-1]) ── one Job (ids base+0 .. base+k-1) ── one Bundle ──▶ worker:
     each input run by itself, in order ──▶ one Outcome: each input's own output or error (a Bundled here)
       ├ the ok ones, consecutive ──▶ (index + p, True, Span([...]))   handed out one by one by the map
@@ -8,6 +8,7 @@
       └ handed back unstarted ───▶ a job of those places, sent again (same payload, only they run)
     its worker dies: the input it was running goes again if it has tries left (retries, its own), else fails
     (WorkerDied); the others go again elsewhere, no try counted.
+    an input's time runs out: it alone ends (RunTimeout), never run after (core_chunks._expire_place).
 
 Each input of a chunk ends once, with its own outcome: `Chunk.open` holds the places not ended yet.
 """

@@ -3,7 +3,7 @@
     events (the loop calls them, one at a time)        actions (`take()`: the loop carries them out, in order)
       start(program, flows) · start_all(starts)          Send(slot, jobs)           jobs to a worker (encoded there)
       cancel(flows)                                      CancelAt(slot, job ids)    drop these unless started
-      expire(flow, running) → RunTimeout                 Retire(slot, why)          kill and replace a worker
+      expire(flow, running[, place]) → RunTimeout        Retire(slot, why)          kill and replace a worker
       spawned(slot, worker) · ready(slot)                Deliver(sink, item)        an input's (index, ok, value)
       leaving(slot) · down(slot, why)
       outcomes(slot, worker, arrived, now)
@@ -149,9 +149,12 @@ class HostCore(WorkerEvents, ChunkEvents):
         """The slots holding jobs of `flow` now (whose status pages `expire` wants)."""
         return sorted({job.slot for job in flow.jobs if job.slot is not None})
 
-    def expire(self, flow: Flow, timeout: float, running: dict) -> RunTimeout:
+    def expire(self, flow: Flow, timeout: float, running: dict, place: int | None = None) -> RunTimeout:
         """The input's time is up: it ends, the workers running its nodes are retired, and its RunTimeout says
-        which nodes those were. `running`: slot → [(job id, node id)] its status page shows (see `where`)."""
+        which nodes those were. `running`: slot → [(job id, node id)] its status page shows (see `where`).
+        A chunk's input is its `place` in the chunk (core_chunks: the chunk's other inputs go on)."""
+        if place is not None:
+            return self._expire_place(flow, place, timeout, running)
         where: dict = {}  # node → where it ran
         waiting: dict = {}
         retire: set = set()

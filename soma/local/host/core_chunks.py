@@ -4,6 +4,7 @@ HostCore: the same state, the same purity: no locks, no I/O)."""
 
 from __future__ import annotations
 
+from ...errors import RunTimeout
 from . import chunks
 from .core_workers import died
 from .events import Bundled, CancelAt, Deliver
@@ -114,6 +115,41 @@ class ChunkEvents:
             self._chunk_job_over(job)
         self.dispatch.waiting.add_first([self._rest(job, rest)])
         self._pump()
+
+    def _expire_place(self, chunk: Chunk, place: int, timeout: float, running: dict) -> RunTimeout:
+        """Input `place` of `chunk` ran out of time: it ends (never delivered), and its job never runs it again
+        (Job.drop_place: not where it is now, nor where the job goes if its worker ends). Where its worker runs
+        it now (its status page: `running`, slot → [(job id, node)]), that worker is retired (the chunk's other
+        inputs there go again elsewhere, no try counted: `lost`); where it waits at a worker behind others,
+        the worker is asked to drop it; where its job is not at a worker yet, the job goes without it."""
+        where, waiting, retire = {}, [], None
+        job = next((j for j in chunk.jobs if place in j.pending), None) if place in chunk.open else None
+        if place in chunk.open:
+            chunk.open.discard(place)
+        if job is not None:
+            job.drop_place(place)
+            job_id = job.base + place
+            sent = self.dispatch.outstanding.get(job.id) is job and job not in self.dispatch.parked[job.slot]
+            nodes = [node for i, node in running.get(job.slot, ()) if i == job_id] if sent else []
+            for node in nodes:
+                where[node] = f"worker {self.workers[job.slot].id}"
+                retire = job.slot
+            if not nodes:
+                waiting.append(job.piece.entry)
+            if sent:
+                if not nodes:
+                    self.out.append(CancelAt(job.slot, [job_id]))
+                if not job.pending:
+                    self._chunk_job_over(job)
+            elif not job.places:  # (stale now: dropped from its line, or given back at its worker's hello)
+                chunk.jobs.discard(job)
+                if self.chunk_jobs.get(job.base) is job:
+                    del self.chunk_jobs[job.base]
+        self._deliver_chunk(chunk, [])  # (its last input: the chunk is over)
+        if retire is not None:
+            self._retire(retire, "was stopped because a run timed out on it")
+        return RunTimeout.after(timeout, where, waiting, "the workers running them were replaced" if retire is not None
+                                else None)
 
     def _deliver_chunk(self, chunk: Chunk, items: list) -> None:
         for item in items:

@@ -63,8 +63,9 @@ class Chunk(Flow):
     """Consecutive inputs of a map, `index` on, through a program of one piece, as one flow: one job runs them
     at one worker, one after another, and their outputs come back in one message (see core.py, "Chunks").
     Each input still ends by itself: `open` holds the places (0 to count - 1) of those not ended yet. Chunks
-    are made only for untraced inputs with no timeout (soma.local.inflight). `retries` is each input's own, as
-    for a Flow of one: `tried` holds the tries made of an input a dead worker was running (1 where absent)."""
+    are made only for untraced inputs (soma.local.inflight). `retries` is each input's own, as for a Flow of
+    one: `tried` holds the tries made of an input a dead worker was running (1 where absent); so is its
+    timeout (core_chunks: `_expire_place`)."""
 
     __slots__ = ("count", "open", "tried")
 
@@ -120,6 +121,15 @@ class Job:
         """The job ids of the inputs it still owes, as they travel (a Chunk's job)."""
         base = self.base
         return [base + p for p in sorted(self.pending)]
+
+    def drop_place(self, place: int) -> None:
+        """A chunk's job no longer runs the input at `place` (its time ran out), wherever it is sent from now on
+        (a job with no place left is stale: dropped)."""
+        at = self.places.index(place)
+        if self.packed is None:  # (its inputs not encoded yet: `value` is in the order of `places`)
+            self.value = self.value[:at] + self.value[at + 1:]
+        self.places = self.places[:at] + self.places[at + 1:]  # (a new list: a packed payload's stays as it is)
+        self.pending.discard(place)
 
     def wire(self) -> tuple:
         """The JobSpec's fields (protocol.JobSpec), as the pool packs them."""
@@ -257,8 +267,9 @@ class _Branch:
 
 
 def stale(job: Job) -> bool:
-    """Whether `job` is of no use any more: its flow is over, or it belongs to an earlier try."""
-    return job.flow.finished or job.try_ != job.flow.tries
+    """Whether `job` is of no use any more: its flow is over, it belongs to an earlier try, or it is a chunk's
+    job left with no input to run (Job.drop_place)."""
+    return job.flow.finished or job.try_ != job.flow.tries or job.places == []
 
 
 def entries(jobs: list) -> list:

@@ -129,11 +129,12 @@ class HostLoop(WorkerLife, MapHints):
         self.pool.forget(keys)
         self.core.forget(keys)
 
-    def expire(self, flow: Flow, timeout: float):
-        """The input's time is up: the RunTimeout that names what still ran (its workers are replaced)."""
+    def expire(self, flow: Flow, timeout: float, place: int | None = None):
+        """The input's time is up (a chunk's: the one at `place`): the RunTimeout that names what still ran
+        (its workers are replaced)."""
         with self._held():
             running = {slot: self.pool.running(slot) for slot in self.core.where(flow)}
-            return self.core.expire(flow, timeout, running)
+            return self.core.expire(flow, timeout, running, place)
 
     def at(self, when: float, call) -> None:
         """Call `call()` on the listener thread once time.monotonic() reaches `when` (within ~PUMP_S)."""
