@@ -33,7 +33,7 @@ class LocalInflight(Inflight):
         self.flows: dict = {}  # index → Flow (a chunk's first index → its Chunk) not yet seen to end
         self.sweep_at = SWEEP_AT
         # Cheap inputs travel in chunks (host/chunks.py): a program of one piece with no batching node (a
-        # chunk's inputs run one after another at one worker; each keeps its own retries and timeout).
+        # chunk's inputs run one after another at one worker; each keeps its own retries, timeout and spans).
         one = self.pieces[0] if len(self.pieces) == 1 and self.pieces[0] is program else None
         self.chunked = one if one is not None and not one.batch else None
         # With a timeout, `expire` finds an input's chunk by bisection: the chunks started, in the order of
@@ -82,10 +82,11 @@ class LocalInflight(Inflight):
         if self.held_back:
             self.loop.flush_frees()
         trace = self.tracer.current_trace
-        if self.chunked is not None and trace is None and len(xs) > 1:
+        if self.chunked is not None and len(xs) > 1:
             size = min(self.loop.chunk(self.chunked), -(-len(xs) // self.workers))
             if size > 1:
-                started = self.loop.start_chunks(self.program, indices, xs, self.sink, self.graph, size, self.retries)
+                started = self.loop.start_chunks(self.program, indices, xs, self.sink, self.graph, size, self.retries,
+                                                 trace)
                 self.flows.update(started)
                 if self.timeout is not None:
                     self._keep_chunks(started)

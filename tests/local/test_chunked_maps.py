@@ -8,6 +8,7 @@ neighbours, and a map left in the middle.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -224,6 +225,25 @@ def test_inputs_of_a_chunked_map_within_their_timeout_all_come(local):
     warm(local, g)
     assert list(local.map(g, range(N), timeout=60.0)) == [x + 1 for x in range(N)]
     assert sorted(local.map(g, range(N), timeout=60.0, ordered=False)) == [x + 1 for x in range(N)]
+
+
+def test_a_traced_map_travels_in_chunks_and_each_input_is_its_own_event(local, tmp_path):
+    """SPEC 7.5 in chunks: one node event per input with its own index (on the worker that ran it), each
+    input's span on the host, and the chunks' parts on the host's track (what traveled together)."""
+    g = Graph.somatize(Inc())
+    warm(local, g)
+    path = tmp_path / "trace.json"
+    with local.trace(str(path)):
+        outs = list(local.map(g, range(N)))
+    assert outs == [x + 1 for x in range(N)]
+    events = json.loads(path.read_text())["traceEvents"]
+    nodes = [e for e in events if e.get("cat") == "node"]
+    assert sorted(e["args"]["input"] for e in nodes) == list(range(N))
+    assert {e["args"]["worker"] for e in nodes} <= {"w0", "w1"} and all(e["name"] == g.nodes()[0] for e in nodes)
+    assert sorted(e["args"]["input"] for e in events if e.get("ph") == "b" and e["name"].startswith("input ")) == \
+        list(range(N))
+    parts = [e["args"] for e in events if e.get("ph") == "b" and e["name"].startswith("chunk ")]
+    assert sum(p["inputs"] for p in parts) >= N // 2, parts  # (every input, but one run twice: handed on)
 
 
 def test_a_worker_killed_in_the_second_node_of_a_chunk_names_that_node(local, tmp_path):

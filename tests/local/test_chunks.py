@@ -113,7 +113,7 @@ class Read(NamedTuple):
     ok: bool
     value: object  # its output (decoded, or Undecodable), or its error
     seconds: float  # how long it ran in the worker (the part's own figure for it)
-    spans: list | None  # a traced input's spans (the part's; the host never sends a chunk traced)
+    spans: list | None  # a traced input's spans (the part's, as outcomes.bundled reads them)
 
 
 def host_reads(*parts, returned=()) -> tuple:
@@ -129,8 +129,8 @@ def reads(result) -> dict:
     got = {}
     for part in result.outcomes:
         assert type(part) is ChunkPart
-        one = bundled(decoder, part.ids, part.said, part.body, 0.0)
-        spans = part.spans if part.spans is not None else [None] * len(part.ids)
+        one = bundled(decoder, part.ids, part.said, part.body, 0.0, part.spans)
+        spans = one.spans if one.spans is not None else [None] * len(part.ids)
         for job, ok, value, seconds, spans_of in zip(one.jobs, one.oks, one.values, part.seconds, spans):
             got[job] = Read(job, ok, value, seconds, spans_of)
     return got

@@ -9,7 +9,7 @@ from . import chunks
 from .core_workers import died
 from .events import Bundled, CancelAt, Deliver
 from .flows import Chunk, Job, chunk_base, stale
-from .outcomes import internal
+from .outcomes import internal, record_chunk
 
 
 class ChunkEvents:
@@ -70,6 +70,8 @@ class ChunkEvents:
         back = chunks.still_open(chunk, back)
         if back:
             self.dispatch.waiting.add_first([self._rest(job, back)])
+        if chunk.trace is not None:
+            record_chunk(job, worker, one, items)
         self._deliver_chunk(chunk, items)
 
     def _chunk_job_over(self, job: Job) -> None:

@@ -46,7 +46,7 @@ class Arrived(NamedTuple):
 
 
 class Bundled(NamedTuple):
-    """What became of the jobs of one bundle, as the host received them: in one call's time, untraced."""
+    """What became of the jobs of one bundle (or of a part of a chunk's), as the host received them."""
 
     jobs: list  # their ids
     oks: list  # whether each ran ok
@@ -54,6 +54,7 @@ class Bundled(NamedTuple):
     seconds: float  # each job's share of the call's time in the worker
     shm: int | None = None  # bytes of /dev/shm each output takes, on average (None: not known, see Arrived)
     decoded: bool = False  # every job ran ok and every output decoded from the one list: none to look at alone
+    spans: list | None = None  # a traced chunk's: per job, the spans its worker measured (or None)
 
 
 class Outcomes(NamedTuple):

@@ -62,15 +62,15 @@ class Flow:
 class Chunk(Flow):
     """Consecutive inputs of a map, `index` on, through a program of one piece, as one flow: one job runs them
     at one worker, one after another, and their outputs come back in one message (see core.py, "Chunks").
-    Each input still ends by itself: `open` holds the places (0 to count - 1) of those not ended yet. Chunks
-    are made only for untraced inputs (soma.local.inflight). `retries` is each input's own, as for a Flow of
-    one: `tried` holds the tries made of an input a dead worker was running (1 where absent); so is its
-    timeout (core_chunks: `_expire_place`)."""
+    Each input still ends by itself: `open` holds the places (0 to count - 1) of those not ended yet.
+    `retries` is each input's own, as for a Flow of one: `tried` holds the tries made of an input a dead
+    worker was running (1 where absent); so is its timeout (core_chunks: `_expire_place`), and in a trace
+    its spans (each input's own, as its worker measured them: outcomes.record_chunk)."""
 
     __slots__ = ("count", "open", "tried")
 
-    def __init__(self, index, sink, program, xs: list, graph=None, retries: int = 0):
-        super().__init__(index, sink, None, program, xs, retries, graph)
+    def __init__(self, index, sink, program, xs: list, graph=None, retries: int = 0, trace=None):
+        super().__init__(index, sink, trace, program, xs, retries, graph)
         self.count = len(xs)
         self.open = Places(self.count)
         self.tried: dict = {}  # place → tries made of it (its current one included), once one was lost

@@ -12,6 +12,7 @@ import time
 
 from ...errors import NodeError, PostconditionError, SomaError
 from ...plan import last_step
+from ...run.mapping import Span
 from ...run.postcondition import check_postcondition
 from ...wire import failures
 from .events import Bundled, Undecodable
@@ -54,6 +55,30 @@ def record(job: Job, worker, arrived) -> None:
                        {"input": index, "worker": worker.id})
 
 
+def record_chunk(job: Job, worker, one: Bundled, items: list) -> None:
+    """A traced chunk's part: on the host's track the part itself (from its job's send: how many inputs, from
+    which) and each input that ended here (`items`: what the part delivers), from when its map started the
+    chunk; each of those with its spans, as its worker measured them (an input run twice, handed on from a
+    straggler's chunk as it started, is recorded once)."""
+    chunk = job.flow
+    trace, now, pid = chunk.trace, time.monotonic_ns(), os.getpid()
+    if one.jobs:
+        trace.interval(f"chunk {job.piece}", "host", job.sent_ns, now, pid, f"chunk-{job.id}-{one.jobs[0]}",
+                       {"first": chunk.index - job.base + one.jobs[0], "inputs": len(one.jobs), "worker": worker.id})
+    ended = {}
+    for first, ok, value in items:
+        for i in range(first, first + len(value)) if type(value) is Span else (first,):
+            ended[i] = "ok" if ok else type(value).__name__
+            trace.interval(f"input {i}", "host", chunk.started_ns, now, pid, f"input-{id(chunk)}-{i}",
+                           {"input": i, "outcome": ended[i]})
+    if one.spans is not None:
+        trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
+        at = chunk.index - job.base  # (a job id less this: its input's index)
+        for job_id, spans in zip(one.jobs, one.spans):
+            if spans and at + job_id in ended:
+                trace.node_spans(spans, worker.pid, worker.id, job.piece.devices, at + job_id)
+
+
 def internal(err: BaseException, doing: str) -> SomaError:
     """soma's own failure while it was `doing` something for an input: said, never a silent hang."""
     failure = SomaError(f"soma failed while {doing}: {type(err).__name__}: {err} (a bug in soma: please report it, "
@@ -62,10 +87,10 @@ def internal(err: BaseException, doing: str) -> SomaError:
     return failure
 
 
-def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
+def bundled(decoder, ids: list, said: list, body, seconds: float, spans: list | None = None) -> Bundled:
     """A Bundle's outcomes: `said[i]` is True (its output is the next one of the list `body` decodes to),
     bytes (its output, encoded alone: the worker could not encode the list), or an error body. A list that
-    cannot be decoded leaves every output in it Undecodable."""
+    cannot be decoded leaves every output in it Undecodable. `spans`: a traced chunk's part's, per input."""
     listed = said.count(True)  # (the others are bytes and error bodies, never equal to True)
     mark = decoder.shm_mark()
     shared: list = []
@@ -79,7 +104,7 @@ def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
         except Exception as err:
             shared, decoded = [Undecodable(err)] * listed, False
     if listed == len(ids):  # (the common case: every input ran ok)
-        return Bundled(ids, [True] * listed, shared, seconds, _each(decoder, mark, listed), decoded)
+        return Bundled(ids, [True] * listed, shared, seconds, _each(decoder, mark, listed), decoded, spans)
     oks, values, listed_values = [], [], iter(shared)
     for answer in said:
         if answer is True:
@@ -95,7 +120,7 @@ def bundled(decoder, ids: list, said: list, body, seconds: float) -> Bundled:
         else:
             oks.append(False)
             values.append(failures.error_from(answer))
-    return Bundled(ids, oks, values, seconds, _each(decoder, mark, sum(oks)))
+    return Bundled(ids, oks, values, seconds, _each(decoder, mark, sum(oks)), False, spans)
 
 
 def _each(decoder, mark: tuple, outputs: int) -> int | None:

@@ -279,7 +279,7 @@ class WorkerPool:
                     seconds = outcome.seconds
                     seconds = sorted(seconds[::len(seconds) // 32 + 1])
                     decoded.append(bundled(decoder, outcome.ids, outcome.said, outcome.body,
-                                           seconds[len(seconds) // 2] if seconds else 0.0))
+                                           seconds[len(seconds) // 2] if seconds else 0.0, outcome.spans))
                     continue
                 job_id, ok, body, spans, seconds = outcome
                 if type(job_id) is list:  # a Bundle's outcomes

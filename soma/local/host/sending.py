@@ -59,8 +59,11 @@ class BundleSend:
 
     def wire(self) -> tuple:
         """The Bundle's fields (protocol.Bundle), or a chunk's (protocol.Chunk), as the pool packs them."""
-        if self.packed.places is not None:
-            return self.ids, self.piece.id, self.packed.payload, False
+        places = self.packed.places
+        if places is not None:  # (a traced chunk's inputs: each its index, as a JobSpec's `traced`)
+            chunk = self.jobs[0].flow
+            return self.ids, self.piece.id, self.packed.payload, False if chunk.trace is None else [
+                [chunk.index + place] for place in places]
         return self.ids, self.piece.id, self.packed.payload
 
 
