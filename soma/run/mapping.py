@@ -432,26 +432,20 @@ class MapLoop:
         now = time.monotonic()
         deadlines = self.deadlines
         expired = []
-        while deadlines:
-            index = next(iter(deadlines))
-            if deadlines[index] > now:
-                break
+        while deadlines and deadlines[(index := next(iter(deadlines)))] <= now:  # (the oldest first)
             del deadlines[index]
             expired.append(index)
-        if expired:
-            came = {i for index, _, value in results
-                    for i in (range(index, index + len(value)) if type(value) is Span else (index,))}
-            results += [(index, False, self.inflight.expire(index)) for index in expired
-                        if index in self.pending and index not in came]
+        if expired:  # (none whose output came in `results`: its own, or in a chunk's Span)
+            came = {i for first, _, v in results for i in range(first, first + (len(v) if type(v) is Span else 1))}
+            results += [(i, False, self.inflight.expire(i)) for i in expired if i in self.pending and i not in came]
         for index, ok, value in results:
             if index not in self.pending:
                 continue
             if type(value) is Span:
                 self.pending.discard_run(index, len(value))
                 self.done[index] = value
-                if deadlines:  # (a chunk's inputs each have their own deadline)
-                    for i in range(index, index + len(value)):
-                        deadlines.pop(i, None)
+                for i in range(index, index + len(value)) if deadlines else ():  # (each input its own deadline)
+                    deadlines.pop(i, None)
                 if not self.ordered:
                     self.arrived.append(index)
                 continue
