@@ -73,7 +73,8 @@ class LocalInflight(Inflight):
         if not self.held_back:  # (start tells the workers of what was freed first: see HostLoop.flush_frees;
             self.held_back = True  # a worker short of the room counted waits for those frees: map_held_back)
             self.loop.map_held_back(self)
-        outside = max(per_input, self.loop.shm_received() - arrived * per_input)
+        # (an output that arrived holds its own room only: its input's copy was freed as it came)
+        outside = max(per_input, self.loop.shm_received() - arrived * self.loop.shm_per_output(self.pieces))
         return max(0, self.shm_total - outside) // per_input
 
     def start(self, indices: list, xs: list) -> None:

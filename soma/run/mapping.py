@@ -57,6 +57,11 @@ class Span(list):
     __slots__ = ()
 
 
+def indices_of(first: int, value) -> range:
+    """The inputs a delivered `(first, ok, value)` stands for: one, or a Span's."""
+    return range(first, first + (len(value) if type(value) is Span else 1))
+
+
 class Inflight:
     """What a runner provides for `map`. Every method is called from the iterating thread."""
 
@@ -436,7 +441,7 @@ class MapLoop:
             del deadlines[index]
             expired.append(index)
         if expired:  # (none whose output came in `results`: its own, or in a chunk's Span)
-            came = {i for first, _, v in results for i in range(first, first + (len(v) if type(v) is Span else 1))}
+            came = {i for first, _, v in results for i in indices_of(first, v)}
             results += [(i, False, self.inflight.expire(i)) for i in expired if i in self.pending and i not in came]
         for index, ok, value in results:
             if index not in self.pending:

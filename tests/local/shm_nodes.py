@@ -52,3 +52,41 @@ def check(a, i, mib) -> None:
     """`a` is what Make made for `(i, mib)`: its size, and every element."""
     assert a.nbytes == mib * MIB, (a.nbytes, mib)
     assert (a == i).all(), f"array {i}: elements other than {i}"
+
+
+class ArrayPlusOne(Node):
+    """An array `x` → `x + 1`; at the inputs whose first element is in `die_at` it kills its own worker the first
+    time (a file in `folder` says it happened), and at `hang_at` it waits up to 60 s for a file that never comes."""
+
+    def __init__(self, folder: str, die_at=(), hang_at=()):
+        self.folder, self.die_at, self.hang_at = folder, set(die_at), set(hang_at)
+
+    def forward(self, x, ctx):
+        import os
+        import signal
+        import time
+
+        i = int(x[0])
+        flag = os.path.join(self.folder, f"{i}.died")
+        if i in self.die_at and not os.path.exists(flag):
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i in self.hang_at:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(self.folder, "never")) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return Done(x + 1)
+
+
+class SlowAt(Node):
+    """An array `x` → `x + 1`, taking `seconds` at the input whose first element is `at` (a straggler)."""
+
+    def __init__(self, at: int, seconds: float):
+        self.at, self.seconds = at, seconds
+
+    def forward(self, x, ctx):
+        import time
+
+        if int(x[0]) == self.at:
+            time.sleep(self.seconds)
+        return Done(x + 1)

@@ -86,6 +86,15 @@ def test_an_input_counts_what_the_host_copied_it_into_once_an_output_was_measure
     assert choice.shm_per_input([piece]) is None  # (no output yet: the map still takes one input per worker)
     choice.weigh(piece, 4 << 20)
     assert choice.shm_per_input([piece]) == 24 << 20
+    # An output that came back holds its own room only (its input's copy was freed as it came): what a map's
+    # window counts as no longer in flight for it. Of a program of two pieces, the smaller output (its last
+    # piece's is one of them: counting more than that would fill /dev/shm).
+    assert choice.shm_per_output([piece]) == 4 << 20
+    other = piece_of(AddOne())
+    assert choice.shm_per_output([piece, other]) == 4 << 20  # (the other not measured yet)
+    choice.weigh(other, 1 << 20)
+    assert choice.shm_per_output([piece, other]) == 1 << 20
+    assert WorkerChoice(["cpu"]).shm_per_output([piece]) == 0  # (nothing measured: nothing counted back)
 
 
 def test_a_chunk_of_a_piece_whose_values_travel_through_dev_shm_holds_at_most_chunk_shm_of_them():

@@ -198,3 +198,40 @@ host.wait()
 print("KILLED")
 """)
     assert "KILLED" in done.stdout
+
+
+def test_a_chunked_map_of_arrays_retried_and_timed_out_keeps_every_value_held_its_own(small_shm, tmp_path):
+    # 40 KiB arrays (each in a 64 KiB segment of its own, in and out) travel in chunks once measured cheap. A
+    # worker killed in the middle of a chunk, with retries=1, and an input that hangs past its timeout: the
+    # chunk's inputs are sent again from the segments the host still holds, and every output, all held at once
+    # (37.5 MiB of the 64 by the end), is its own input plus one, never another's, and none changes while the
+    # caller holds it; the inputs behind the one that hangs come in time (before the window counted an arrived
+    # output as taking its input's room too, and the workers kept what they could reuse while another lacked
+    # room: with more held, /dev/shm filled and the outputs waiting for room ran out of time).
+    done = small_shm(HEAD + f"""
+from tests.local.shm_nodes import ArrayPlusOne
+from soma.errors import RunTimeout
+N, K = 300, 5120  # (40 KiB of float64)
+folder = {str(tmp_path)!r}
+xs = lambda: (np.full(K, float(i)) for i in range(N))
+with soma.Local(workers=2) as local:
+    g = Graph.somatize(ArrayPlusOne(folder, die_at=[N // 2 + 7, N // 4 + 3]))
+    list(local.map(g, (np.full(K, float(N + i)) for i in range(200))))  # (measured cheap: chunks from now on)
+    held = list(local.map(g, xs(), retries=1))
+    assert all(os.path.exists(os.path.join(folder, f"{{i}}.died")) for i in (N // 2 + 7, N // 4 + 3))
+    h = Graph.somatize(ArrayPlusOne(folder, hang_at=[N // 3]))
+    list(local.map(h, (np.full(K, float(N + i)) for i in range(200))))
+    late = list(local.map(h, xs(), timeout=5.0, errors="yield"))
+    for outs, lost in ((held, None), (late, N // 3)):
+        for i, a in enumerate(outs):
+            if i == lost:
+                assert isinstance(a, RunTimeout) and a.index == i, a
+            else:
+                assert isinstance(a, np.ndarray) and a.shape == (K,) and (a == i + 1).all(), (i, lost, a)
+    for i, a in enumerate(held):  # (unchanged by the second map)
+        assert (a == i + 1).all(), i
+    del held, late
+    print("CHUNKS OK")
+""")
+    assert "CHUNKS OK" in done.stdout
+    assert "does not fit in /dev/shm" not in done.stderr, done.stderr

@@ -193,6 +193,13 @@ class WorkerChoice:
             return None
         return sum(measured) + sum(self.input_shm.get(p.id, 0) for p in pieces)
 
+    def shm_per_output(self, pieces: list) -> int:
+        """Bytes of /dev/shm an arrived output of a program of `pieces` takes at least (the smallest of its
+        pieces' outputs, as measured: its last piece's is one of them); what a map's window counts as no
+        longer in flight for an output that came back (`LocalInflight.room`), where counting too much fills
+        /dev/shm. 0 until one was measured."""
+        return min([self.output_shm[p.id] for p in pieces if p.id in self.output_shm], default=0)
+
     def depth(self, piece: Piece) -> int:
         """Jobs of `piece` worth having in flight per worker: enough that the worker runs the next ones
         while the last outcomes travel. 2 (one running, one waiting) for jobs that take longer than a

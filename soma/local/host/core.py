@@ -28,7 +28,6 @@ every event with Hypothesis and checks its invariants after each step).
 
 from __future__ import annotations
 
-import os
 import time
 
 from ...errors import (
@@ -51,7 +50,7 @@ from .core_workers import (
 from .dispatch import Dispatch
 from .events import Bundled, CancelAt, Deliver, Send, Spawn
 from .flows import Chunk, Flow, Job, Walker, chunk_base, stale
-from .outcomes import checked, internal, record
+from .outcomes import checked, input_ended, internal, record
 from .program import pieces
 
 
@@ -102,6 +101,10 @@ class HostCore(WorkerEvents, ChunkEvents):
     def shm_per_input(self, program_pieces: list) -> int | None:
         """Bytes of /dev/shm an input of a program takes on its way, as measured (WorkerChoice.shm_per_input)."""
         return self.dispatch.choice.shm_per_input(program_pieces)
+
+    def shm_per_output(self, program_pieces: list) -> int:
+        """Bytes of /dev/shm an output of a program takes at least when it arrives (WorkerChoice.shm_per_output)."""
+        return self.dispatch.choice.shm_per_output(program_pieces)
 
     # -- inputs ------------------------------------------------------------------------------------------
     def start(self, program, flows: list) -> None:
@@ -276,8 +279,7 @@ class HostCore(WorkerEvents, ChunkEvents):
         self.flows.pop(flow, None)
         if flow.trace is not None and flow.index is not None:  # (a run's span is its caller's, see Local.run)
             outcome = "ok" if ok else ("cancelled" if ok is None else type(value).__name__)
-            flow.trace.interval(f"input {flow.index}", "host", flow.started_ns, time.monotonic_ns(), os.getpid(),
-                                f"input-{id(flow)}", {"input": flow.index, "outcome": outcome})
+            input_ended(flow.trace, flow.index, flow.started_ns, time.monotonic_ns(), f"input-{id(flow)}", outcome)
         if ok is not None:
             if type(flow) is Chunk:  # (failed: each open input with its own copy of the error)
                 for item in chunks.failed(flow, sorted(flow.open), value):

@@ -154,15 +154,15 @@ class HostSegments:
         return (0 if self.maps_open else self.received()), (ROOM_WAIT_S if self.held_back else None)
 
     def trim_if_idle(self, busy: bool) -> None:
-        """The host's side of what each worker does (`SegmentStore.idle`): with no job queued or out, what it
-        keeps for reuse goes back when another process wants room, and beyond its idle keep after IDLE_TRIM_S
-        (called by whoever listens)."""
+        """The host's side of what each worker does (`SegmentStore.idle`, called by whoever listens): what it
+        keeps for reuse goes back when another process wants room, busy or not (a map whose caller waits for a
+        straggler keeps the host's input copies free while its workers lack room for outputs), and beyond its
+        idle keep once no job was queued or out for IDLE_TRIM_S."""
         now = time.monotonic()
         if busy:
             self._busy_at = now
-            return
         store = self.store
-        if store is not None:
+        if store is not None:  # (busy: idle for 0 s, so only a want of room is heard)
             store.idle(now - self._busy_at)
 
     def _release(self, name: str, n: int) -> None:

@@ -32,6 +32,9 @@ class MapHints:
     def shm_per_input(self, program_pieces: list) -> int | None:
         return self.core.shm_per_input(program_pieces)  # (read without the lock: a hint, as parallelism is)
 
+    def shm_per_output(self, program_pieces: list) -> int:
+        return self.core.shm_per_output(program_pieces)  # (read without the lock: a hint, as parallelism is)
+
     def shm_received(self) -> int:
         return self.pool.segments.received()  # (see HostSegments.received)
 

@@ -12,7 +12,7 @@ import time
 
 from ...errors import NodeError, PostconditionError, SomaError
 from ...plan import last_step
-from ...run.mapping import Span
+from ...run.mapping import indices_of
 from ...run.postcondition import check_postcondition
 from ...wire import failures
 from .events import Bundled, Undecodable
@@ -67,16 +67,20 @@ def record_chunk(job: Job, worker, one: Bundled, items: list) -> None:
                        {"first": chunk.index - job.base + one.jobs[0], "inputs": len(one.jobs), "worker": worker.id})
     ended = {}
     for first, ok, value in items:
-        for i in range(first, first + len(value)) if type(value) is Span else (first,):
+        for i in indices_of(first, value):
             ended[i] = "ok" if ok else type(value).__name__
-            trace.interval(f"input {i}", "host", chunk.started_ns, now, pid, f"input-{id(chunk)}-{i}",
-                           {"input": i, "outcome": ended[i]})
+            input_ended(trace, i, chunk.started_ns, now, f"input-{id(chunk)}-{i}", ended[i])
     if one.spans is not None:
         trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
         at = chunk.index - job.base  # (a job id less this: its input's index)
         for job_id, spans in zip(one.jobs, one.spans):
             if spans and at + job_id in ended:
                 trace.node_spans(spans, worker.pid, worker.id, job.piece.devices, at + job_id)
+
+
+def input_ended(trace, index: int, started_ns: int, now: int, key: str, outcome: str) -> None:
+    """An input's interval on the host's track: from when its map started it until its outcome came."""
+    trace.interval(f"input {index}", "host", started_ns, now, os.getpid(), key, {"input": index, "outcome": outcome})
 
 
 def internal(err: BaseException, doing: str) -> SomaError:

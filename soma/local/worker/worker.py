@@ -196,8 +196,9 @@ class Worker:
                     self.idle -= 1
 
     def trim_if_idle(self) -> None:
-        if not self.running:
-            self.segments.trim_if_idle(time.monotonic() - self.active_until)
+        # (running: idle for 0 s, so only a want of room is heard: a worker running a long input gives back
+        # what it keeps for reuse to the other worker that lacks room for its outputs)
+        self.segments.trim_if_idle(0.0 if self.running else time.monotonic() - self.active_until)
 
     def receive(self):
         # While chunks are here, look at least every PART_S whether one holds outputs behind a long input.
