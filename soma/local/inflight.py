@@ -98,7 +98,9 @@ class LocalInflight(Inflight):
     def _popped(self, got: list) -> None:
         flows = self.flows
         for index, _, _ in got:
-            flows.pop(index, None)
+            flow = flows.pop(index, None)
+            if type(flow) is Chunk and not flow.finished:  # (a part of it: the rest is open, and `close` cancels it)
+                flows[index] = flow
         if len(flows) > self.sweep_at:  # chunks whose inputs ended in parts (failures) are not popped above
             self.flows = {index: flow for index, flow in flows.items() if not flow.finished}
             self.sweep_at = max(SWEEP_AT, 2 * len(self.flows))
