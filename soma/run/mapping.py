@@ -1,21 +1,20 @@
 """`runner.map(g, xs)`: many inputs through one graph, the same way on every runner.
 
-The runner supplies an *in-flight set* (`Inflight`): something that starts
-inputs and reports what became of them. This module does the rest, once for
-every runner: taking inputs lazily from `xs` within the window, order, errors
-in their place with their `.index`, per-input timeouts, progress, and stopping
+The runner supplies an *in-flight set* (`Inflight`): something that starts inputs and reports what
+became of them. This module does the rest, once for every runner: taking inputs lazily from `xs` within
+the window, order, errors in their place with their `.index`, per-input timeouts, progress, and stopping
 cleanly when the caller leaves the loop.
 
     xs ──1. take (only while taken - yielded < window)──▶ inflight.start(indices, xs)
                                                                │  (the runner's workers)
     caller ◀──2. yield in input order (or as ready)◀── 3. inflight.wait() → [(index, ok, value)]
 
-`MapLoop` keeps the books of those three steps (the window, the order, the
-deadlines); `map_outputs` drives it with a plain iterator. Each step is a method
-of its own, so another driver (an async one) walks the same loop.
+`MapLoop` keeps the books of those three steps (the window, the order, the deadlines); `map_outputs`
+drives it with a plain iterator. Each step is a method of its own, so another driver (an async one) walks
+the same loop.
 
-The books also say which outputs the caller consumed: `state_dict()`, `resume=` and
-`checkpoint=` (soma.run.resuming) are the loop's, so every runner resumes the same way.
+The books also say which outputs the caller consumed: `state_dict()`, `resume=` and `checkpoint=`
+(soma.run.resuming) are the loop's, so every runner resumes the same way.
 
     loop.outputs() ──yield──▶ caller (holds it: `out`) ──next()──▶ consumed for a checkpoint too
                                                                     (its loop body ran)
@@ -56,10 +55,10 @@ class Span(list):
 
     __slots__ = ()
 
-
-def indices_of(first: int, value) -> range:
-    """The inputs a delivered `(first, ok, value)` stands for: one, or a Span's."""
-    return range(first, first + (len(value) if type(value) is Span else 1))
+    @staticmethod
+    def indices(first: int, value) -> range:
+        """The inputs a delivered `(first, ok, value)` stands for: one, or a Span's."""
+        return range(first, first + (len(value) if type(value) is Span else 1))
 
 
 class Inflight:
@@ -184,9 +183,8 @@ def _guarded(source, loop: "MapLoop"):
 
 
 def _take(source, wanted: int, loop: "MapLoop") -> list:
-    """Up to `wanted` inputs from `source` (taken at C speed; `_guarded`: none lost to its exception). Fewer
-    is the source's end: told to the loop here when the source is plain (a guarded one told it already, with
-    its exception if it raised)."""
+    """Up to `wanted` inputs from `source` (at C speed; `_guarded`: none lost to its exception). Fewer is the
+    source's end: told to the loop here when plain (a guarded one told it already, with its exception if any)."""
     items = list(islice(source, wanted))
     if len(items) < wanted and not loop.exhausted:
         loop.source_ended()
@@ -200,8 +198,7 @@ class MapLoop:
 
     `errors="raise"`: a failed input's error is raised in its place (after every earlier output, in
     order), and no input after it is taken. `errors="yield"`: the error object is handed out in its
-    place (`.index` set) and the map goes on. The iterable's own exception is raised either way.
-    """
+    place (`.index` set) and the map goes on. The iterable's own exception is raised either way."""
 
     def __init__(self, inflight: Inflight, xs, *, graph, window=None, ordered: bool = True, progress=False,
                  timeout=None, errors: str = "raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
@@ -441,7 +438,7 @@ class MapLoop:
             del deadlines[index]
             expired.append(index)
         if expired:  # (none whose output came in `results`: its own, or in a chunk's Span)
-            came = {i for first, _, v in results for i in indices_of(first, v)}
+            came = {i for first, _, v in results for i in Span.indices(first, v)}
             results += [(i, False, self.inflight.expire(i)) for i in expired if i in self.pending and i not in came]
         for index, ok, value in results:
             if index not in self.pending:
@@ -468,8 +465,7 @@ class MapLoop:
             self.save()
 
     def close(self) -> None:
-        """The map is over: the checkpoint removed (all yielded) or written (ended early), the runner's
-        in-flight set closed."""
+        """The map is over: its checkpoint removed (all yielded) or written (ended early), its in-flight set closed."""
         if self.closed:
             return
         self.closed = True

@@ -77,16 +77,3 @@ class ArrayPlusOne(Node):
                 time.sleep(0.005)
         return Done(x + 1)
 
-
-class SlowAt(Node):
-    """An array `x` → `x + 1`, taking `seconds` at the input whose first element is `at` (a straggler)."""
-
-    def __init__(self, at: int, seconds: float):
-        self.at, self.seconds = at, seconds
-
-    def forward(self, x, ctx):
-        import time
-
-        if int(x[0]) == self.at:
-            time.sleep(self.seconds)
-        return Done(x + 1)

@@ -12,7 +12,7 @@ import time
 
 from ...errors import NodeError, PostconditionError, SomaError
 from ...plan import last_step
-from ...run.mapping import indices_of
+from ...run.mapping import Span
 from ...run.postcondition import check_postcondition
 from ...wire import failures
 from .events import Bundled, Undecodable
@@ -67,7 +67,7 @@ def record_chunk(job: Job, worker, one: Bundled, items: list) -> None:
                        {"first": chunk.index - job.base + one.jobs[0], "inputs": len(one.jobs), "worker": worker.id})
     ended = {}
     for first, ok, value in items:
-        for i in indices_of(first, value):
+        for i in Span.indices(first, value):
             ended[i] = "ok" if ok else type(value).__name__
             input_ended(trace, i, chunk.started_ns, now, f"input-{id(chunk)}-{i}", ended[i])
     if one.spans is not None:
