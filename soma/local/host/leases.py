@@ -121,21 +121,11 @@ class HostSegments:
                     from ...wire.shm import SegmentStore
 
                     # Inputs are encoded on the loop's thread, after it told the workers of what the host let go
-                    # (HostLoop._input_store): a reservation short of room waits for those frees (input_store),
-                    # then spills. (Frees of the host's own segments come in Results this thread would receive:
-                    # a wait does not bring those.)
+                    # (HostLoop._input_store): a reservation short of room waits for those frees as long as a
+                    # spill would take (by its size: soma.wire.room), then spills. (Frees of the host's own
+                    # segments come in Results this thread would receive: a wait does not bring those.)
                     self.store = SegmentStore(self.prefix, self.arena, on_release=self._release)
         return self.store
-
-    def input_store(self, create: bool = True):
-        """The store an input is copied into: its reservation short of room waits as long as a worker's would
-        (`for_task`'s room_s). While a map held back by memory is open, the room it lacks is the frees of
-        outputs its caller dropped, on their way to their workers: waiting by the value's size (40 ms for
-        20 MiB) spilled a 20 MiB input once in ~15 runs of the suite (tests/local/test_small_shm.py)."""
-        store = self.get_store(create)
-        if store is not None:
-            store.room_wait_s = ROOM_WAIT_S if self.held_back else None
-        return store
 
     def note_sent(self, name: str) -> None:
         if self.store is not None:

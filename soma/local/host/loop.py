@@ -299,7 +299,7 @@ class HostLoop(WorkerLife, MapHints):
         go first (segments of outputs the caller dropped, told otherwise with their worker's next Task or at the
         next look: a new map's first inputs spilled while the last map's outputs still held the room)."""
         self.pool.flush_frees()
-        return self.pool.input_store(create)
+        return self.pool.get_store(create)
 
     def _send_unreachable(self) -> None:
         for slot in list(self._unreachable):

@@ -351,9 +351,6 @@ class WorkerPool:
     def get_store(self, create: bool = True):
         return self.segments.get_store(create)
 
-    def input_store(self, create: bool = True):
-        return self.segments.input_store(create)
-
     def trim_if_idle(self, busy: bool) -> None:
         self.segments.trim_if_idle(busy)
 
