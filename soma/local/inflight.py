@@ -64,7 +64,7 @@ class LocalInflight(Inflight):
         of yet (measured: taking by it ran the 20 MiB map of `soma bench shm` at a third of its speed). Until
         the first output is measured, one input per worker (a full batch per worker for a batching node);
         None when they take no room there (small values travel in the message)."""
-        per_input = self.loop.shm_per_input(self.pieces)
+        per_input, per_output = self.loop.shm_measures(self.pieces)
         if per_input is None:
             return arrived + self.first
         if not per_input:
@@ -74,7 +74,7 @@ class LocalInflight(Inflight):
             self.held_back = True  # a worker short of the room counted waits for those frees: map_held_back)
             self.loop.map_held_back(self)
         # (an output that arrived holds its own room only: its input's copy was freed as it came)
-        outside = max(per_input, self.loop.shm_received() - arrived * self.loop.shm_per_output(self.pieces))
+        outside = max(per_input, self.loop.shm_received() - arrived * per_output)
         return max(0, self.shm_total - outside) // per_input
 
     def start(self, indices: list, xs: list) -> None:

@@ -98,13 +98,11 @@ class HostCore(WorkerEvents, ChunkEvents):
         """The host copied an input of `piece` into `shm` bytes of /dev/shm (the loop, as it encodes)."""
         self.dispatch.choice.weigh(piece, shm, inputs=True)
 
-    def shm_per_input(self, program_pieces: list) -> int | None:
-        """Bytes of /dev/shm an input of a program takes on its way, as measured (WorkerChoice.shm_per_input)."""
-        return self.dispatch.choice.shm_per_input(program_pieces)
-
-    def shm_per_output(self, program_pieces: list) -> int:
-        """Bytes of /dev/shm an output of a program takes at least when it arrives (WorkerChoice.shm_per_output)."""
-        return self.dispatch.choice.shm_per_output(program_pieces)
+    def shm_measures(self, program_pieces: list) -> tuple:
+        """`(bytes of /dev/shm an input of a program takes on its way, or None; what its output takes at least
+        once it arrived)`, as measured (WorkerChoice.shm_per_input, shm_per_output): a map's room."""
+        choice = self.dispatch.choice
+        return choice.shm_per_input(program_pieces), choice.shm_per_output(program_pieces)
 
     # -- inputs ------------------------------------------------------------------------------------------
     def start(self, program, flows: list) -> None:

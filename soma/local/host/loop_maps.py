@@ -29,11 +29,8 @@ class MapHints:
     def parallelism(self, program_pieces: list) -> int:
         return self.core.parallelism(program_pieces)  # (read without the lock: a hint, as map uses it)
 
-    def shm_per_input(self, program_pieces: list) -> int | None:
-        return self.core.shm_per_input(program_pieces)  # (read without the lock: a hint, as parallelism is)
-
-    def shm_per_output(self, program_pieces: list) -> int:
-        return self.core.shm_per_output(program_pieces)  # (read without the lock: a hint, as parallelism is)
+    def shm_measures(self, program_pieces: list) -> tuple:
+        return self.core.shm_measures(program_pieces)  # (read without the lock: a hint, as parallelism is)
 
     def shm_received(self) -> int:
         return self.pool.segments.received()  # (see HostSegments.received)
