@@ -45,7 +45,7 @@ class LocalInflight(Inflight):
         # Until an output is measured: a worker's worth each (a batching node's: a full batch, so its first calls
         # are full ones; a map's first inputs were all placed in one go, and bundles cut small then stay small).
         self.first = self.workers * max([1] + [piece.batch for piece in self.pieces])
-        self.held_back = False  # the window was bound by memory (room)
+        self.held_back = None  # the window is bound by memory (room): True, False once measured
         self.shm_total = shm_room()[1]  # (room: what the window's values may take of /dev/shm at most)
         loop.map_open(self, True)
 
@@ -63,19 +63,31 @@ class LocalInflight(Inflight):
         caller works on); not /dev/shm's free room now, which lags behind the frees the workers have not heard
         of yet (measured: taking by it ran the 20 MiB map of `soma bench shm` at a third of its speed). Until
         the first output is measured, one input per worker (a full batch per worker for a batching node);
-        None when they take no room there (small values travel in the message)."""
+        None when they take no room there (small values travel in the message), or when what the caller keeps
+        leaves less than an eighth of /dev/shm (the window is then as wide as without memory: see below)."""
         per_input, per_output = self.loop.shm_measures(self.pieces)
         if per_input is None:
             return arrived + self.first
         if not per_input:
             return None
-        # (at least one output is the caller's: the one it holds now, or the next one it takes from the window)
-        if not self.held_back:  # (start tells the workers of what was freed first: see HostLoop.flush_frees;
-            self.held_back = True  # a worker short of the room counted waits for those frees: map_held_back)
-            self.loop.map_held_back(self)
-        # (an output that arrived holds its own room only: its input's copy was freed as it came)
-        outside = max(per_input, self.loop.shm_received() - arrived * per_output)
-        return max(0, self.shm_total - outside) // per_input
+        # (an output that arrived holds its own room only: its input's copy was freed as it came; at least one
+        # output is the caller's: the one it holds now, or the next one it takes from the window)
+        received = self.loop.shm_received()
+        kept = received - arrived * per_output
+        outside = max(per_input, kept)
+        # Held back while the caller's results leave room to count. Once what they hold outside the window leaves
+        # less than an eighth of /dev/shm, the frees a worker would wait for are not coming: what finds no room
+        # goes to disk after a short wait (room_wait_s), in a window as wide as without memory, not one input at
+        # a time after a 2 s wait each (measured: 1,100 outputs of 40 KiB kept at 64 MiB, see docs/local.md's
+        # failure table). (The eighth: what processes keep for reuse, and the input copies in flight, are not
+        # counted; the last inputs' room waited 2 s each for them without it.) Held back again once what the
+        # host maps, window and all, leaves that room: not by `kept`, for outputs that went to disk are not in
+        # what the host maps, yet they are among the `arrived`.
+        held = (received if self.held_back is False else kept) + (self.shm_total >> 3) <= self.shm_total
+        if held != self.held_back:  # (start tells the workers of what was freed first: see HostLoop.flush_frees;
+            self.held_back = held  # a worker short of the room counted waits for those frees: map_held_back)
+            self.loop.map_held_back(self, held)
+        return (self.shm_total - outside) // per_input if held else None
 
     def start(self, indices: list, xs: list) -> None:
         if self.sink is None:

@@ -22,9 +22,13 @@ class MapHints:
             segments.maps_open.discard(inflight)
             segments.held_back.discard(inflight)
 
-    def map_held_back(self, inflight) -> None:
-        """A map open now is held back by memory from now on (its outputs' room counted: HostSegments.room_s)."""
-        self.pool.segments.held_back.add(inflight)
+    def map_held_back(self, inflight, held: bool) -> None:
+        """A map open now is held back by memory (its outputs' room counted: HostSegments.for_task), or no
+        longer (what its caller keeps left no room to count)."""
+        if held:
+            self.pool.segments.held_back.add(inflight)
+        else:
+            self.pool.segments.held_back.discard(inflight)
 
     def parallelism(self, program_pieces: list) -> int:
         return self.core.parallelism(program_pieces)  # (read without the lock: a hint, as map uses it)
