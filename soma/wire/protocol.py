@@ -25,6 +25,7 @@ opens a frame into a record. The values inside (a node's input and output) are
                                  a Bundle's: Outcome(ids, [per id: True | bytes | error body],
                                  the encoded list of the True ones' outputs, None, seconds each)
                                  a Chunk's: one or more ChunkPart(ids, said, body, spans, seconds, more)
+                                 (said None: every one True; seconds: the typical input's)
                         releases [[segment, n]]                    receipts whose storages died
                         leaving  over max_memory: it takes nothing more, and the host replaces it
                                  once every job it was sent has come back (answered, or Cancelled)
@@ -32,8 +33,8 @@ opens a frame into a record. The values inside (a node's input and output) are
 
 A chunk (the host's choice for inputs measured cheap) is answered input by input,
 in parts: each part a `ChunkPart` of the inputs done since the last, each with its
-own ok or error, seconds and spans, the outputs of those that ran ok encoded as one
-list. The worker sends a part when what is done has waited PART_S (40 ms) while
+own ok or error and spans, the outputs of those that ran ok encoded as one
+list, and the part's typical input's seconds (what the host sizes chunks by). The worker sends a part when what is done has waited PART_S (40 ms) while
 the chunk still runs, when a Cancel names one of its inputs that has not started
 (answered Cancelled in that part), when a GiveBack names any of it, and when the
 chunk is over; `more` says whether later parts follow. A GiveBack is always
@@ -127,10 +128,12 @@ class ChunkPart(NamedTuple):
     """What became of some inputs of a Chunk (see the module's docstring)."""
 
     ids: list  # the inputs answered here, in the chunk's order
-    said: list  # per id: True (its output is the next of `body`'s list), bytes (its output, alone), or error body
+    said: list | None  # per id: True (its output is the next of `body`'s list), bytes (its output, alone), or
+    #                    error body; None when every one is True (the common case: one byte, not one per input)
     body: object  # the encoded list of the True ones' outputs, or None
     spans: list | None  # None when no input here was traced, else per id: its spans, or None
-    seconds: list  # per id: how long it ran in the worker
+    seconds: float  # how long its typical input ran in the worker (the median of at most ~32 of them, evenly
+    #                 spread: one straggler among cheap inputs must not make the next chunks small)
     more: bool  # inputs of the chunk are still to be answered, in later parts
 
 

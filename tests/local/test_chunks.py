@@ -131,8 +131,8 @@ def reads(result) -> dict:
         assert type(part) is ChunkPart
         one = bundled(decoder, part.ids, part.said, part.body, 0.0, part.spans)
         spans = one.spans if one.spans is not None else [None] * len(part.ids)
-        for job, ok, value, seconds, spans_of in zip(one.jobs, one.oks, one.values, part.seconds, spans):
-            got[job] = Read(job, ok, value, seconds, spans_of)
+        for job, ok, value, spans_of in zip(one.jobs, one.oks, one.values, spans):
+            got[job] = Read(job, ok, value, part.seconds, spans_of)
     return got
 
 
@@ -150,7 +150,7 @@ def test_a_chunk_runs_each_input_in_order_and_answers_each_alone(tmp):
         assert not failed.ok
         err = failed.value
         assert isinstance(err, NodeError) and err.node == "n" and "13 is unlucky" in str(err)
-        assert all(o.seconds > 0 for o in got.values()) and len({o.seconds for o in got.values()}) > 1
+        assert all(o.seconds > 0 for o in got.values())  # (its part's typical input's)
     finally:
         w.close()
 
@@ -387,10 +387,15 @@ def test_over_max_memory_the_inputs_not_started_are_answered_cancelled(tmp):
 
 
 class Naps(Node):
-    """Sleeps `x` seconds."""
+    """Sleeps `x` seconds; `took`: how long each call took, in order (in-process workers only)."""
+
+    def __init__(self):
+        self.took: list = []
 
     def forward(self, x, ctx):
+        start = time.perf_counter()
         time.sleep(x)
+        self.took.append(time.perf_counter() - start)
         return Done(x)
 
 
@@ -414,12 +419,14 @@ def test_an_input_takes_a_gil_turn_only_after_one_that_was_not_quick(tmp):
         part = chunks.run_chunk(w.runner, w.chunk([1, 2, 3, 4, 5], [0, 0, 2 * MIN_S, 0, 0]), lane, turns,
                                 w.sent.append)
         got, _ = host_reads(*w.sent, part)
-        assert sorted(got) == [1, 2, 3, 4, 5] and got[3].seconds >= 2 * MIN_S
+        took = w.node.took  # (each call's own time: the worker's pace of an input is at least that)
+        assert sorted(got) == [1, 2, 3, 4, 5] and took[2] >= 2 * MIN_S
         entered = turns.entered
         assert entered[0] is None and any(pace is not None and pace >= 2 * MIN_S for pace in entered)  # (input 4)
         assert all(pace is None or pace >= MIN_S for pace in entered)  # never after a quick input
-        assert len(entered) <= 1 + sum(got[i].seconds >= MIN_S for i in (1, 2, 3, 4))  # (2 but on a busy machine)
-        assert lane.pace <= got[5].seconds  # (its seconds: its pace and its share of the part's encoding)
+        # (2, but on a busy machine a call of no sleep may take MIN_S too; the worker's pace adds its own steps)
+        assert len(entered) <= 1 + sum(t >= MIN_S / 2 for t in took[:4])
+        assert lane.pace >= took[4]  # (the last input's pace: its call and the worker's steps around it)
         before = len(entered)
         chunks.run_chunk(w.runner, w.chunk([6, 7], [0, 0]), lane, turns, w.sent.append)
         assert None not in entered[before:]  # (the lane's pace carries over to its next chunk)

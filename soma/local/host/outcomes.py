@@ -91,11 +91,13 @@ def internal(err: BaseException, doing: str) -> SomaError:
     return failure
 
 
-def bundled(decoder, ids: list, said: list, body, seconds: float, spans: list | None = None) -> Bundled:
+def bundled(decoder, ids: list, said: list | None, body, seconds: float, spans: list | None = None) -> Bundled:
     """A Bundle's outcomes: `said[i]` is True (its output is the next one of the list `body` decodes to),
-    bytes (its output, encoded alone: the worker could not encode the list), or an error body. A list that
-    cannot be decoded leaves every output in it Undecodable. `spans`: a traced chunk's part's, per input."""
-    listed = said.count(True)  # (the others are bytes and error bodies, never equal to True)
+    bytes (its output, encoded alone: the worker could not encode the list), or an error body; `said` None:
+    every one True (a chunk's part). A list that cannot be decoded leaves every output in it Undecodable.
+    `spans`: a traced chunk's part's, per input."""
+    # (the others are bytes and error bodies, never equal to True)
+    listed = len(ids) if said is None else said.count(True)
     mark = decoder.shm_mark()
     shared: list = []
     decoded = True

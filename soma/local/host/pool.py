@@ -273,13 +273,8 @@ class WorkerPool:
         try:
             for outcome in result.outcomes:
                 if type(outcome) is ChunkPart:  # (part of) a chunk's outcomes: see host/chunks.py
-                    # Its typical input's time (the median: one straggler among cheap inputs must not make the
-                    # next chunks of the piece small: its map's window, which follows, would shrink with them),
-                    # of at most ~32 of them, evenly spread (sorting all 1,024 of a part was ~3 % of the host's CPU)
-                    seconds = outcome.seconds
-                    seconds = sorted(seconds[::len(seconds) // 32 + 1])
-                    decoded.append(bundled(decoder, outcome.ids, outcome.said, outcome.body,
-                                           seconds[len(seconds) // 2] if seconds else 0.0, outcome.spans))
+                    decoded.append(bundled(decoder, outcome.ids, outcome.said, outcome.body, outcome.seconds,
+                                           outcome.spans))
                     continue
                 job_id, ok, body, spans, seconds = outcome
                 if type(job_id) is list:  # a Bundle's outcomes

@@ -316,7 +316,7 @@ class Worker:
             with self.lock:
                 self.lanes.finished(run)
         if part is not None:
-            outcomes.add(part, sum(part.seconds))
+            outcomes.add(part, part.seconds * len(part.ids))
 
     def send_due_parts(self) -> None:
         """Send what the running chunks have done, where it has waited PART_S behind a long input."""
