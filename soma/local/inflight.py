@@ -73,16 +73,18 @@ class LocalInflight(Inflight):
         # (an output that arrived holds its own room only: its input's copy was freed as it came; at least one
         # output is the caller's: the one it holds now, or the next one it takes from the window)
         received = self.loop.shm_received()
-        kept = received - arrived * per_output
-        outside = max(per_input, kept)
+        outside = max(per_input, received - arrived * per_output)
         # Held back while the caller's results leave room to count. Once what they hold outside the window leaves
         # less than an eighth of /dev/shm, the frees a worker would wait for are not coming: what finds no room
         # goes to disk after a short wait (room_wait_s), in a window as wide as without memory, not one input at
         # a time after a 2 s wait each (measured: 1,100 outputs of 40 KiB kept at 64 MiB, see docs/local.md's
         # failure table). (The eighth: what processes keep for reuse, and the input copies in flight, are not
         # counted; the last inputs' room waited 2 s each for them without it.) Held back again once what the
-        # host maps, window and all, leaves that room: not by `kept`, for outputs that went to disk are not in
-        # what the host maps, yet they are among the `arrived`.
+        # host maps, window and all, leaves that room: not by what the caller keeps, for outputs that went to disk
+        # are not in what the host maps, yet they are among the `arrived`. (What the caller keeps is counted low
+        # here, each arrived output taking a whole input's room: a program whose pieces' outputs differ in size
+        # has `per_output` of its smallest, and must not stop being held back by a window of large ones.)
+        kept = received - arrived * per_input
         held = (received if self.held_back is False else kept) + (self.shm_total >> 3) <= self.shm_total
         if held != self.held_back:  # (start tells the workers of what was freed first: see HostLoop.flush_frees;
             self.held_back = held  # a worker short of the room counted waits for those frees: map_held_back)

@@ -209,7 +209,8 @@ class SegmentStore:
 
     def _create(self, nbytes: int) -> _Segment:
         size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
-        name = room.reserve_in_shm(self._name(), size, self.trim, self.wanted, self.caller_held, self.room_wait_s)
+        name = room.reserve_in_shm(self._name(), size, self.trim, self.wanted, self.caller_held,
+                                   lambda: self.room_wait_s)  # (read at each look: the host may say otherwise)
         if name is None:  # no room in /dev/shm, and not the caller's to free (see soma.wire.room)
             name = self._name(room.SPILLED)
             try:

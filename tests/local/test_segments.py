@@ -85,3 +85,25 @@ def test_a_worker_told_to_wait_for_room_waits_for_the_free_on_its_way_rather_tha
     assert spilled is not told, (name, waited)
     assert (waited >= 0.3) is told, waited
     del view
+
+
+def test_a_worker_waiting_for_room_stops_once_its_host_says_no_free_is_coming(prefix, monkeypatch):
+    # Told to wait (a map held back by memory), then, while it waits, told not to (that map's caller keeps the
+    # room: LocalInflight.room): the value goes to disk at once, not after the 2 s it was first told.
+    segments = Segments(prefix, 1 << 20)
+    segments.told(0, 2.0)
+    store = segments.get_store()
+    never = threading.Event()
+    _dev_shm_full_until(never, monkeypatch)
+    timer = threading.Timer(0.2, segments.told, (0, None))
+    timer.start()
+    try:
+        start = time.monotonic()
+        view, name = store.allocate(GRANULE)
+        waited = time.monotonic() - start
+    finally:
+        timer.cancel()
+        segments.close()
+    assert room.is_spilled(name), name
+    assert 0.2 <= waited < 1.0, waited
+    del view

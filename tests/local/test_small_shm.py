@@ -241,7 +241,8 @@ def test_a_map_whose_caller_keeps_more_than_dev_shm_holds_goes_on_through_disk_w
     # 1,100 outputs of 40 KiB, each in a 64 KiB segment, all kept: more than the 64 MiB /dev/shm holds. What finds
     # no room goes through a file on disk (one warning); once what the caller keeps leaves no room to count, no
     # output waits for frees that are not coming. Before: the map stayed held back, one input at a time, each
-    # output waiting 2 s before it went to disk (155 s for these 1,100; now 2-9 s here: the bound only catches that).
+    # output waiting 2 s before it went to disk (143-155 s for these 1,100; now about 2 s here: the bound only
+    # catches that).
     done = small_shm(HEAD + """
 import time
 N, K = 1100, 5120
