@@ -126,6 +126,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.answered = [set(), set()]  # per slot: job ids of chunks' inputs its worker answered
         self.started = [set(), set()]  # per slot: ids of jobs its worker began
         self.cancelled_ids = [set(), set()]  # per slot: ids the core asked it to drop
+        self.asked_back = [[], []]  # per slot: ids the core asked it to give back, per ask, not yet answered
         self.retiring = []  # slots the core asked to retire, whose end the loop has not reported yet
         self.asked = []  # slots the core asked to start again, not yet answered
         self.inputs = {}  # index → (program, x, retries)
@@ -158,6 +159,8 @@ class CoreMachine(RuleBasedStateMachine):
                         # (a worker runs every place its job names: never one whose input was given up)
                         given_up = [job.flow.index + p for p in job.places if job.flow.index + p in self.given_up]
                         assert not given_up, f"inputs {given_up} were given up by their caller but sent to run"
+            elif type(action) is CancelAt and action.give_back:
+                self.asked_back[action.slot].append(list(action.job_ids))
             elif type(action) is CancelAt:
                 self.cancelled_ids[action.slot].update(action.job_ids)
             elif type(action) is Retire:
@@ -228,9 +231,28 @@ class CoreMachine(RuleBasedStateMachine):
                 shown.append((begun[-1], "?"))
         return shown
 
+    def give_back(self, slot: int) -> None:
+        """The worker answers the oldest give-back asked of it, as a worker does (soma.local.worker.chunks): the
+        named inputs it has neither begun nor answered are dropped and named in `returned` (their chunk's job
+        owes them no more); the others it answers as it runs them."""
+        named = set(self.asked_back[slot].pop(0))
+        returned = []
+        for job in list(self.inbox[slot]):
+            if job.places is None:
+                continue
+            back = [job.base + p for p in self.owed(slot, job)
+                    if job.base + p in named and job.base + p not in self.started[slot]]
+            self.answered[slot].update(back)
+            returned += back
+            if not self.owed(slot, job):
+                self.inbox[slot].remove(job)
+        self.core.outcomes(slot, self.procs[slot], [], 0.0, returned)
+        self.act()
+
     def end_worker(self, slot: int, readable: bool, down: str | None = None):
         running = self.running(slot) if readable else None
         proc = self.procs[slot]
+        self.asked_back[slot] = []
         self.inbox[slot], self.started[slot], self.cancelled_ids[slot] = [], set(), set()
         self.answered[slot] = set()
         self.core.lost(slot, proc, "was killed by signal 9 (SIGKILL)", running, down)
@@ -296,13 +318,20 @@ class CoreMachine(RuleBasedStateMachine):
         for job in self.inbox[slot]:
             if job.places is None:
                 if job.id not in self.started[slot]:
-                    waiting.append(job.id)
+                    waiting.append((job.id, None))
                 continue
-            left = [job.base + p for p in self.owed(slot, job) if job.base + p not in self.started[slot]]
+            left = [p for p in self.owed(slot, job) if job.base + p not in self.started[slot]]
             if left:
-                waiting.append(left[0])
+                waiting.append((job.base + left[0], job.flow.index + left[0]))
         if waiting:
-            self.started[slot].add(waiting[pick % len(waiting)])
+            job_id, index = waiting[pick % len(waiting)]
+            if index is not None:  # (a chunk's input never runs at two workers at once: see HostCore.hand_on)
+                other = 1 - slot
+                assert not any(job.flow.index + p == index and job.base + p in self.started[other]
+                               for job in self.inbox[other] if job.places is not None
+                               for p in self.owed(other, job)), (
+                    f"input {index} began at w{slot} while it runs at w{other}")
+            self.started[slot].add(job_id)
 
     @rule(slot=st.integers(0, 1), pick=st.integers(0, 63), ok=st.booleans())
     def finish(self, slot, pick, ok):
@@ -322,6 +351,11 @@ class CoreMachine(RuleBasedStateMachine):
         for slot, job in self.core.stragglers(1e9):
             self.core.hand_on(job, self.running(slot))
         self.act()
+
+    @rule(slot=st.integers(0, 1))
+    def answer_give_back(self, slot):
+        if self.asked_back[slot]:
+            self.give_back(slot)
 
     @rule(slot=st.integers(0, 1), pick=st.integers(0, 63))
     def hand_back(self, slot, pick):
@@ -459,7 +493,10 @@ class CoreMachine(RuleBasedStateMachine):
                     self.core.ready(slot)
                     self.act()
                     moved = True
-                if self.inbox[slot]:
+                if self.asked_back[slot]:
+                    self.give_back(slot)
+                    moved = True
+                elif self.inbox[slot]:
                     self.answer(slot, self.inbox[slot][0], True)
                     moved = True
             if not moved:
@@ -567,3 +604,29 @@ def test_a_straggler_answered_alone_in_its_chunks_last_part_leaves_the_chunks_of
     assert core.chunk(piece) == cheap
     chunk_answered([(10, 0.01)])  # every input slow: the next chunks are smaller at once
     assert core.chunk(piece) < cheap // 10
+
+
+def test_a_stragglers_chunk_inputs_go_elsewhere_only_as_its_worker_gives_them_back():
+    """A chunk's job out for long while the other worker idles (`stragglers`): its worker is asked to give back
+    the inputs after the one it runs; nothing goes elsewhere until it answers, and then only what it gave back
+    (before, the rest went at once, and the inputs its worker began before the ask came ran on both)."""
+    m = CoreMachine()
+    m.spawn_all()
+    m.hello(0)
+    m.hello(1)
+    m.start_chunk(n=6, retries=0)
+    slot = next(s for s in (0, 1) if m.inbox[s])
+    job = m.inbox[slot][0]
+    assert sorted(job.pending) == [0, 1, 2, 3, 4, 5]
+    m.started[slot].add(job.base)  # its worker runs the first input, and runs it long
+    assert m.core.stragglers(1e9) == [(slot, job)]
+    m.core.hand_on(job, m.running(slot))
+    m.act()
+    assert m.asked_back[slot] == [[job.base + p for p in range(1, 6)]]
+    assert not m.inbox[1 - slot] and m.core.stragglers(1e9) == []  # (asked once, and nothing sent before it answers)
+    m.started[slot].update([job.base + 1, job.base + 2])  # it began two more before the ask came
+    m.give_back(slot)  # it gives back the three it had not begun
+    sent = m.inbox[1 - slot]
+    assert len(sent) == 1 and sorted(sent[0].places) == [3, 4, 5] and sorted(job.pending) == [0, 1, 2]
+    m.teardown()  # (every input ends once, its own outcome)
+    assert sorted(m.outcomes) == list(range(6)) and all(ok for ok, _ in m.outcomes.values())

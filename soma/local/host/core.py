@@ -2,11 +2,12 @@
 
     events (the loop calls them, one at a time)        actions (`take()`: the loop carries them out, in order)
       start(program, flows) · start_all(starts)          Send(slot, jobs)           jobs to a worker (encoded there)
-      cancel(flows)                                      CancelAt(slot, job ids)    drop these unless started
+      cancel(flows)                                      CancelAt(slot, job ids)    drop these unless started (or
+                                                                                    give them back: chunks)
       expire(flow, running[, place]) → RunTimeout        Retire(slot, why)          kill and replace a worker
       spawned(slot, worker) · ready(slot)                Deliver(sink, item)        an input's (index, ok, value)
       leaving(slot) · down(slot, why)
-      outcomes(slot, worker, arrived, now)
+      outcomes(slot, worker, arrived, now[, returned])
       lost(slot, worker, ended, running)
       unsent(jobs, error)   (they could not be encoded)
       forget(keys) · close(error)
@@ -69,6 +70,7 @@ class HostCore(WorkerEvents, ChunkEvents):
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.walker = Walker()
         self.chunk_jobs: dict = {}  # base → a Chunk's job out or waiting (its inputs travel as base + place)
+        self.giving_back: set = set()  # ids of chunks' jobs whose worker was asked to give back (hand_on)
         self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
         self.out: list = []  # actions not yet taken by the loop
 
@@ -187,8 +189,9 @@ class HostCore(WorkerEvents, ChunkEvents):
 
     # -- workers ------------------------------------------------------------------------------------------
     # -- outcomes -----------------------------------------------------------------------------------------
-    def outcomes(self, slot: int, worker, arrived: list, now: float) -> None:
-        """What the worker `worker` of `slot` sent back in one Result: `Arrived` jobs and `Bundled` ones."""
+    def outcomes(self, slot: int, worker, arrived: list, now: float, returned: list = ()) -> None:
+        """What the worker `worker` of `slot` sent back in one Result: `Arrived` jobs and `Bundled` ones, and
+        the ids of chunk inputs it gave back unstarted (`returned`: see hand_on)."""
         if worker is not self.workers[slot]:
             return
         for one in arrived:
@@ -213,6 +216,8 @@ class HostCore(WorkerEvents, ChunkEvents):
                 if one.ok:
                     self.dispatch.choice.weigh(job.piece, one.shm)
                 self._arrived(job, one.ok, one.value, worker, one if one.spans is not None else None)
+        if returned:
+            self._given_back(slot, returned)
         if self.state[slot] == LEAVING:
             self._replace_once_idle(slot)
         self._pump()
@@ -304,7 +309,7 @@ class HostCore(WorkerEvents, ChunkEvents):
             self._fail_unplaceable()
 
     def _send(self, slot: int, jobs: list) -> None:
-        self.out.append(Send(slot, jobs, self.dispatch.sent(slot, jobs)))
+        self.out.append(Send(slot, jobs, self.dispatch.sent(slot, jobs), self.workers[slot]))
 
     def _fail_unplaceable(self) -> None:
         """Jobs whose only workers cannot start (now, or any more) would wait forever: they fail, saying why."""

@@ -79,6 +79,7 @@ class ChunkEvents:
         self.dispatch.give_back(job)
         job.flow.jobs.discard(job)
         self.chunk_jobs.pop(job.base, None)
+        self.giving_back.discard(job.id)
 
     def stragglers(self, now: float) -> list:
         """`(slot, job)` of chunks' jobs out for long (an input of theirs is slow: it holds the others behind
@@ -93,7 +94,8 @@ class ChunkEvents:
             return []
         found = []
         for job in self.chunk_jobs.values():
-            if job.slot is None or len(job.pending) < 2 or job in self.dispatch.parked[job.slot]:
+            if job.slot is None or len(job.pending) < 2 or job in self.dispatch.parked[job.slot] or (
+                    job.id in self.giving_back):  # (asked already: what it gives back goes when it answers)
                 continue
             expected = choice.service_s.get(job.piece.id, 0.0) * len(job.places)
             if now - job.sent_at > max(chunks.STRAGGLER_S, 4 * expected):
@@ -101,22 +103,39 @@ class ChunkEvents:
         return found
 
     def hand_on(self, job: Job, running: list) -> None:
-        """A chunk's job out for long (`stragglers`): the inputs it owes after the one its worker runs now
-        (`running`, its status page; all it owes when it runs none of them) go to another worker; its worker
-        is asked to drop them (it sends what it has done so far at once: see soma.local.worker). An input that
-        started meanwhile may run twice; its outcome is delivered once (the job it was handed on to owes it)."""
-        if self.dispatch.outstanding.get(job.id) is not job or stale(job):
+        """A chunk's job out for long (`stragglers`): its worker is asked to give back the inputs it owes after
+        the one it runs now (`running`, its status page; all it owes when it runs none of them). It answers at
+        once, with what it has done so far and the ones it had not started (`_given_back`): those, and only
+        those, go to another worker. None runs twice: between the status page's look and the worker's answer,
+        the worker may have started more of them (measured: a fresh worker that loaded the piece for 20 ms
+        then ran hundreds of inputs before a cancel came; each of those then ran on two workers)."""
+        if self.dispatch.outstanding.get(job.id) is not job or stale(job) or job.id in self.giving_back:
             return
         now = chunks.running(job, running)  # (a chunk runs in order: those before it are done, not yet reported)
         rest = chunks.still_open(job.flow, sorted(p for p in job.pending if now is None or p > now))
         if not rest:
             return
-        job.pending.difference_update(rest)
-        self.out.append(CancelAt(job.slot, [job.base + p for p in rest]))
-        if not job.pending:  # (it had not started: all of it goes; what its worker answers for it is dropped)
-            self._chunk_job_over(job)
-        self.dispatch.waiting.add_first([self._rest(job, rest)])
-        self._pump()
+        self.giving_back.add(job.id)
+        self.out.append(CancelAt(job.slot, [job.base + p for p in rest], give_back=True))
+
+    def _given_back(self, slot: int, returned: list) -> None:
+        """The worker of `slot` gave back these chunk inputs unstarted (`hand_on`'s answer): they go again,
+        from the front of their line, as a new job of their chunk; the job they were given back from owes
+        them no more."""
+        by_job: dict = {}
+        for job_id in returned:
+            base = chunk_base(job_id)
+            job = self.chunk_jobs.get(base) if base is not None else None
+            if job is not None and job.slot == slot and job_id - base in job.pending:
+                by_job.setdefault(job, []).append(job_id - base)
+        for job, places in by_job.items():
+            self.giving_back.discard(job.id)
+            job.pending.difference_update(places)
+            if not job.pending:
+                self._chunk_job_over(job)
+            rest = chunks.still_open(job.flow, sorted(places))
+            if rest:
+                self.dispatch.waiting.add_first([self._rest(job, rest)])
 
     def _expire_place(self, chunk: Chunk, place: int, timeout: float, running: dict) -> RunTimeout:
         """Input `place` of `chunk` ran out of time: it ends (never delivered), and its job never runs it again

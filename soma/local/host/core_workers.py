@@ -93,6 +93,7 @@ class WorkerEvents:
         requeued = []
         for job in dispatch.at(slot):
             dispatch.give_back(job)
+            self.giving_back.discard(job.id)  # (a give-back it did not answer: what it owes goes again below)
             if stale(job):
                 job.flow.jobs.discard(job)
                 continue

@@ -2,9 +2,10 @@
 
     pool → loop (events: the pool returns them from `handle(frame)`; the loop hands them to the core)
       Ready      a worker said hello: it takes jobs now
-      Outcomes   the Arrived jobs (and Bundled ones) one Result brought (values decoded, or Undecodable)
+      Outcomes   the Arrived jobs (and Bundled ones) one Result brought (values decoded, or Undecodable), and
+                 the chunk inputs it gave back unstarted
     core → loop (actions: `HostCore.take()`; the loop carries them out in order)
-      Send       jobs to a worker          CancelAt   drop these unless started
+      Send       jobs to a worker          CancelAt   drop these unless started (or give them back)
       Retire     kill and replace a worker Spawn      try to start a worker again
       Deliver    an input's outcome, for its sink (put there once the loop has let go of its lock)
 
@@ -64,6 +65,7 @@ class Outcomes(NamedTuple):
     worker: WorkerProcess
     arrived: list  # [Arrived | Bundled]
     leaving: bool  # the worker went over max_memory: it takes nothing more (the core retires it once idle)
+    returned: list  # ids of chunk inputs it gave back unstarted (a give-back's answer), never to run there
 
 
 class Gone:
@@ -74,18 +76,23 @@ class Gone:
 
 
 class Send(NamedTuple):
-    """Send these jobs to the worker of `slot`, in one Task (the loop encodes the ones not encoded yet)."""
+    """Send these jobs to `worker`, the worker of `slot`, in one Task (the loop encodes the ones not encoded
+    yet); not to another that took its slot meanwhile: the core sends them again once it hears of its end."""
 
     slot: int
     jobs: list
     groups: list  # the jobs as they travel (flows.entries): each alone, a batching node alone's in bundles
+    worker: object  # the worker process the core chose (`spawned`)
 
 
 class CancelAt(NamedTuple):
-    """Ask the worker of `slot` to drop these jobs unless they have started (their outcomes still come)."""
+    """Ask the worker of `slot` to drop these jobs unless they have started (their outcomes still come):
+    answered Cancelled, or, `give_back`, named in its answer's `returned` at once (a chunk's inputs behind a
+    straggler: the core sends them elsewhere only then, so none runs twice)."""
 
     slot: int
     job_ids: list
+    give_back: bool = False
 
 
 class Retire(NamedTuple):

@@ -256,9 +256,14 @@ class HostLoop(WorkerLife, MapHints):
                 if kind is Deliver:
                     self._deliveries.append(action)
                 elif kind is Send:
-                    self._send(action.slot, action.jobs, action.groups)
+                    # Not to a worker that took the slot since the core chose: the core sends these jobs again
+                    # as it hears of the end of the one it meant (HostCore.lost), and sent here too they ran
+                    # twice. (Two workers found dead in one look: the first's end sent its jobs to the second,
+                    # whose end replaced it before this Send was carried out; a retried chunk, 5 maps of 6.)
+                    if self.pool.worker(action.slot) is action.worker:
+                        self._send(action.slot, action.jobs, action.groups)
                 elif kind is CancelAt:
-                    self.pool.cancel(action.slot, action.job_ids)
+                    self.pool.cancel(action.slot, action.job_ids, action.give_back)
                 elif kind is Retire:
                     self._end(self.pool.worker(action.slot), action.why)
                 elif kind is Spawn:
@@ -310,7 +315,7 @@ class HostLoop(WorkerLife, MapHints):
     def _on_frame(self, frame: bytes) -> None:
         for event in self.pool.handle(frame):
             if type(event) is Outcomes:
-                self.core.outcomes(event.slot, event.worker, event.arrived, time.monotonic())
+                self.core.outcomes(event.slot, event.worker, event.arrived, time.monotonic(), event.returned)
                 if event.leaving:
                     self.core.leaving(event.slot)
             elif type(event) is Ready:

@@ -203,11 +203,13 @@ class WorkerPool:
             worker.loaded.update(code)
         return sent_ok
 
-    def cancel(self, slot: int, job_ids: list) -> None:
-        """Ask the worker of `slot` to drop these jobs if they have not started."""
+    def cancel(self, slot: int, job_ids: list, give_back: bool = False) -> None:
+        """Ask the worker of `slot` to drop these jobs if they have not started (`give_back`: and name them in
+        its answer, at once)."""
         worker = self.workers[slot]
         if not self.closing and worker is not None and not worker.retired:
-            self._send(worker, protocol.pack(self.secret, protocol.Cancel(job_ids)))
+            message = protocol.GiveBack(job_ids) if give_back else protocol.Cancel(job_ids)
+            self._send(worker, protocol.pack(self.secret, message))
 
     def _send(self, worker, frame: bytes):
         try:
@@ -301,7 +303,7 @@ class WorkerPool:
             self.segments.apply_releases()     # once (not at the next send or look: a worker may wait for that room)
         if isinstance(worker, Gone):
             return []
-        return [Outcomes(worker.slot, worker, decoded, bool(result.leaving))]
+        return [Outcomes(worker.slot, worker, decoded, bool(result.leaving), result.returned)]
 
     # -- closing ---------------------------------------------------------------------------------------
     def stop_workers(self) -> None:
