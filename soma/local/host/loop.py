@@ -260,7 +260,7 @@ class HostLoop(WorkerLife, MapHints):
                     # as it hears of the end of the one it meant (HostCore.lost), and sent here too they ran
                     # twice. (Two workers found dead in one look: the first's end sent its jobs to the second,
                     # whose end replaced it before this Send was carried out; a retried chunk, 5 maps of 6.)
-                    if self.pool.worker(action.slot) is action.worker:
+                    if self.pool.workers[action.slot] is action.worker:  # (read, not asked: a call less a run)
                         self._send(action.slot, action.jobs, action.groups)
                 elif kind is CancelAt:
                     self.pool.cancel(action.slot, action.job_ids, action.give_back)
