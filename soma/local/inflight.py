@@ -89,7 +89,7 @@ class LocalInflight(Inflight):
         if held != self.held_back:  # (start tells the workers of what was freed first: see HostLoop.flush_frees;
             self.held_back = held  # a worker short of the room counted waits for those frees: map_held_back)
             self.loop.map_held_back(self, held)
-        return (self.shm_total - outside) // per_input if held else None
+        return max(0, self.shm_total - outside) // per_input if held else None
 
     def start(self, indices: list, xs: list) -> None:
         if self.sink is None:
