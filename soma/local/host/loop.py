@@ -4,8 +4,9 @@
                                                              ▼  whoever holds `lock` takes the inbox in,
     the holder of `lock` (a caller waiting for its outcome,     hands every event to the core (core.py),
     or the listener thread when no caller waits)                and carries out the actions it gets back:
-          │  frames ◀── pool.receiver (PULL) ◀── workers          Send → sending.encode → pool.send
-          │  pool.handle(frame) → Ready / Outcomes events         CancelAt → pool.cancel
+          │  frames ◀── pool.receiver (PULL) ◀── workers          Send → sending.encode → pool.send (to
+          │  pool.handle(frame) → Ready / Outcomes events           the worker the core chose, only)
+          │                                                       CancelAt → pool.cancel (Cancel, GiveBack)
           │  pool.find_dead() every PUMP_S → core.lost             Retire → pool.end → core.lost, then a
           ▼                                                                  replacement: core.spawned
     release the lock, then Deliver each outcome into its sink (a queue, a future, an event loop):
