@@ -144,14 +144,14 @@ class RoomWanted:
 
 
 def wait_for_room(nbytes: int, deadline, wanted: RoomWanted) -> bool:
-    """Wait a moment, and on until /dev/shm has `nbytes` free, or `deadline` (monotonic; or a callable giving
-    it, read at each look) passes; True when it has (the caller tries again: the room may be gone again, or
+    """Wait a moment, and on until /dev/shm has `nbytes` free, or `deadline()` (monotonic, read at each look: it
+    may move) passes; True when it has (the caller tries again: the room may be gone again, or
     fragmented by others' reservations). Room is said to be wanted at each look: a process that heard it before
     the segment it keeps came free hears it again as that segment comes free (SegmentStore.free), not only at
     its next idle look."""
     pause = 0.005
     while True:
-        left = (deadline() if callable(deadline) else deadline) - time.monotonic()
+        left = deadline() - time.monotonic()
         if left <= 0:
             return False
         time.sleep(min(pause, left))
@@ -174,20 +174,21 @@ def reserve(name: str, size: int) -> None:
         os.close(fd)
 
 
-def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_held, wait_s=None) -> str | None:
+def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_held, told_wait=None) -> str | None:
     """`name`, made in /dev/shm with `size` bytes reserved after giving back and waiting for room as this
     module's docstring says (`give_back(0)`: the bytes this process gave back of what it keeps); None when the
     segment is to go to the spill directory. SharedMemoryFull when the room it lacks is held by results the
-    caller keeps (`caller_held()`, when there is such a measure). `wait_s()`: how long to wait, as this process
-    is told now (None, or no `wait_s`: `room_wait_s(size)`), read at each look: a worker told to wait long for
-    frees on their way stops once its host says none are coming (a map's caller keeps the room)."""
+    caller keeps (`caller_held()`, when there is such a measure). `told_wait()`: how long to wait, in seconds,
+    as this process is told now (None, or no `told_wait`: `room_wait_s(size)`), read at each look: a worker
+    told to wait long for frees on their way stops once its host says none are coming (a map's caller keeps
+    the room)."""
     free, total = shm_room()
     if total and size > total:
         return None  # it can never fit
     started = None
 
     def deadline() -> float:
-        told = wait_s() if wait_s is not None else None
+        told = told_wait() if told_wait is not None else None
         return started + (room_wait_s(size) if told is None else told)
 
     while True:

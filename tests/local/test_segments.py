@@ -88,10 +88,11 @@ def test_a_worker_told_to_wait_for_room_waits_for_the_free_on_its_way_rather_tha
 
 
 def test_a_worker_waiting_for_room_stops_once_its_host_says_no_free_is_coming(prefix, monkeypatch):
-    # Told to wait (a map held back by memory), then, while it waits, told not to (that map's caller keeps the
-    # room: LocalInflight.room): the value goes to disk at once, not after the 2 s it was first told.
+    # Told to wait (a map held back by memory: 2 s; 5 here, so a loaded machine cannot blur the two), then, while
+    # it waits, told not to (that map's caller keeps the room: LocalInflight.room): the value goes to disk then,
+    # not after the wait it was first told.
     segments = Segments(prefix, 1 << 20)
-    segments.told(0, 2.0)
+    segments.told(0, 5.0)
     store = segments.get_store()
     never = threading.Event()
     _dev_shm_full_until(never, monkeypatch)
@@ -105,5 +106,5 @@ def test_a_worker_waiting_for_room_stops_once_its_host_says_no_free_is_coming(pr
         timer.cancel()
         segments.close()
     assert room.is_spilled(name), name
-    assert 0.2 <= waited < 1.0, waited
+    assert 0.2 <= waited < 5.0, waited  # (it waited until it was told not to, and not the whole first wait)
     del view

@@ -437,7 +437,8 @@ def test_a_wait_for_room_says_it_is_wanted_at_each_look(prefix, monkeypatch):
     assert keeper.wanted.heard() and not keeper.wanted.heard()
     monkeypatch.setattr(room, "shm_room", lambda: (0, 64 << 20))  # no room comes
     time.sleep(0.01)  # (the flag's time must move on)
-    assert not room.wait_for_room(GRANULE, time.monotonic() + 0.05, wanting.wanted)
+    deadline = time.monotonic() + 0.05
+    assert not room.wait_for_room(GRANULE, lambda: deadline, wanting.wanted)
     assert keeper.wanted.heard()
 
 

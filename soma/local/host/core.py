@@ -70,7 +70,6 @@ class HostCore(WorkerEvents, ChunkEvents):
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.walker = Walker()
         self.chunk_jobs: dict = {}  # base → a Chunk's job out or waiting (its inputs travel as base + place)
-        self.giving_back: set = set()  # ids of chunks' jobs whose worker was asked to give back (hand_on)
         self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
         self.out: list = []  # actions not yet taken by the loop
 

@@ -79,7 +79,6 @@ class ChunkEvents:
         self.dispatch.give_back(job)
         job.flow.jobs.discard(job)
         self.chunk_jobs.pop(job.base, None)
-        self.giving_back.discard(job.id)
 
     def stragglers(self, now: float) -> list:
         """`(slot, job)` of chunks' jobs out for long (an input of theirs is slow: it holds the others behind
@@ -94,8 +93,7 @@ class ChunkEvents:
             return []
         found = []
         for job in self.chunk_jobs.values():
-            if job.slot is None or len(job.pending) < 2 or job in self.dispatch.parked[job.slot] or (
-                    job.id in self.giving_back):  # (asked already: what it gives back goes when it answers)
+            if job.slot is None or len(job.pending) < 2 or job.asked_back or job in self.dispatch.parked[job.slot]:
                 continue
             expected = choice.service_s.get(job.piece.id, 0.0) * len(job.places)
             if now - job.sent_at > max(chunks.STRAGGLER_S, 4 * expected):
@@ -109,13 +107,13 @@ class ChunkEvents:
         those, go to another worker. None runs twice: between the status page's look and the worker's answer,
         the worker may have started more of them (measured: a fresh worker that loaded the piece for 20 ms
         then ran hundreds of inputs before a cancel came; each of those then ran on two workers)."""
-        if self.dispatch.outstanding.get(job.id) is not job or stale(job) or job.id in self.giving_back:
+        if self.dispatch.outstanding.get(job.id) is not job or stale(job) or job.asked_back:
             return
         now = chunks.running(job, running)  # (a chunk runs in order: those before it are done, not yet reported)
         rest = chunks.still_open(job.flow, sorted(p for p in job.pending if now is None or p > now))
         if not rest:
             return
-        self.giving_back.add(job.id)
+        job.asked_back = True  # (asked once: what it gives back goes when it answers)
         self.out.append(CancelAt(job.slot, [job.base + p for p in rest], give_back=True))
 
     def _given_back(self, slot: int, returned: list) -> None:
@@ -129,7 +127,7 @@ class ChunkEvents:
             if job is not None and job.slot == slot and job_id - base in job.pending:
                 by_job.setdefault(job, []).append(job_id - base)
         for job, places in by_job.items():
-            self.giving_back.discard(job.id)
+            job.asked_back = False
             job.pending.difference_update(places)
             if not job.pending:
                 self._chunk_job_over(job)

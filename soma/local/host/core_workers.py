@@ -93,7 +93,6 @@ class WorkerEvents:
         requeued = []
         for job in dispatch.at(slot):
             dispatch.give_back(job)
-            self.giving_back.discard(job.id)  # (a give-back it did not answer: what it owes goes again below)
             if stale(job):
                 job.flow.jobs.discard(job)
                 continue
@@ -103,7 +102,7 @@ class WorkerEvents:
                     requeued += self._chunk_lost(job, place, worker, ended, running, down)
                     continue
             if id(job) in parked or job.places is not None or (running is not None and job.id not in running):
-                job.slot = None
+                job.slot, job.asked_back = None, False  # (a give-back its worker did not answer: all of it goes)
                 requeued.append(job)
                 continue
             node = running.get(job.id, job.piece.entry) if running is not None else job.piece.entry
@@ -137,4 +136,4 @@ class WorkerEvents:
     def _retire(self, slot: int, why: str) -> None:
         if self.state[slot] in (STARTING, READY, LEAVING):
             self.state[slot] = RETIRING  # it takes nothing from now on; its `lost` says what it held
-            self.out.append(Retire(slot, why))
+            self.out.append(Retire(slot, why, self.workers[slot]))

@@ -96,10 +96,12 @@ class CancelAt(NamedTuple):
 
 
 class Retire(NamedTuple):
-    """Kill the worker of `slot` and start its replacement; its end comes back as the `lost` event."""
+    """Kill `worker`, the worker of `slot`, and start its replacement; its end comes back as the `lost` event.
+    (Not another that took its slot meanwhile: as a Send.)"""
 
     slot: int
     why: str | None
+    worker: object  # the worker process the core meant
 
 
 class Spawn(NamedTuple):

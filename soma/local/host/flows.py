@@ -87,7 +87,7 @@ class Job:
 
     __slots__ = ("id", "flow", "try_", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
                  "behind", "traced", "value", "twins", "packed", "position", "send", "base", "places", "pending",
-                 "pace")
+                 "pace", "asked_back")
 
     def __init__(self, job_id: int, flow: Flow, piece: Piece, then, value, twins: dict):
         self.id = job_id
@@ -116,6 +116,7 @@ class Job:
         # ... and (inputs, typical seconds) of its part with the most inputs so far: the chunk's pace, measured
         # when it is over (core_chunks), so a straggler answered alone in the last part does not count as it.
         self.pace = (0, 0.0)
+        self.asked_back = False  # its worker was asked to give back what it has not begun, and has not answered
 
     def chunk_ids(self) -> list:
         """The job ids of the inputs it still owes, as they travel (a Chunk's job)."""

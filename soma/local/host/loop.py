@@ -266,7 +266,8 @@ class HostLoop(WorkerLife, MapHints):
                 elif kind is CancelAt:
                     self.pool.cancel(action.slot, action.job_ids, action.give_back)
                 elif kind is Retire:
-                    self._end(self.pool.worker(action.slot), action.why)
+                    if self.pool.workers[action.slot] is action.worker:  # (as a Send: not its replacement)
+                        self._end(action.worker, action.why)
                 elif kind is Spawn:
                     self._start_due(action.slot, wanted=True)
             if self.inbox:
