@@ -4,11 +4,12 @@
     host/       in the caller's process. One owner of the host's state: core.py, a pure state machine
                 (events in, actions out: no locks, no sockets, no threads; with core_workers.py, workers
                 coming and going, and core_chunks.py, a map's chunks: chunks.py), with its books in
-                dispatch.py (lines, choice.py) and flows.py (an input's walk); loop.py, the only code that
-                locks and the only code that touches the sockets and the core (callers that wait receive for
-                each other; loop_workers.py: workers spawned, ended, found dead; loop_maps.py: what a map asks
-                and tells); pool.py (processes, sockets, leases), sending.py (encoding), outcomes.py
-                (decoding, checking), listener.py, program.py (compile), procs.py, leases.py
+                dispatch.py (lines, the choice of a worker), measures.py (what outcomes taught) and flows.py
+                (an input's walk); loop.py, the only code that locks and the only code that touches the sockets
+                and the core (callers that wait receive for each other; loop_workers.py: workers spawned, ended,
+                found dead; loop_maps.py: what a map asks and tells); pool.py (processes, sockets, leases),
+                sending.py (encoding), outcomes.py (decoding, checking), listener.py, program.py (compile),
+                procs.py, leases.py
     worker/     the `soma-worker` program (`python -m soma.local.worker`): one process of the pool
 
 How one `run(g, x)` goes (calls go down, answers come back as return values; the worker's side is drawn in
@@ -21,7 +22,7 @@ How one `run(g, x)` goes (calls go down, answers come back as return values; the
       ├─▶ HostLoop.start_one     loop      a Flow for x, posted to the loop's inbox; whoever holds the
       │                                    lock (this thread, if it is free) hands it to the core:
       │     HostCore.start       core      flows.Walker makes the Jobs; dispatch.pump picks a worker for
-      │                                    each (choice.py) → actions: Send(slot, jobs)
+      │                                    each (by the depths measures.py learnt) → Send(slot, jobs)
       │     the loop carries out Send: sending.encode (x encoded once, tensors into shared segments,
       │     handles only; a batching node alone's inputs into one bundle) → pool.send: one Task
       │                                        ── ROUTER ── ipc ──▶ worker: decode, run, encode

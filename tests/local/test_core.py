@@ -471,7 +471,7 @@ class CoreMachine(RuleBasedStateMachine):
             # worker still answers the places handed on: Cancelled, or what ran before the Cancel came)
             held = [j for j in self.inbox[slot] if j.places is None or j.pending]
             assert sorted(j.id for j in out) == sorted(j.id for j in held), slot
-            assert core.dispatch.choice.load[slot] == len(out) + len(core.dispatch.parked[slot]), slot
+            assert core.dispatch.load[slot] == len(out) + len(core.dispatch.parked[slot]), slot
 
     def teardown(self):
         """Liveness: every worker says hello and answers everything (no more deaths): every input ends."""

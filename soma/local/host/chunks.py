@@ -25,7 +25,7 @@ from .outcomes import checked
 
 CHUNK_S = 0.025  # a chunk holds about this much work (measured): see the note below
 MAX_FILL = 1024  # and at most this many inputs,
-CHUNK_SHM = 4 << 20  # and no more than take this much /dev/shm (their inputs and outputs: WorkerChoice.chunk)
+CHUNK_SHM = 4 << 20  # and no more than take this much /dev/shm (their inputs and outputs: Measures.chunk)
 AHEAD = 2  # chunks per worker a map keeps in flight: one running, the next waiting behind it
 STRAGGLER_S = 0.02  # a chunk's job out this long (and 4 times what it should take) while a worker idles:
 #                     what it has not started goes to that worker

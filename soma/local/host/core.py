@@ -13,9 +13,10 @@
       forget(keys) · close(error)
 
 What lives here: the flows (an input's walk through its program: flows.py), the
-lines of jobs waiting for a worker (dispatch.py), which worker takes a job
-(choice.py), what is out at each worker, bundles of a batching node's inputs,
-retries, cancels and timeouts. Each is decided here and nowhere else.
+lines of jobs waiting for a worker, which worker takes a job and what is out at
+each (dispatch.py), what each piece's outcomes taught (measures.py), bundles of a
+batching node's inputs, retries, cancels and timeouts. Each is decided here and
+nowhere else.
 
 Nothing here locks, sends, receives, sleeps or encodes, and the clock is read only
 for a traced input's spans (the loop passes `now` in): the loop that owns the
@@ -51,6 +52,7 @@ from .core_workers import (
 from .dispatch import Dispatch
 from .events import Bundled, CancelAt, Deliver, Send, Spawn
 from .flows import Chunk, Flow, Job, Walker, chunk_base, stale
+from .measures import Measures
 from .outcomes import checked, input_ended, internal, record
 from .program import pieces
 
@@ -65,12 +67,13 @@ class HostCore(WorkerEvents, ChunkEvents):
         self.state = [DOWN] * n  # per slot: STARTING, READY, LEAVING, RETIRING or DOWN (see above)
         self.workers: list = [None] * n  # per slot: its worker process now (`.id`, `.pid`), once spawned
         self.why_down: list = [None] * n  # per slot: why no worker can run there now, in words after "worker w1"
-        self.dispatch = Dispatch(worker_devices)  # the lines, what is out at each worker, the choice
+        self.measures = Measures()  # what each piece's outcomes taught: its pace, its /dev/shm
+        self.dispatch = Dispatch(worker_devices, self.measures)  # the lines, what is out at each worker, the choice
         self.flows: dict = {}  # the flows in flight (as keys, in the order they started)
         self.closed_with = None  # the error every flow gets once the pool is closed
         self.walker = Walker()
         self.chunk_jobs: dict = {}  # base → a Chunk's job out or waiting (its inputs travel as base + place)
-        self.admitted: set = set()  # programs whose pieces the choice knows (WorkerChoice.admit)
+        self.admitted: set = set()  # programs whose pieces the dispatch knows (Dispatch.admit)
         self.out: list = []  # actions not yet taken by the loop
 
     def take(self) -> list:
@@ -80,7 +83,7 @@ class HostCore(WorkerEvents, ChunkEvents):
 
     def has_idle(self) -> bool:
         """Whether a worker is ready and has nothing out."""
-        return any(state == READY and not load for state, load in zip(self.state, self.dispatch.choice.load))
+        return any(state == READY and not load for state, load in zip(self.state, self.dispatch.load))
 
     def busy(self) -> bool:
         """Whether any job is queued or out at a worker (the dispatch's books, read here: a run asks once)."""
@@ -88,22 +91,22 @@ class HostCore(WorkerEvents, ChunkEvents):
         return bool(dispatch.outstanding or dispatch.waiting.lines)
 
     def parallelism(self, program_pieces: list) -> int:
-        """How many inputs of a program this pool works on at once (see WorkerChoice.parallelism)."""
-        return self.dispatch.choice.parallelism(program_pieces)
+        """How many inputs of a program this pool works on at once (see Measures.parallelism)."""
+        return self.measures.parallelism(program_pieces, len(self.state))
 
     def chunk(self, piece) -> int:
-        """How many inputs of `piece` a map's chunk holds now (chunks.size)."""
-        return self.dispatch.choice.chunk(piece)
+        """How many inputs of `piece` a map's chunk holds now (Measures.chunk)."""
+        return self.measures.chunk(piece)
 
     def weigh_inputs(self, piece, shm: int) -> None:
         """The host copied an input of `piece` into `shm` bytes of /dev/shm (the loop, as it encodes)."""
-        self.dispatch.choice.weigh(piece, shm, inputs=True)
+        self.measures.weigh(piece, shm, inputs=True)
 
     def shm_measures(self, program_pieces: list) -> tuple:
         """`(bytes of /dev/shm an input of a program takes on its way, or None; what its output takes at least
-        once it arrived)`, as measured (WorkerChoice.shm_per_input, shm_per_output): a map's room."""
-        choice = self.dispatch.choice
-        return choice.shm_per_input(program_pieces), choice.shm_per_output(program_pieces)
+        once it arrived)`, as measured (Measures.shm_per_input, shm_per_output): a map's room."""
+        measures = self.measures
+        return measures.shm_per_input(program_pieces), measures.shm_per_output(program_pieces)
 
     # -- inputs ------------------------------------------------------------------------------------------
     def start(self, program, flows: list) -> None:
@@ -132,7 +135,7 @@ class HostCore(WorkerEvents, ChunkEvents):
                 self._enqueue(self.walker.start(flow, x))
             if program not in self.admitted:
                 self.admitted.add(program)
-                self.dispatch.choice.admit(pieces(program))
+                self.dispatch.admit(pieces(program))
         if DOWN in self.state:  # a slot that could not be started is tried again for them
             for slot, state in enumerate(self.state):
                 if state == DOWN and self.why_down[slot] is not None:
@@ -177,7 +180,7 @@ class HostCore(WorkerEvents, ChunkEvents):
 
     def forget(self, keys: list) -> None:
         """Nodes the host let go: nobody holds their copies any more."""
-        self.dispatch.choice.forget(keys)
+        self.dispatch.forget(keys)
 
     def close(self, error: SomaError) -> None:
         """The pool is closing: every input in flight gets `error`, and so does every input started later."""
@@ -204,16 +207,13 @@ class HostCore(WorkerEvents, ChunkEvents):
                     if job is None:
                         continue
                     if not measured:
-                        self.dispatch.choice.measure(job, one.seconds, now)
-                        self.dispatch.choice.weigh(job.piece, one.shm)
+                        self.measures.learn(job, one.seconds, now, one.shm)
                         measured = True
                     self._arrived(job, ok, value, worker, None)
                 continue
             job = self._returned(one.job, slot, one.value)
             if job is not None:
-                self.dispatch.choice.measure(job, one.seconds, now)
-                if one.ok:
-                    self.dispatch.choice.weigh(job.piece, one.shm)
+                self.measures.learn(job, one.seconds, now, one.shm if one.ok else None)
                 self._arrived(job, one.ok, one.value, worker, one if one.spans is not None else None)
         if returned:
             self._given_back(slot, returned)
@@ -301,9 +301,8 @@ class HostCore(WorkerEvents, ChunkEvents):
         if not self.dispatch.waiting.lines:
             return
         usable = tuple(s for s, state in enumerate(self.state) if state in (READY, STARTING))
-        sends = self.dispatch.pump(usable, tuple(s for s in usable if self.state[s] == STARTING))
-        for slot, jobs in (sends or {}).items():
-            self._send(slot, jobs)
+        for slot, jobs, groups in self.dispatch.pump(usable, tuple(s for s in usable if self.state[s] == STARTING)):
+            self.out.append(Send(slot, jobs, groups, self.workers[slot]))
         if self.dispatch.waiting.lines:
             self._fail_unplaceable()
 
@@ -317,7 +316,7 @@ class HostCore(WorkerEvents, ChunkEvents):
             return
         waiting = self.dispatch.waiting
         for piece, _ in waiting.snapshot():
-            slots = self.dispatch.choice.serving(piece)
+            slots = self.dispatch.serving(piece)
             if not all(why[s] for s in slots):
                 continue
             worker = self.workers[slots[0]]

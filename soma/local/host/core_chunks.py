@@ -55,7 +55,7 @@ class ChunkEvents:
             if not job.pending:
                 self._chunk_job_over(job)
             return
-        self.dispatch.choice.weigh(job.piece, one.shm)
+        self.measures.weigh(job.piece, one.shm)
         try:
             items, back = chunks.arrived(job, one, worker)
         except Exception as err:  # never leave an input waiting forever on soma's own mistake
@@ -66,7 +66,7 @@ class ChunkEvents:
             job.pace = (len(one.jobs), one.seconds)
         if not job.pending:
             self._chunk_job_over(job)
-            self.dispatch.choice.measure(job, job.pace[1], now, len(job.places))
+            self.measures.learn(job, job.pace[1], now, count=len(job.places))
         back = chunks.still_open(chunk, back)
         if back:
             self.dispatch.waiting.add_first([self._rest(job, back)])
@@ -88,14 +88,14 @@ class ChunkEvents:
             del self.chunk_jobs[base]  # (over: dropped on a worker's end or hello, or never sent)
         if not self.chunk_jobs or self.dispatch.waiting:
             return []
-        choice = self.dispatch.choice
+        service_s = self.measures.service_s
         if not self.has_idle():
             return []
         found = []
         for job in self.chunk_jobs.values():
             if job.slot is None or len(job.pending) < 2 or job.asked_back or job in self.dispatch.parked[job.slot]:
                 continue
-            expected = choice.service_s.get(job.piece.id, 0.0) * len(job.places)
+            expected = service_s.get(job.piece.id, 0.0) * len(job.places)
             if now - job.sent_at > max(chunks.STRAGGLER_S, 4 * expected):
                 found.append((job.slot, job))
         return found

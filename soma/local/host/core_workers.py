@@ -87,7 +87,7 @@ class WorkerEvents:
             return  # an earlier incarnation's end, or this one's told twice
         self.state[slot], self.why_down[slot] = DOWN, down
         dispatch = self.dispatch
-        dispatch.choice.slot_lost(slot)
+        dispatch.slot_lost(slot)
         running = dict(running) if running is not None else None
         parked = set(map(id, dispatch.unpark(slot)))
         requeued = []

@@ -1,22 +1,32 @@
 """Which worker takes each waiting job, and what is out at each worker: the core's books of where jobs are.
 
-    queue(jobs) ──▶ lines (Waiting, below: a line per piece)
-                     │ pump(usable, starting): a worker for each job from the front of each line (choice.py),
-                     ▼ a batching node alone's filling a bundle at one worker before the next is chosen
-                   { slot: jobs to send }   and, for a worker still starting, jobs parked until its hello
+    add(jobs) ──▶ lines (Waiting, below: a line per piece)
+                   │ pump(usable, starting): a worker for each job from the front of each line (choose, below),
+                   ▼ a batching node alone's filling a bundle at one worker before the next is chosen
+                 [(slot, jobs, groups)] to send  and, for a worker still starting, jobs parked until its hello
     give_back(job): its outcome came, or its worker is gone: it is no longer out there
 
-The lines (`Waiting`): one per piece, first come first served within it.
-
-    add(jobs) ──▶ {piece: deque of its jobs}  (pieces in the order their first waiting job came)
-                   │ the pump takes each piece's jobs from the front while a worker takes them, and stops
-                   ▼ at the first one none can: the rest of that line waits, without being looked at
-
-A piece's jobs all ask the same of a worker (its device, its copies, its lane), so
-when none can take the first, none can take the ones behind it in the same pump:
-a pump costs what it places plus one look per piece, not a look at every job
-waiting (64 threads calling `run` while a batching node's inputs gather here
+The lines (`Waiting`): one per piece, first come first served within it. The
+pump takes each piece's jobs from the front while a worker takes them, and stops
+at the first one none can: the rest of that line waits, without being looked at.
+A piece's jobs all ask the same of a worker (its device, its copies, its lane),
+so when none can take the first, none can take the ones behind it in the same
+pump: a pump costs what it places plus one look per piece, not a look at every
+job waiting (64 threads calling `run` while a batching node's inputs gather here
 made each run's pump walk all the others).
+
+The choice of a worker for a job: one pinned to the piece's CUDA device, if it
+has one, and, for a batching node alone, one with none of its sends (bundles)
+out, or one out while a full bundle waits (GATHER_SENDS: one running, the next
+queued behind it): what comes meanwhile waits here and goes as one bundle (a
+bundle fills at the worker chosen for its first job, `fits`, before the next
+choice); among those, the one with the fewest jobs outstanding, preferring the
+worker that already holds copies of most of the piece's nodes (their state lives
+there), then the one that holds the fewest copies; a worker without a copy
+qualifies only while the nodes' `copies` allow another. A worker runs its jobs of
+one piece one after another (a lane), so at most the piece's depth of them wait
+there (measures.py: measured from their pace), and at most `cap(piece)` jobs of
+all pieces are out at it when it takes one more.
 
 Pure, like the core that owns it (core.py): no locks, no I/O.
 """
@@ -25,41 +35,70 @@ from __future__ import annotations
 
 from collections import deque
 
-from .choice import GATHER_SENDS, WorkerChoice
 from .chunks import AHEAD
-from .flows import SendCount, entries, stale
+from .flows import SendCount, stale
+from .measures import MAX_DEPTH
+
+GATHER_SENDS = 2  # a batching node alone: its sends (bundles, or one job) out at a worker before the next waits
+
+
+def cap(piece) -> int:
+    """How many jobs a worker may have outstanding and still take one of `piece`'s: MAX_DEPTH, or two batches'
+    worth for a piece with a batching node (one running, the next queued behind it: with one, the worker
+    waited while its outcomes went and the next batch came). Also a piece's depth until it is measured."""
+    return max(MAX_DEPTH, 2 * piece.batch)
 
 
 class Dispatch:
-    """The lines of waiting jobs, the jobs out at each worker (sent, or parked for one starting), the choice."""
+    """The lines of waiting jobs, the jobs out at each worker (sent, or parked for one starting), and what the
+    choice of a worker counts: their loads and lanes, the copies each holds, a batching node alone's sends."""
 
-    def __init__(self, worker_devices: list[str]):
-        self.choice = WorkerChoice(worker_devices)
+    def __init__(self, worker_devices: list[str], measures):
+        self.worker_devices = worker_devices
+        self.depths = measures.depths  # piece id → its measured depth (measures.py: read, never written here)
         self.waiting = Waiting()  # jobs waiting for a worker, a line per piece
         self.outstanding: dict = {}  # job id → job given to a worker (sent, or parked for it)
         self.parked: list = [[] for _ in worker_devices]  # jobs for a worker that has not said hello yet
+        self.load = [0] * len(worker_devices)  # jobs outstanding per worker (sent, or parked)
+        self.lanes: dict = {}  # (slot, piece id) → that piece's jobs outstanding at that worker
+        self.holders: dict[int, set] = {}  # node key → slots holding a copy
+        self.copies_at = [0] * len(worker_devices)  # copies held per worker
+        self.sends: dict = {}  # (slot, piece id) → a batching node alone's sends out at that worker (see choose)
+        self.widest = MAX_DEPTH  # the largest cap of the pieces admitted (pump: whether any worker has room)
 
     def at(self, slot: int) -> list:
         """The jobs out at the worker of `slot` (sent, or parked for it)."""
         return [job for job in self.outstanding.values() if job.slot == slot]
 
-    def pump(self, usable: tuple, starting: tuple):
-        """Give queued jobs to workers that can take them: `{slot: jobs}` to send (jobs for a worker still
-        starting are parked here instead, so a wave still spreads over the pool right after a death), or None
-        when no worker has room for any."""
-        if not self.choice.has_room(usable):
-            return None
+    def admit(self, pieces: list) -> None:
+        """These pieces' jobs are coming: a worker has room while its load is under the largest `cap` of any."""
+        for piece in pieces:
+            self.widest = max(self.widest, cap(piece))
+
+    def pump(self, usable: tuple, starting: tuple) -> list:
+        """Give queued jobs to workers that can take them: `[(slot, jobs, groups)]` to send (`sent`), none when
+        no worker has room for any. Jobs for a worker still starting are parked here instead, so a wave still
+        spreads over the pool right after a death."""
+        if not self.has_room(usable):
+            return []
         places: dict[int, list] = {}
-        for piece, line in self.waiting.snapshot():
+        lines = self.waiting.lines
+        for piece, line in list(lines.items()):
             self._place_line(piece, line, usable, places)
-            self.waiting.settle(piece)
-        sends = {}
+            if not line:
+                del lines[piece]
+        sends = []
         for slot, jobs in places.items():
             if slot in starting:
                 self.parked[slot].extend(jobs)
             else:
-                sends[slot] = jobs
+                sends.append((slot, jobs, self.sent(slot, jobs)))
         return sends
+
+    def has_room(self, usable) -> bool:
+        """Whether any of these workers can take one more job at all."""
+        widest = self.widest
+        return any(self.load[slot] < widest for slot in usable)
 
     def _place_line(self, piece, line, usable, places: dict) -> None:
         """Give `piece`'s waiting jobs to workers from the front of its line until no worker takes the next
@@ -68,36 +107,88 @@ class Dispatch:
         A batching node alone's jobs fill a bundle at one worker before the next worker is chosen (a bundle of
         the waiting jobs' share of the workers that can take them, up to max_batch: `_gather`): consecutive
         inputs travel and come back together, and a bundle costs one choice, not one per input."""
-        choice = self.choice
-        depth = choice.depth(piece)
+        depth = self.depths.get(piece.id) or cap(piece)
         ahead = min(depth, AHEAD)  # a chunk's job: one running and the next behind it at a worker
-        workers = len(usable) if piece.cuda is None else len(set(usable).intersection(choice.serving(piece)))
-        gather, size = _gather(piece, self.waiting.waiting(piece), workers)
+        workers = len(usable) if piece.cuda is None else len(set(usable).intersection(self.serving(piece)))
+        gather, size = _gather(piece, len(line), workers)
         filling, filled = None, 0  # the slot a bundle fills now, and how many it has
+        lanes, load, outstanding = self.lanes, self.load, self.outstanding
         while line:
             job = line[0]
             if stale(job):
                 line.popleft()
                 continue
             bundled = piece.bundle and not job.traced
-            if bundled and filling is not None and filled < size and choice.fits(piece, filling, depth):
+            if bundled and filling is not None and filled < size and self.fits(piece, filling, depth):
                 slot = filling
                 filled += 1
             else:
-                slot = choice.choose(piece, usable, ahead if job.places is not None else depth,
-                                     gather if bundled else 0)
+                slot = self.choose(piece, usable, ahead if job.places is not None else depth,
+                                   gather if bundled else 0)
                 if slot is None:
                     return
                 if bundled:
                     filling, filled = slot, 1
             line.popleft()
-            choice.take(job, slot)
-            self.outstanding[job.id] = job
+            lane = (slot, piece.id)  # (the job goes to `slot`: counted in its lane and load)
+            job.slot = slot
+            job.behind = lanes.get(lane, 0)  # the piece's jobs it will wait behind there
+            lanes[lane] = job.behind + 1
+            load[slot] += 1
+            outstanding[job.id] = job
             places.setdefault(slot, []).append(job)
 
+    def choose(self, piece, usable, depth: int, gather: int = 0):
+        """A worker for a job of `piece`, or None; the copies it will hold there are counted. `gather`: the
+        job is a batching node alone's (untraced), and a worker takes it only while fewer than `gather` of
+        the piece's sends are out there (1: none, the next bundle goes only to a worker with nothing of it
+        to run; GATHER_SENDS when a full bundle is waiting). What arrives meanwhile gathers into the next
+        bundle; a lone input finds nothing out and goes at once."""
+        best, best_rank = None, None
+        keys = piece.keys.values()
+        holders = self.holders
+        lanes = self.lanes
+        sends = self.sends if gather else None
+        most = cap(piece)
+        for slot in usable:
+            load = self.load[slot]
+            if (load >= most or lanes.get((slot, piece.id), 0) >= depth
+                    or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda)
+                    or (sends and sends.get((slot, piece.id), 0) >= gather)):
+                continue
+            holds = 0
+            for key in keys:
+                if slot in holders.get(key, ()):
+                    holds += 1
+            if holds < len(keys) and piece.max_copies is not None and not self._may_copy(piece, slot):
+                continue
+            rank = (load, -holds, self.copies_at[slot], slot)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = slot, rank
+        if best is not None:
+            for key in keys:
+                slots = holders.setdefault(key, set())
+                if best not in slots:
+                    slots.add(best)
+                    self.copies_at[best] += 1
+        return best
+
+    def fits(self, piece, slot: int, depth: int) -> bool:
+        """Whether the worker of `slot`, chosen for one of `piece`'s jobs in this pump, takes one more of them."""
+        return self.load[slot] < cap(piece) and self.lanes.get((slot, piece.id), 0) < depth
+
+    def _may_copy(self, piece, slot: int) -> bool:
+        """Whether another copy of the piece's limited nodes may be made on `slot`."""
+        return all(len(self.holders.get(key, ())) < piece.max_copies or slot in self.holders.get(key, ())
+                   for key in piece.keys.values())
+
+    def serving(self, piece) -> list[int]:
+        """The slots whose workers could ever run `piece` (its CUDA device's, or all)."""
+        return [s for s in range(len(self.load)) if piece.cuda is None or self.worker_devices[s] == piece.cuda]
+
     def sent(self, slot: int, jobs: list) -> list:
-        """The jobs go to the worker of `slot`, grouped as they will travel (flows.entries: returned); a batching
-        node alone's sends are counted there (a bundle, or one job, is one send: `WorkerChoice.sent`)."""
+        """The jobs go to the worker of `slot`, grouped as they will travel (`entries`: returned); a batching
+        node alone's sends are counted (a bundle, or one job, is one send: see `choose`)."""
         groups = entries(jobs)
         for group in groups:
             first = group[0]
@@ -105,7 +196,8 @@ class Dispatch:
                 count = SendCount(slot, first.piece.id, len(group))
                 for job in group:
                     job.send = count
-                self.choice.sent(slot, first.piece.id)
+                key = (slot, first.piece.id)
+                self.sends[key] = self.sends.get(key, 0) + 1
         return groups
 
     def unpark(self, slot: int) -> list:
@@ -116,13 +208,57 @@ class Dispatch:
     def give_back(self, job) -> None:
         """`job` is no longer at its worker (its outcome came, or the worker is gone)."""
         del self.outstanding[job.id]
-        self.choice.give_back(job)
+        lane = (job.slot, job.piece.id)
+        left = self.lanes[lane] - 1
+        if left:
+            self.lanes[lane] = left
+        else:
+            del self.lanes[lane]
+        self.load[job.slot] -= 1
         count = job.send
         if count is not None:
             job.send = None
             count.left -= 1
-            if not count.left:
-                self.choice.send_over(count.slot, count.piece_id)
+            if not count.left:  # every job of that send is back (answered, lost, or handed back)
+                key = (count.slot, count.piece_id)
+                left = self.sends.get(key, 0) - 1
+                if left > 0:
+                    self.sends[key] = left
+                else:
+                    self.sends.pop(key, None)
+
+    def slot_lost(self, slot: int) -> None:
+        """The worker of `slot` is gone: the copies it held are gone with it."""
+        for slots in self.holders.values():
+            slots.discard(slot)
+        self.copies_at[slot] = 0
+
+    def forget(self, keys: list) -> None:
+        """Nodes the host let go: nobody holds their copies any more."""
+        for key in keys:
+            for slot in self.holders.pop(key, ()):
+                self.copies_at[slot] -= 1
+
+
+def entries(jobs: list) -> list:
+    """How jobs going to one worker travel, as lists of jobs: each job alone, and a batching node alone's
+    untraced ones in bundles of at most its max_batch (those sent before in a bundle, whose worker left
+    before starting them: in that bundle again). The sends are counted by these; the loop encodes them."""
+    out, fresh, again = [], {}, {}
+    for job in jobs:
+        if job.places is not None:
+            out.append([job])  # a chunk: one entry (sending.py)
+        elif job.packed is not None:
+            again.setdefault(id(job.packed), []).append(job)
+        elif job.piece.bundle and not job.traced:
+            fresh.setdefault(job.piece, []).append(job)
+        else:
+            out.append([job])
+    for piece, members in fresh.items():
+        for first in range(0, len(members), piece.bundle):
+            out.append(members[first:first + piece.bundle])
+    out += again.values()
+    return out
 
 
 def _gather(piece, waiting: int, workers: int) -> tuple:

@@ -81,7 +81,7 @@ class Send(NamedTuple):
 
     slot: int
     jobs: list
-    groups: list  # the jobs as they travel (flows.entries): each alone, a batching node alone's in bundles
+    groups: list  # the jobs as they travel (dispatch.entries): each alone, a batching node alone's in bundles
     worker: object  # the worker process the core chose (`spawned`)
 
 

@@ -139,7 +139,7 @@ class Job:
 
 class SendCount:
     """One send of a batching node alone's inputs to a worker (a bundle, or one job): how many of its jobs are
-    still out there. When none is, the worker has one send fewer out (WorkerChoice.send_over)."""
+    still out there. When none is, the worker has one send fewer out (Dispatch.give_back)."""
 
     __slots__ = ("slot", "piece_id", "left")
 
@@ -271,24 +271,3 @@ def stale(job: Job) -> bool:
     """Whether `job` is of no use any more: its flow is over, it belongs to an earlier try, or it is a chunk's
     job left with no input to run (Job.drop_place)."""
     return job.flow.finished or job.try_ != job.flow.tries or job.places == []
-
-
-def entries(jobs: list) -> list:
-    """How jobs going to one worker travel, as lists of jobs: each job alone, and a batching node alone's
-    untraced ones in bundles of at most its max_batch (those sent before in a bundle, whose worker left
-    before starting them: in that bundle again). The core counts sends by these; the loop encodes them."""
-    out, fresh, again = [], {}, {}
-    for job in jobs:
-        if job.places is not None:
-            out.append([job])  # a chunk: one entry (sending.py)
-        elif job.packed is not None:
-            again.setdefault(id(job.packed), []).append(job)
-        elif job.piece.bundle and not job.traced:
-            fresh.setdefault(job.piece, []).append(job)
-        else:
-            out.append([job])
-    for piece, members in fresh.items():
-        for first in range(0, len(members), piece.bundle):
-            out.append(members[first:first + piece.bundle])
-    out += again.values()
-    return out

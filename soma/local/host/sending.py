@@ -1,6 +1,6 @@
 """What jobs travel as: inputs encoded for the worker they go to (the loop's side of a `Send`).
 
-    core: Send(slot, jobs) ── flows.entries(jobs) ─▶ [each job alone | a batching node alone's in a bundle]
+    core: Send(slot, jobs) ── dispatch.entries(jobs) ─▶ [each job alone | a batching node alone's in a bundle]
     loop: encode(get_store, entries) ─▶ items (jobs, `BundleSend`s) for pool.send, the inputs that could
           not be encoded, each with its NodeError (handed back to the core: `unsent`), and the /dev/shm each
           piece's inputs were copied into (`copied`: the core weighs them)
@@ -68,7 +68,7 @@ class BundleSend:
 
 
 def encode(get_store, groups: list) -> tuple[list, list, list]:
-    """`(items to send, [(job, the NodeError its input raised)], copied(items))` for `groups` (flows.entries)."""
+    """`(items to send, [(job, the NodeError its input raised)], copied(items))` for `groups` (dispatch.entries)."""
     items, failed = [], []
     for group in groups:
         first = group[0]
@@ -101,7 +101,7 @@ def encode(get_store, groups: list) -> tuple[list, list, list]:
 
 def copied(items: list) -> list:
     """`[(piece, bytes of /dev/shm one input was copied into)]` for the encodings among `items` (encode's) that
-    copied any: what a map's back-pressure by memory counts for its inputs (WorkerChoice.weigh)."""
+    copied any: what a map's back-pressure by memory counts for its inputs (Measures.weigh)."""
     found = []
     for item in items:
         if type(item) is BundleSend:

@@ -1,0 +1,75 @@
+"""Which worker takes a job (host/dispatch.py): pure bookkeeping, so it is tested without a single worker."""
+
+import itertools
+
+from soma import Done, Graph, Node
+from soma.local.host.dispatch import Dispatch
+from soma.local.host.flows import Flow, Job
+from soma.local.host.measures import MAX_DEPTH, Measures
+from soma.local.host.program import compile_program
+from tests.nodes import AddOne
+
+
+class Batches64(Node):
+    max_batch = 64
+
+    def forward_batch(self, xs, ctx):
+        return Done(list(xs))
+
+
+def piece_of(node):
+    counter = itertools.count(1)
+    return compile_program(Graph.somatize(node), lambda _: next(counter), ["cpu", "cpu"])
+
+
+def dispatch_of(measures=None) -> Dispatch:
+    return Dispatch(["cpu", "cpu"], measures or Measures())
+
+
+def fill(dispatch, piece, n: int = 1000) -> list:
+    """Queue `n` of `piece`'s jobs and pump: how many each worker took (the rest wait)."""
+    flow = Flow(None, None, None, piece, None)
+    dispatch.waiting.add([Job(i, flow, piece, None, i, {}) for i in range(1, n + 1)])
+    dispatch.pump((0, 1), ())
+    return list(dispatch.load)
+
+
+def test_a_worker_holds_two_batches_of_a_batching_node_one_running_and_the_next_behind_it():
+    piece = piece_of(Batches64())
+    dispatch = dispatch_of()
+    dispatch.admit([piece])
+    assert fill(dispatch, piece) == [128, 128]  # with one batch's worth, a worker idled while the next one came
+    assert not dispatch.has_room((0, 1))
+
+
+def test_a_plain_piece_keeps_at_most_max_depth_jobs_at_a_worker():
+    piece = piece_of(AddOne())
+    dispatch = dispatch_of()
+    dispatch.admit([piece])
+    assert fill(dispatch, piece) == [MAX_DEPTH, MAX_DEPTH]
+    assert not dispatch.has_room((0, 1))
+    assert dispatch.pump((0, 1), ()) == []  # (nothing more goes: the rest wait in their line)
+    assert len(dispatch.waiting.lines[piece]) == 1000 - 2 * MAX_DEPTH
+
+
+def test_room_for_a_batching_node_is_room_once_its_piece_is_admitted():
+    plain, batching = piece_of(AddOne()), piece_of(Batches64())
+    dispatch = dispatch_of()
+    dispatch.admit([plain])
+    fill(dispatch, plain)
+    assert not dispatch.has_room((0, 1))  # full for plain jobs: a pump looks no further
+    dispatch.admit([batching])
+    assert dispatch.has_room((0, 1))  # ... but a batching node's jobs still fit
+    assert fill(dispatch, batching) == [128, 128]
+
+
+
+
+def test_a_measured_piece_keeps_only_its_depth_of_jobs_at_each_worker():
+    measures, piece = Measures(), piece_of(AddOne())
+    job = Job(1, Flow(None, None, None, piece, None), piece, None, None, {})
+    for seconds in (0.1, 0.1):  # (the first: its code loading, not its pace)
+        measures.learn(job, seconds, 0.1 + 1e-4)  # jobs far longer than their way: one running, one waiting
+    dispatch = dispatch_of(measures)
+    dispatch.admit([piece])
+    assert fill(dispatch, piece) == [2, 2]

@@ -1,0 +1,80 @@
+"""What the host learns of each piece from its outcomes (host/measures.py): pure, tested without a worker."""
+
+import itertools
+
+from soma import Graph
+from soma.local.host.flows import Flow, Job
+from soma.local.host.measures import MAX_DEPTH, Measures
+from soma.local.host.program import compile_program
+from tests.nodes import AddOne
+
+
+def piece_of(node):
+    counter = itertools.count(1)
+    return compile_program(Graph.somatize(node), lambda _: next(counter), ["cpu", "cpu"])
+
+
+def test_what_a_pieces_outputs_take_of_dev_shm_counts_a_larger_one_at_once_and_smaller_ones_slowly():
+    # (a map's back-pressure by memory reads it: counting too little would fill /dev/shm)
+    measures, piece = Measures(), piece_of(AddOne())
+    assert measures.shm_per_input([piece]) is None  # not measured: the map takes one input per worker
+    measures.weigh(piece, None)  # (spilled: what it would take is not known)
+    assert measures.shm_per_input([piece]) is None
+    measures.weigh(piece, 1 << 20)
+    measures.weigh(piece, 20 << 20)
+    assert measures.shm_per_input([piece]) == 20 << 20
+    measures.weigh(piece, 0)
+    assert 10 << 20 < measures.shm_per_input([piece]) < 20 << 20
+    for _ in range(100):
+        measures.weigh(piece, 0)
+    assert measures.shm_per_input([piece]) < 1 << 10  # (small outputs now: the map is bound by count alone)
+
+
+def test_an_input_counts_what_the_host_copied_it_into_once_an_output_was_measured():
+    measures, piece = Measures(), piece_of(AddOne())
+    measures.weigh(piece, 20 << 20, inputs=True)
+    assert measures.shm_per_input([piece]) is None  # (no output yet: the map still takes one input per worker)
+    measures.weigh(piece, 4 << 20)
+    assert measures.shm_per_input([piece]) == 24 << 20
+    # An output that came back holds its own room only (its input's copy was freed as it came): what a map's
+    # window counts as no longer in flight for it. Of a program of two pieces, the smaller output (its last
+    # piece's is one of them: counting more than that would fill /dev/shm).
+    assert measures.shm_per_output([piece]) == 4 << 20
+    other = piece_of(AddOne())
+    assert measures.shm_per_output([piece, other]) == 4 << 20  # (the other not measured yet)
+    measures.weigh(other, 1 << 20)
+    assert measures.shm_per_output([piece, other]) == 1 << 20
+    assert Measures().shm_per_output([piece]) == 0  # (nothing measured: nothing counted back)
+
+
+def test_a_chunk_of_a_piece_whose_values_travel_through_dev_shm_holds_at_most_chunk_shm_of_them():
+    """A chunk's job holds its inputs until its last is done: chunks of large arrays would fill /dev/shm."""
+    from soma.local.host.chunks import CHUNK_SHM
+
+    measures, piece = Measures(), piece_of(AddOne())
+    job = Job(1, Flow(None, None, None, piece, None), piece, None, None, {})
+    measures.learn(job, 1e-5, 0.0)  # (a piece's first job loads its code: not its pace)
+    measures.learn(job, 1e-5, 0.0)
+    cheap = measures.chunk(piece)
+    assert cheap > 100  # 10 µs inputs with small values: many to a chunk
+    measures.weigh(piece, 100 << 10)  # outputs of 100 KiB through /dev/shm
+    assert measures.chunk(piece) == CHUNK_SHM // (100 << 10) < cheap
+    measures.weigh(piece, 20 << 20, inputs=True)  # and inputs of 20 MiB
+    assert measures.chunk(piece) == 1
+
+
+def test_a_pieces_depth_follows_its_pace_once_measured():
+    """Jobs of microseconds keep many out at a worker while outcomes travel; long ones one running and one
+    waiting; a program runs one input per worker until its pieces are measured."""
+    measures, piece = Measures(), piece_of(AddOne())
+    job = Job(1, Flow(None, None, None, piece, None), piece, None, None, {})
+    assert measures.parallelism([piece], 2) == 2
+    measures.learn(job, 1e-3, 1.0)  # (a piece's first job loads its code: not its pace)
+    assert piece.id not in measures.depths
+    measures.learn(job, 1e-5, 1e-3)  # 10 µs in the worker, ~1 ms there and back
+    assert measures.depths[piece.id] == MAX_DEPTH
+    assert measures.parallelism([piece], 2) == 2 * MAX_DEPTH
+    for _ in range(50):
+        measures.learn(job, 0.1, 0.1 + 1e-4)  # 100 ms in the worker, 0.1 ms there and back
+    assert measures.depths[piece.id] == 2
+    assert measures.parallelism([piece], 2) == 4
