@@ -46,7 +46,7 @@ from .core_workers import (
     DOWN,
     LEAVING,
     READY,
-    STARTING,
+    SlotStates,
     WorkerEvents,
 )
 from .dispatch import Dispatch
@@ -64,7 +64,7 @@ class HostCore(WorkerEvents, ChunkEvents):
     def __init__(self, worker_devices: list[str]):
         n = len(worker_devices)
         self.worker_devices = worker_devices
-        self.state = [DOWN] * n  # per slot: STARTING, READY, LEAVING, RETIRING or DOWN (see above)
+        self.state = SlotStates(n)  # per slot: STARTING, READY, LEAVING, RETIRING, DOWN or ASKED (core_workers)
         self.workers: list = [None] * n  # per slot: its worker process now (`.id`, `.pid`), once spawned
         self.why_down: list = [None] * n  # per slot: why no worker can run there now, in words after "worker w1"
         self.measures = Measures()  # what each piece's outcomes taught: its pace, its /dev/shm
@@ -300,8 +300,8 @@ class HostCore(WorkerEvents, ChunkEvents):
         ever take fails, saying why."""
         if not self.dispatch.waiting.lines:
             return
-        usable = tuple(s for s, state in enumerate(self.state) if state in (READY, STARTING))
-        for slot, jobs, groups in self.dispatch.pump(usable, tuple(s for s in usable if self.state[s] == STARTING)):
+        state = self.state
+        for slot, jobs, groups in self.dispatch.pump(state.usable, state.starting):
             self.out.append(Send(slot, jobs, groups, self.workers[slot]))
         if self.dispatch.waiting.lines:
             self._fail_unplaceable()

@@ -19,6 +19,22 @@ LEFT_OVER_MEMORY = "went over max_memory after an input, and was replaced"
 STARTING, READY, LEAVING, RETIRING, DOWN, ASKED = "starting", "ready", "leaving", "retiring", "down", "asked"
 
 
+class SlotStates(list):
+    """Each slot's state (a list: read as one), which keeps what every pump asks of it current as it is written:
+    `usable`, the slots that take jobs (READY, or STARTING: parked until its hello), and `starting`, those of
+    them STARTING. A slot's state changes a few times in a worker's life; a pump runs twice a run."""
+
+    def __init__(self, n: int):
+        super().__init__([DOWN] * n)
+        self.usable: tuple = ()
+        self.starting: tuple = ()
+
+    def __setitem__(self, slot: int, state: str) -> None:
+        super().__setitem__(slot, state)
+        self.usable = tuple([s for s, now in enumerate(self) if now == READY or now == STARTING])
+        self.starting = tuple([s for s in self.usable if self[s] == STARTING])
+
+
 def died(worker, ended: str, node: str, down: str | None, tries: int, retries: int) -> WorkerDied:
     """The error of an input whose every try was lost with the worker running it (`tries` made of it)."""
     then = "run again, or pass retries=N" if not retries else f"{tries} tries, each lost to a dead worker " \

@@ -97,8 +97,11 @@ class Dispatch:
 
     def has_room(self, usable) -> bool:
         """Whether any of these workers can take one more job at all."""
-        widest = self.widest
-        return any(self.load[slot] < widest for slot in usable)
+        load, widest = self.load, self.widest
+        for slot in usable:  # (a loop, not any() over a generator: a pump runs twice a run)
+            if load[slot] < widest:
+                return True
+        return False
 
     def _place_line(self, piece, line, usable, places: dict) -> None:
         """Give `piece`'s waiting jobs to workers from the front of its line until no worker takes the next
@@ -108,9 +111,11 @@ class Dispatch:
         the waiting jobs' share of the workers that can take them, up to max_batch: `_gather`): consecutive
         inputs travel and come back together, and a bundle costs one choice, not one per input."""
         depth = self.depths.get(piece.id) or cap(piece)
-        ahead = min(depth, AHEAD)  # a chunk's job: one running and the next behind it at a worker
-        workers = len(usable) if piece.cuda is None else len(set(usable).intersection(self.serving(piece)))
-        gather, size = _gather(piece, len(line), workers)
+        ahead = depth if depth < AHEAD else AHEAD  # a chunk's job: one running and the next behind it at a worker
+        gather = size = 0
+        if piece.bundle:
+            workers = len(usable) if piece.cuda is None else len(set(usable).intersection(self.serving(piece)))
+            gather, size = _gather(piece, len(line), workers)
         filling, filled = None, 0  # the slot a bundle fills now, and how many it has
         lanes, load, outstanding = self.lanes, self.load, self.outstanding
         while line:
@@ -146,31 +151,32 @@ class Dispatch:
         bundle; a lone input finds nothing out and goes at once."""
         best, best_rank = None, None
         keys = piece.keys.values()
-        holders = self.holders
-        lanes = self.lanes
+        holders, lanes, loads, copies_at = self.holders, self.lanes, self.load, self.copies_at
         sends = self.sends if gather else None
-        most = cap(piece)
+        most, piece_id, cuda, limited, wanted = cap(piece), piece.id, piece.cuda, piece.max_copies, len(keys)
         for slot in usable:
-            load = self.load[slot]
-            if (load >= most or lanes.get((slot, piece.id), 0) >= depth
-                    or (piece.cuda is not None and self.worker_devices[slot] != piece.cuda)
-                    or (sends and sends.get((slot, piece.id), 0) >= gather)):
+            load = loads[slot]
+            if (load >= most or lanes.get((slot, piece_id), 0) >= depth
+                    or (cuda is not None and self.worker_devices[slot] != cuda)
+                    or (sends and sends.get((slot, piece_id), 0) >= gather)):
                 continue
             holds = 0
             for key in keys:
                 if slot in holders.get(key, ()):
                     holds += 1
-            if holds < len(keys) and piece.max_copies is not None and not self._may_copy(piece, slot):
+            if holds < wanted and limited is not None and not self._may_copy(piece, slot):
                 continue
-            rank = (load, -holds, self.copies_at[slot], slot)
+            rank = (load, -holds, copies_at[slot], slot)
             if best_rank is None or rank < best_rank:
                 best, best_rank = slot, rank
         if best is not None:
             for key in keys:
-                slots = holders.setdefault(key, set())
+                slots = holders.get(key)
+                if slots is None:
+                    slots = holders[key] = set()
                 if best not in slots:
                     slots.add(best)
-                    self.copies_at[best] += 1
+                    copies_at[best] += 1
         return best
 
     def fits(self, piece, slot: int, depth: int) -> bool:
@@ -244,6 +250,8 @@ def entries(jobs: list) -> list:
     """How jobs going to one worker travel, as lists of jobs: each job alone, and a batching node alone's
     untraced ones in bundles of at most its max_batch (those sent before in a bundle, whose worker left
     before starting them: in that bundle again). The sends are counted by these; the loop encodes them."""
+    if len(jobs) == 1 and (jobs[0].places is not None or not jobs[0].piece.bundle):
+        return [[jobs[0]]]  # (a run's one job: alone)
     out, fresh, again = [], {}, {}
     for job in jobs:
         if job.places is not None:
@@ -263,12 +271,10 @@ def entries(jobs: list) -> list:
 
 def _gather(piece, waiting: int, workers: int) -> tuple:
     """`(how many of a batching node alone's sends a worker may have out and still take its jobs now, how many
-    of them a bundle holds in this pump)`; (0, 0) for any other piece. One send running and the next behind it
+    of them a bundle holds in this pump)`. One send running and the next behind it
     when a full bundle waits, else none (what the other inputs wait for gathers into one bundle; a lone input
     finds nothing out and goes at once); a bundle is the waiting jobs' share of the workers, up to max_batch
     (ten waiting for two idle workers go five and five, not ten to one while the other idles)."""
-    if not piece.bundle:
-        return 0, 0
     size = min(piece.bundle, max(1, -(-waiting // max(1, workers))))
     return (GATHER_SENDS if waiting >= piece.bundle else 1), size
 
