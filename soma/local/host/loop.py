@@ -194,11 +194,19 @@ class HostLoop(WorkerLife, MapHints):
 
     def _lead(self, seconds: float) -> None:
         """Receive on this thread (lock held on entry) until an outcome is ready to deliver or `seconds` pass;
-        then let go, deliver, and hand the receiving on when work is still out there."""
+        then let go, deliver, and hand the receiving on when work is still out there.
+
+        What is queued already, and the look at the workers now and then, come first, once what the core
+        decided is sent: done while the workers work, not between an outcome's arrival and its caller (a run's
+        way back: on two cores, each step on it is a run's time). After the outcome, what is queued behind it
+        is taken too while work is out (other callers' outcomes, delivered together); with none out, what may
+        still come (a stale job's Result, its releases) is the next holder's or the listener's (within PUMP_S)."""
         self.leading = True
         try:
             if not self.closing:
                 self._act()
+                self._drain()
+                self._now_and_then()
                 deadline = time.monotonic() + seconds
                 wait_ms = max(1, int(seconds * 1000))
                 receive = self.pool.receiver.wait
@@ -206,8 +214,8 @@ class HostLoop(WorkerLife, MapHints):
                     frame = receive(wait_ms)
                     if frame is not None:
                         self._on_frame(frame)
-                self._drain()  # (with nothing out, what is queued may still be releases: the frees wait on them)
-                self._now_and_then()
+                if self.core.busy():
+                    self._drain()
         finally:
             self.leading = False
             self._release()

@@ -304,6 +304,8 @@ class Worker:
                     self.turns.leave(first.piece, token)
             lane.pace = outcome.seconds
             outcomes.add(outcome, outcome.seconds)
+            if not lane.jobs:  # nothing behind it (a peek without the lock: one queued just now goes next time)
+                outcomes.flush()  # its outcome goes now, not after the lock is taken again to find that out
         outcomes.flush()
 
     def run_chunk(self, run: ChunkRun, lane: Lane, outcomes: Grouped) -> None:
