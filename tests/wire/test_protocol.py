@@ -39,6 +39,8 @@ SECRET = b"s" * 32
     Result("w1", 99, [ChunkPart([4, 6], [True, {"node": "a", "message": "m", "kind": "node"}], b"\x91\x01",
                                 [[["a", 1, 2, 3, "ok"]], None], [0.01, 0.02], True),
                       Outcome(7, True, b"\x01", None, 0.5)], [], False, [8, 9]),
+    Task({}, {}, [Chunk(range(1 << 48, (1 << 48) + 1024), 3, b"\x90", False)], [], []),
+    Result("w1", 99, [ChunkPart(range(5, 9), None, b"\x94\x01\x02\x03\x04", None, 0.01, False)], [], False, []),
     Free([["seg", 3]]),
     Cancel([1, 2, 3]),
     GiveBack([4, 6]),
@@ -47,6 +49,17 @@ SECRET = b"s" * 32
 def test_every_message_round_trips_as_the_same_record(message):
     back = protocol.parse(SECRET, protocol.pack(SECRET, message), "test")
     assert type(back) is type(message) and back == message
+
+
+def test_consecutive_ids_travel_as_a_range_of_two_integers_and_nothing_else_packs():
+    many = range(1 << 48, (1 << 48) + 1024)  # a chunk's: 9 KiB as a list
+    frame = protocol.pack(SECRET, Task({}, {}, [Chunk(many, 3, b"\x90", False)], [], []))
+    assert len(frame) < 100
+    back = protocol.parse(SECRET, frame, "test").jobs[0]
+    assert type(back) is Chunk and type(back.ids) is range and back.ids == many
+    for other in (range(0, 10, 2), {1, 2}, object()):  # (a step, or a type the protocol does not know)
+        with pytest.raises(TypeError, match="a message cannot hold"):
+            protocol.pack(SECRET, Cancel(other))
 
 
 def test_a_worker_reads_the_task_the_host_packs_field_by_field():
@@ -75,7 +88,8 @@ def test_authentic_but_undecodable_or_unknown_messages_are_dropped(caplog):
     with caplog.at_level(logging.WARNING, logger="soma.wire.protocol"):
         for frame, why in [(sealed(b"\xc1"), "did not decode"),
                            (sealed(b"\x91\x63"), "unknown shape"),  # [99]
-                           (sealed(b"\x92\x03\xa2w0"), "did not decode")]:  # a Result without its fields
+                           (sealed(b"\x92\x03\xa2w0"), "did not decode"),  # a Result without its fields
+                           (sealed(b"\x92\x05\xd4\x07\x00"), "did not decode")]:  # an ext it does not know
             protocol._dropped.last = float("-inf")
             assert protocol.parse(SECRET, frame, "test") is None
             assert why in caplog.text

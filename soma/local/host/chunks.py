@@ -52,10 +52,10 @@ def arrived(job: Job, one: Bundled, worker) -> tuple[list, list]:
     out, back = [], []
     ids, oks, values = one.jobs, one.oks, one.values
     first, n = (ids[0], len(ids)) if ids else (base, 0)
-    # (the common case: the part's ids consecutive, its places a range checked and cleared as one slice; else
-    # one by one)
+    # (the common case: the part's ids consecutive, a range (protocol.ChunkPart), its places checked and cleared
+    # as one slice; else one by one)
     start, stop = first - base, first - base + n
-    places = range(start, stop) if ids == list(range(first, first + n)) else [i - base for i in ids]
+    places = range(start, stop) if type(ids) is range else [i - base for i in ids]
     if (one.decoded and type(places) is range and not piece.devices and pending.covers(start, stop)
             and open_.covers(start, stop)):
         if n:  # (all ok, all wanted, nothing to look at: one Span)

@@ -279,7 +279,7 @@ class WorkerPool:
                                            outcome.spans))
                     continue
                 job_id, ok, body, spans, seconds = outcome
-                if type(job_id) is list:  # a Bundle's outcomes
+                if type(job_id) is not int:  # a Bundle's outcomes (its ids)
                     decoded.append(bundled(decoder, job_id, ok, body, seconds))
                     continue
                 start = time.monotonic_ns() if spans is not None else 0

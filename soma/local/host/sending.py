@@ -45,9 +45,9 @@ class BundleSend:
             base = first.base
             places = packed.places
             if first.places is places:  # (all of them: the common case; ascending, and consecutive but where
-                # an input could not be encoded: then made at C speed)
+                # an input could not be encoded: then a range, two integers on the wire: protocol.Chunk)
                 consecutive = places[-1] - places[0] == len(places) - 1
-                self.ids = (list(range(base + places[0], base + places[-1] + 1)) if consecutive
+                self.ids = (range(base + places[0], base + places[-1] + 1) if consecutive
                             else [base + place for place in places])
             else:
                 wanted = set(first.places)
