@@ -429,6 +429,22 @@ def pack_scalar(value) -> bytes | None:
         return None
 
 
+# The first bytes of msgpack's None, bools, ints, floats and strs (fixints, nil, bools, float 32/64, ints of 8-64
+# bits, fixstr and str 8/16/32): what `pack_scalar` makes, and what `unpack_scalar` reads without a Decoder.
+_SCALAR_LEADS = frozenset([*range(0x00, 0x80), *range(0xe0, 0x100), 0xc0, 0xc2, 0xc3, 0xca, 0xcb,
+                           *range(0xcc, 0xd4), *range(0xa0, 0xc0), 0xd9, 0xda, 0xdb])
+NOT_SCALAR = object()  # unpack_scalar's answer for any other value
+
+
+def unpack_scalar(data: bytes):
+    """The value of `data` when it is one msgpack None, bool, int, float or str (what `pack_scalar` makes: a
+    run's number, or its short string), decoded without a Decoder (no handle, segment or tuple can be in it);
+    NOT_SCALAR for anything else (a Decoder's). A value's way back costs one call, not a Decoder and two."""
+    if not data or data[0] not in _SCALAR_LEADS:
+        return NOT_SCALAR
+    return msgpack.unpackb(data, raw=False)
+
+
 # -- decoding -----------------------------------------------------------------------------------
 
 _MARKED = object()  # what the TUPLE mark decodes to: the list it leads is a tuple

@@ -404,3 +404,23 @@ def test_any_other_value_is_left_to_the_encoder(value):
     assert codec.pack_scalar(5) == b"\x05"  # (a value msgpack refused leaves nothing in the Packer)
     back = codec.Decoder(lambda create=True: None).unpack(codec.Encoder(lambda create=True: None).pack(value))
     assert back == value and type(back) is type(value)
+
+
+_PLAIN_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=40)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                          max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_PLAIN_VALUES)
+def test_a_scalar_decodes_without_a_decoder_as_the_decoder_would_and_nothing_else_does(value):
+    data = codec.Encoder(lambda create=True: None).pack(value)
+    back = codec.unpack_scalar(data)
+    if type(value) in (type(None), bool, int, float, str) and codec.pack_scalar(value) is not None:
+        assert back == value and type(back) is type(value)  # (a number or string the worker packed alone)
+    else:
+        assert back is codec.NOT_SCALAR  # (containers, bytes, a big int pickled: a Decoder's)
+    assert codec.unpack_scalar(b"") is codec.NOT_SCALAR

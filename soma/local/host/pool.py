@@ -271,22 +271,27 @@ class WorkerPool:
             # be counted and settled.
             worker = Gone(result.pid)
         decoded = []
-        decoder = codec.Decoder(self.get_store)
+        decoder = None  # (made for the first value that needs one: a lone number or string does not)
         try:
             for outcome in result.outcomes:
                 if type(outcome) is ChunkPart:  # (part of) a chunk's outcomes: see host/chunks.py
+                    decoder = decoder or codec.Decoder(self.get_store)
                     decoded.append(bundled(decoder, outcome.ids, outcome.said, outcome.body, outcome.seconds,
                                            outcome.spans))
                     continue
                 job_id, ok, body, spans, seconds = outcome
                 if type(job_id) is not int:  # a Bundle's outcomes (its ids)
+                    decoder = decoder or codec.Decoder(self.get_store)
                     decoded.append(bundled(decoder, job_id, ok, body, seconds))
                     continue
                 start = time.monotonic_ns() if spans is not None else 0
                 shm = None  # (what the output takes of /dev/shm: weighed for ok outputs only)
                 if ok:
                     try:
-                        value, shm = decoder.unpack_weighed(body)
+                        value, shm = codec.unpack_scalar(body), 0  # (nothing in /dev/shm)
+                        if value is codec.NOT_SCALAR:
+                            decoder = decoder or codec.Decoder(self.get_store)
+                            value, shm = decoder.unpack_weighed(body)
                     except Exception as err:
                         value = Undecodable(err)
                 else:
@@ -294,7 +299,7 @@ class WorkerPool:
                 decode = (start, time.monotonic_ns(), len(body) if ok else 0) if spans is not None else None
                 decoded.append(Arrived(job_id, ok, value, spans, seconds, decode, shm))
         finally:
-            for name in decoder.received:
+            for name in decoder.received if decoder is not None else ():
                 self._book.received(name, worker.pid)
         # Releases after the values: a handle echoed back must be counted before the input's receipt drops.
         for name, n in result.releases:

@@ -118,15 +118,20 @@ def encode_alone(get_store, job) -> None:
     x, twins = job.value, job.twins
     found = twins.get(id(x))
     if found is None:
-        encoder = codec.Encoder(get_store)
         trace, piece = job.flow.trace, job.piece
-        if trace is not None:
-            with trace.host_step("encode input", node=piece.entry, input=job.flow.index) as args:
-                payload = _packed(encoder.pack, x, piece.entry)
-                args.update(bytes=len(payload), shm_copies=encoder.copied)
+        payload = codec.pack_scalar(x) if trace is None else None  # (one number, say: no Encoder, nothing kept)
+        if payload is not None:
+            found = (payload, (), None)
         else:
-            payload = _packed(encoder.pack, x, piece.entry)
-        found = twins[id(x)] = (payload, encoder.shared, encoder)
+            encoder = codec.Encoder(get_store)
+            if trace is not None:
+                with trace.host_step("encode input", node=piece.entry, input=job.flow.index) as args:
+                    payload = _packed(encoder.pack, x, piece.entry)
+                    args.update(bytes=len(payload), shm_copies=encoder.copied)
+            else:
+                payload = _packed(encoder.pack, x, piece.entry)
+            found = (payload, encoder.shared, encoder)
+        twins[id(x)] = found
     job.payload, job.shared, job.keep = found
     job.value = None
 

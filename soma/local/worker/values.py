@@ -8,9 +8,9 @@ from ...wire import codec, failures
 
 
 def decode_input(payload: bytes, entry: str, worker: str, get_store):
-    decoder = codec.Decoder(get_store)
     try:
-        return decoder.unpack(payload)
+        x = codec.unpack_scalar(payload)  # (one number, say: without a Decoder)
+        return codec.Decoder(get_store).unpack(payload) if x is codec.NOT_SCALAR else x
     except Exception as err:
         raise NodeError.failed(entry, f"its input could not be received in worker {worker}: "
                                       f"{type(err).__name__}: {err}") from None
