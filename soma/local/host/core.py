@@ -267,11 +267,11 @@ class HostCore(WorkerEvents, ChunkEvents):
                 del self.chunk_jobs[job.base]
             self._deliver_chunk(flow, chunks.failed(flow, job.places, value))
             return
-        made = job.then(ok, value)
-        if made:
+        made = job.then(ok, value)  # the jobs its outcome makes, or (ok, value): the walk has ended (flows.py)
+        if type(made) is tuple:
+            self._finish(flow, *made)
+        elif made:
             self._enqueue(made)
-        if flow.outcome is not None:
-            self._finish(flow, *flow.outcome)
 
     def _finish(self, flow: Flow, ok, value) -> None:
         """End a flow: its outcome is delivered (unless `ok` is None: nobody waits for it any more)."""

@@ -7,10 +7,11 @@
 
 A program is compiled once into a starter (a fold over its tree). Continuations
 (`then(ok, value)`) carry outcomes on: the core calls a job's `then` when its
-outcome arrives and gets back the jobs that outcome makes (the next piece, none
-while a wave waits for its other branches). The last continuation is the flow
-itself: it records the input's outcome, which the core then delivers. Pure: nothing
-here encodes, sends or calls the core; answers come back as return values.
+outcome arrives and gets back the jobs that outcome makes (a list: the next piece,
+none while a wave waits for its other branches), or, once the walk has ended, the
+input's outcome (a tuple `(ok, value)`: the last continuation is the flow itself),
+which the core then delivers. Pure: nothing here encodes, sends or calls the core;
+answers come back as return values.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class Flow:
     are stale, and their outcomes are dropped.
     """
 
-    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "outcome", "program", "x", "retries",
-                 "tries", "graph")
+    __slots__ = ("index", "sink", "trace", "finished", "jobs", "started_ns", "program", "x", "retries", "tries",
+                 "graph")
 
     def __init__(self, index, sink, trace, program, x, retries: int = 0, graph=None):
         self.index = index
@@ -47,16 +48,14 @@ class Flow:
         self.finished = False
         self.jobs: set = set()  # its jobs of the current try, queued or outstanding
         self.started_ns = time.monotonic_ns() if trace is not None else 0
-        self.outcome = None  # (ok, value) once its walk has ended, until the core delivers it
         self.program = program
         self.x = x  # its input: until its first try starts, and kept after only for a try to come (retries)
         self.retries = retries
         self.tries = 1
 
-    def __call__(self, ok, value) -> list:
-        """The flow as the last continuation of its program's walk: the input's outcome is known."""
-        self.outcome = (ok, value)
-        return []
+    def __call__(self, ok, value) -> tuple:
+        """The flow as the last continuation of its program's walk: the input's outcome, for the core to deliver."""
+        return ok, value
 
 
 class Chunk(Flow):
@@ -221,7 +220,7 @@ class _Next:
     def __init__(self, items: list, i: int, flow: Flow, then):
         self.items, self.i, self.flow, self.then = items, i, flow, then
 
-    def __call__(self, ok, value) -> list:
+    def __call__(self, ok, value) -> list | tuple:
         items, i = self.items, self.i
         if not ok or i + 1 == len(items):
             return self.then(ok, value)
@@ -246,7 +245,7 @@ class _Join:
         self.left = n
         self.then = then
 
-    def branch_over(self, i: int, ok, value) -> list:
+    def branch_over(self, i: int, ok, value) -> list | tuple:
         self.results[i] = (ok, value)
         self.left -= 1
         if self.left:
@@ -263,7 +262,7 @@ class _Branch:
     def __init__(self, join: _Join, i: int):
         self.join, self.i = join, i
 
-    def __call__(self, ok, value) -> list:
+    def __call__(self, ok, value) -> list | tuple:
         return self.join.branch_over(self.i, ok, value)
 
 
