@@ -199,8 +199,9 @@ class HostLoop(WorkerLife, MapHints):
         What is queued already, and the look at the workers now and then, come first, once what the core
         decided is sent: done while the workers work, not between an outcome's arrival and its caller (a run's
         way back: on two cores, each step on it is a run's time). After the outcome, what is queued behind it
-        is taken too while work is out (other callers' outcomes, delivered together); with none out, what may
-        still come (a stale job's Result, its releases) is the next holder's or the listener's (within PUMP_S)."""
+        is taken too while work is out (other callers' outcomes, a map's next ones: delivered together); with
+        none out, what may still come (a stale job's Result, its releases) is the next holder's (its first step)
+        or the listener's (within PUMP_S)."""
         self.leading = True
         try:
             if not self.closing:
