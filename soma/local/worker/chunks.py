@@ -50,13 +50,16 @@ class ChunkRun:
     sent (see the module's docstring for who touches what). `sending` keeps its parts in order (its lane's
     thread and the receiving thread both send them) and guards `left`."""
 
-    __slots__ = ("chunk", "piece", "sending", "waiting", "left", "done", "part_since")
+    __slots__ = ("chunk", "piece", "ids", "sending", "waiting", "left", "done", "part_since")
 
     def __init__(self, chunk):
         self.chunk = chunk
         self.piece = chunk.piece
+        # Its ids as a list (they travel as a range when consecutive): the id objects the loop reads are the keys
+        # of `waiting`, so claiming one finds it by identity (a range makes a new int at each read: +20 % an input)
+        self.ids = list(chunk.ids)
         self.sending = threading.Lock()
-        self.waiting = dict.fromkeys(chunk.ids, True)  # ids neither started nor answered (pop one: claimed)
+        self.waiting = dict.fromkeys(self.ids, True)  # ids neither started nor answered (pop one: claimed)
         self.waiting.pop(0, None)  # (not wanted: never run, never answered)
         self.left = len(self.waiting)  # inputs not yet answered in a part nor given back
         self.done: list = []  # the inputs done and not sent, FIELDS items each, flat (a part slices its columns
@@ -64,12 +67,12 @@ class ChunkRun:
         self.part_since = 0.0  # when the first of `done` was done
 
     def named(self, wanted: set) -> bool:
-        return not wanted.isdisjoint(self.chunk.ids)
+        return not wanted.isdisjoint(self.ids)
 
     def claim_unstarted(self, wanted: set) -> list:
         """The ids among `wanted` that have not started, in the chunk's order: taken, they never will."""
         waiting = self.waiting
-        return [i for i in self.chunk.ids if i in wanted and waiting.pop(i, False)]
+        return [i for i in self.ids if i in wanted and waiting.pop(i, False)]
 
     def take(self, answered: int = 0) -> tuple:
         """`(what is done, whether an input is still to be answered after it)`, for a part that also answers or
@@ -97,7 +100,7 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     # sent and before an input that is not quick (a GIL turn must never be waited for holding it), where another
     # thread that runs the same node object can take it (a lock is not fair: as with a round per input, nothing
     # promises that it does before the chunk ends; a chunk is ~25 ms of work).
-    ids, claim, done, clock, producer = run.chunk.ids, run.waiting.pop, run.done, time.perf_counter, way.producer
+    ids, claim, done, clock, producer = run.ids, run.waiting.pop, run.done, time.perf_counter, way.producer
     add = done.extend  # (one C call: a taker never sees part of an input)
     call, naming, could_not_run, watch_memory = way.call, way.naming, runner.could_not_run, runner.max_memory
     direct = call is not None and not run.chunk.traced and not watch_memory  # (plain whenever quick)
