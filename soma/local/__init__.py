@@ -26,12 +26,13 @@ How one `run(g, x)` goes (calls go down, answers come back as return values; the
       │     the loop carries out Send: sending.encode (x encoded once, tensors into shared segments,
       │     handles only; a batching node alone's inputs into one bundle) → pool.send: one Task
       │                                        ── ROUTER ── ipc ──▶ worker: decode, run, encode
+      │     meanwhile the caller takes in what else is queued and looks at the workers (off the way back)
       ├─▶ HostLoop.await_item    loop      the caller receives while nobody else does (or sleeps on its
       │                                    sink while another caller or the listener does):
       │     pool.receiver ◀── PULL ◀── Result[outcomes, releases] ◀──────────── worker
       │     pool.handle(frame)   pool      authenticate, decode outputs (map segments), count leases
       │     HostCore.outcomes    core      the postcondition on what arrived (outcomes.py); the job's
-      │                                    continuation: the next jobs, or the flow's end → Deliver
+      │                                    continuation: the next jobs, or the input's outcome → Deliver
       │     the lock let go, then each Deliver put in its sink (so a future's callback holds no lock)
       ◀── the output, or the failure, raised
 
