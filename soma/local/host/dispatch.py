@@ -82,11 +82,10 @@ class Dispatch:
         if not self.has_room(usable):
             return []
         places: dict[int, list] = {}
-        lines = self.waiting.lines
-        for piece, line in list(lines.items()):
+        waiting = self.waiting
+        for piece, line in waiting.snapshot():
             self._place_line(piece, line, usable, places)
-            if not line:
-                del lines[piece]
+            waiting.settle(piece)
         sends = []
         for slot, jobs in places.items():
             if slot in starting:
@@ -111,11 +110,11 @@ class Dispatch:
         the waiting jobs' share of the workers that can take them, up to max_batch: `_gather`): consecutive
         inputs travel and come back together, and a bundle costs one choice, not one per input."""
         depth = self.depths.get(piece.id) or cap(piece)
-        ahead = depth if depth < AHEAD else AHEAD  # a chunk's job: one running and the next behind it at a worker
+        ahead = min(depth, AHEAD)  # a chunk's job: one running and the next behind it at a worker
         gather = size = 0
         if piece.bundle:
             workers = len(usable) if piece.cuda is None else len(set(usable).intersection(self.serving(piece)))
-            gather, size = _gather(piece, len(line), workers)
+            gather, size = _gather(piece, self.waiting.waiting(piece), workers)
         filling, filled = None, 0  # the slot a bundle fills now, and how many it has
         lanes, load, outstanding = self.lanes, self.load, self.outstanding
         while line:
