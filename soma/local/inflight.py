@@ -98,7 +98,7 @@ class LocalInflight(Inflight):
             self.loop.flush_frees()
         trace = self.tracer.current_trace
         if self.chunked is not None and len(xs) > 1:
-            size = min(self.loop.chunk(self.chunked), -(-len(xs) // self.workers))
+            size = even_chunks(len(xs), self.loop.chunk(self.chunked), self.workers)
             if size > 1:
                 started = self.loop.start_chunks(self.program, indices, xs, self.sink, self.graph, size, self.retries,
                                                  trace)
@@ -162,3 +162,13 @@ class LocalInflight(Inflight):
         if self.flows:
             self.loop.cancel(list(self.flows.values()))
             self.flows.clear()
+
+
+def even_chunks(count: int, most: int, workers: int) -> int:
+    """How many inputs each chunk of `count` inputs started together holds: at most `most`, the chunks as many as
+    a multiple of `workers` (each worker gets as many, of nearly one size: none is left running the last one
+    alone while the others idle; 20,000 inputs in chunks of up to 4,096 on 2 workers: 6 of 3,334, not 4 of
+    4,096 and one of 3,616)."""
+    chunks = -(-count // most)
+    chunks = -(-chunks // workers) * workers
+    return -(-count // chunks)

@@ -235,6 +235,7 @@ class MapLoop:
         self.deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
         self._default = 0  # the default window, as last looked at (`_limit`)
         self._look_at = 0.0  # when to look again
+        self._eager_until = None  # looked at on every turn until then (`_limit`)
 
     # -- 0. where it starts, and what was consumed ------------------------------------------------------------
     def _starting_point(self, resume) -> tuple[int, list]:
@@ -289,10 +290,14 @@ class MapLoop:
     def _limit(self) -> int:
         if self.window:
             return self.window
-        # The default window follows what the runner measures, looked at most every WINDOW_LOOK_S: asking on
-        # every turn took the scheduler's lock once per chunk of outputs (a tenth of a tiny map's host time).
+        # The default window follows what the runner measures: looked at on every turn for the map's first
+        # WINDOW_LOOK_S, where the first outcomes of a piece not measured yet widen it (looked at only every
+        # WINDOW_LOOK_S, a map of 1,000 tiny inputs through a new piece took them 12 at a time to its end), then
+        # at most every WINDOW_LOOK_S (asking on every turn was a tenth of a tiny map's host time once).
         now = time.monotonic()
-        if now >= self._look_at:
+        if self._eager_until is None:
+            self._eager_until = now + WINDOW_LOOK_S
+        if now >= self._look_at or now < self._eager_until:
             self._default = default_window(self.inflight.parallelism())
             self._look_at = now + WINDOW_LOOK_S
         return self._default

@@ -88,6 +88,24 @@ def test_every_output_of_a_chunked_map_is_its_own(local, ordered):
     assert (outs if ordered else sorted(outs)) == [x + 1 for x in range(N)]
 
 
+def test_inputs_started_together_split_into_chunks_of_one_size_as_many_for_each_worker():
+    """None is left running the last chunk alone while the others idle (inflight.even_chunks)."""
+    from soma.local.inflight import even_chunks
+
+    assert even_chunks(20_000, 4096, 2) == 3334  # 6 chunks, 3 for each worker (not 4 of 4,096 and one of 3,616)
+    assert even_chunks(10_000, 4096, 2) == 2500
+    assert even_chunks(3, 4096, 2) == 2 and even_chunks(1, 4096, 4) == 1
+    for count in (2, 7, 999, 4096, 4097, 12_345, 100_000):
+        for most in (1, 3, 1024, 4096):
+            for workers in (1, 2, 3, 8):
+                size = even_chunks(count, most, workers)
+                chunks = -(-count // size)
+                assert 1 <= size <= most, (count, most, workers)
+                if count >= workers * most >= workers * 64:  # (each worker gets as many, of one size or nearly)
+                    assert chunks % workers == 0 and count - (chunks - 1) * size >= size - chunks, (
+                        count, most, workers, size)
+
+
 def test_a_resumed_map_runs_in_chunks_only_the_inputs_between_those_consumed(local):
     g = Graph.somatize(Inc())
     warm(local, g)

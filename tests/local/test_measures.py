@@ -63,6 +63,26 @@ def test_a_chunk_of_a_piece_whose_values_travel_through_dev_shm_holds_at_most_ch
     assert measures.chunk(piece) == 1
 
 
+def test_a_chunk_of_tiny_inputs_holds_unweighed_fill_until_one_was_weighed_then_what_fits_chunk_bytes():
+    """A chunk's inputs travel in one message: until one of the piece's chunks was encoded, no more than
+    UNWEIGHED_FILL of them; then as many as take CHUNK_BYTES of it (a larger input counts at once), never more
+    than a chunk's block of job ids (flows.MAX_CHUNK: a larger chunk's ids would be the next chunk's)."""
+    from soma.local.host.chunks import CHUNK_BYTES, UNWEIGHED_FILL
+    from soma.local.host.flows import MAX_CHUNK
+
+    measures, piece = Measures(), piece_of(AddOne())
+    job = Job(1, Flow(None, None, None, piece, None), piece, None, None, {})
+    for _ in range(2):  # (a piece's first job loads its code: not its pace)
+        measures.learn(job, 1e-7, 0.0)  # tiny inputs: the pace alone would make chunks of MAX_CHUNK
+    assert measures.chunk(piece) == UNWEIGHED_FILL < MAX_CHUNK
+    measures.weigh_message(piece, 3)  # small ints: 3 bytes each
+    assert measures.chunk(piece) == MAX_CHUNK
+    measures.weigh_message(piece, 32 << 10)  # strings of 32 KiB, inline
+    assert measures.chunk(piece) == CHUNK_BYTES // (32 << 10) < UNWEIGHED_FILL
+    measures.weigh_message(piece, 3)  # (a smaller one brings it down slowly)
+    assert measures.chunk(piece) < UNWEIGHED_FILL
+
+
 def test_a_pieces_depth_follows_its_pace_once_measured():
     """Jobs of microseconds keep many out at a worker while outcomes travel; long ones one running and one
     waiting; a program runs one input per worker until its pieces are measured."""

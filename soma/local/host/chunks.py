@@ -20,26 +20,35 @@ import copy
 from ...errors import Cancelled
 from ...run.mapping import Span
 from .events import Bundled
-from .flows import Job
+from .flows import MAX_CHUNK, Job
 from .outcomes import checked
 
 CHUNK_S = 0.025  # a chunk holds about this much work (measured): see the note below
-MAX_FILL = 1024  # and at most this many inputs,
-CHUNK_SHM = 4 << 20  # and no more than take this much /dev/shm (their inputs and outputs: Measures.chunk)
-AHEAD = 2  # chunks per worker a map keeps in flight: one running, the next waiting behind it
+#                and at most flows.MAX_CHUNK inputs (UNWEIGHED_FILL until one of the piece's chunks was sent),
+CHUNK_SHM = 4 << 20  # and no more than take this much /dev/shm (their inputs and outputs: Measures.chunk),
+CHUNK_BYTES = 4 << 20  # nor this much of its message (its inputs as encoded: Measures.weigh_message)
+UNWEIGHED_FILL = 1024  # (the message of a chunk of inputs of up to 32 KiB each, inline: 32 MiB at most)
+AHEAD = 3  # chunks per worker a map keeps in flight: one running, the next two waiting behind it (see below)
 STRAGGLER_S = 0.02  # a chunk's job out this long (and 4 times what it should take) while a worker idles:
 #                     what it has not started goes to that worker
 # Why 25 ms of work a chunk: a chunk's messages cost the host ~300 µs of Python and a worker ~200 µs (measured:
 # 20,000 tiny inputs in chunks of 50 against 1,024), on the cores the workers need. At 5 ms a chunk, 100 µs inputs
 # ran at 0.74x the chunked process pool (whose chunks hold ~30 ms); at 25 ms, 0.91x (medians of 8, alternated in
 # one process). A straggler still gets a worker of its own (STRAGGLER_S), and outputs still come every PART_S.
+# Why up to 4,096 inputs: a chunk's messages and books cost the host ~115 µs and its worker ~110 µs of CPU (fitted
+# from maps of 20,000 tiny inputs in chunks of 64 and of 1,024, Dec 6): in chunks of 1,024 a fifth of a tiny
+# input's cost. 20,000 tiny inputs in chunks of up to 1,024, 4,096, 8,192 ran at 0.98x, 1.10x, 1.06x the chunked
+# process pool (a map splits its inputs evenly over the workers: inflight.even_chunks). Why three chunks ahead: with
+# two, a worker that finished both waited ~1.2 ms for its next (its outcome and the next chunk each waiting for a
+# core the other worker and the host were using: a timeline of one map, Dec 6); the map of 20,000 went 1.10x
+# faster with three (medians of 4 x 40 maps, alternated).
 
 
 def size(service_s: float | None) -> int:
     """How many inputs a chunk of a piece holds whose jobs take `service_s` each (None: not measured yet: 1)."""
     if service_s is None:
         return 1
-    return max(1, min(MAX_FILL, int(CHUNK_S / max(service_s, 1e-7))))
+    return max(1, min(MAX_CHUNK, int(CHUNK_S / max(service_s, 1e-7))))
 
 
 def arrived(job: Job, one: Bundled, worker) -> tuple[list, list]:

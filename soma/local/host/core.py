@@ -98,9 +98,12 @@ class HostCore(WorkerEvents, ChunkEvents):
         """How many inputs of `piece` a map's chunk holds now (Measures.chunk)."""
         return self.measures.chunk(piece)
 
-    def weigh_inputs(self, piece, shm: int) -> None:
-        """The host copied an input of `piece` into `shm` bytes of /dev/shm (the loop, as it encodes)."""
+    def weigh_inputs(self, piece, shm: int | None, message: int | None) -> None:
+        """The host copied an input of `piece` into `shm` bytes of /dev/shm, and one took `message` bytes of its
+        chunk's message (None: not known; the loop, as it encodes)."""
         self.measures.weigh(piece, shm, inputs=True)
+        if message is not None:
+            self.measures.weigh_message(piece, message)
 
     def shm_measures(self, program_pieces: list) -> tuple:
         """`(bytes of /dev/shm an input of a program takes on its way, or None; what its output takes at least

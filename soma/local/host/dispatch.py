@@ -110,7 +110,7 @@ class Dispatch:
         the waiting jobs' share of the workers that can take them, up to max_batch: `_gather`): consecutive
         inputs travel and come back together, and a bundle costs one choice, not one per input."""
         depth = self.depths.get(piece.id) or cap(piece)
-        ahead = min(depth, AHEAD)  # a chunk's job: one running and the next behind it at a worker
+        ahead = min(depth, AHEAD)  # a chunk's job: one running and the next ones behind it at a worker
         gather = size = 0
         if piece.bundle:
             workers = len(usable) if piece.cuda is None else len(set(usable).intersection(self.serving(piece)))

@@ -146,7 +146,7 @@ class SendCount:
         self.slot, self.piece_id, self.left = slot, piece_id, left
 
 
-MAX_CHUNK = 1024  # inputs in one chunk at most
+MAX_CHUNK = 4096  # inputs in one chunk at most (chunks.size: why so many)
 CHUNK_IDS = 1 << 48  # chunks' job ids: blocks of MAX_CHUNK from here, apart from single jobs' (from 1)
 
 
@@ -171,6 +171,8 @@ class Walker:
 
     def start_chunk(self, chunk: Chunk) -> Job:
         """The job that runs every input of `chunk` (its program is one piece)."""
+        if chunk.count > MAX_CHUNK:  # (its ids would be the next chunk's: chunks.size never makes one)
+            raise ValueError(f"a chunk of {chunk.count} inputs: {MAX_CHUNK} at most (a bug in soma: please report it)")
         job = Job(next(self.job_ids), chunk, chunk.program, None, chunk.x, {})
         chunk.x = None  # (the job holds the inputs until they are encoded)
         job.base = next(self.chunk_bases)

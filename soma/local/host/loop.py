@@ -302,11 +302,11 @@ class HostLoop(WorkerLife, MapHints):
             job.sent_at = now
             if job.traced:
                 job.sent_ns = time.monotonic_ns()
-        items, failed, copied = encode(self._input_store, groups)
+        items, failed, weights = encode(self._input_store, groups)
         for job, err in failed:
             self.core.unsent([job], err)
-        for piece, shm in copied:
-            self.core.weigh_inputs(piece, shm)
+        for piece, shm, message in weights:
+            self.core.weigh_inputs(piece, shm, message)
         if items and self.pool.send(slot, items) is None:  # its connection is still completing: soon again
             self._unreachable.setdefault(slot, []).extend(items)
 

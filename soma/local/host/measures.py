@@ -4,7 +4,7 @@
     learn(job, seconds, now[, shm]) ─▶ service_s, latency_s (EMAs) ─▶ depths: jobs worth out at a worker
                                     ─▶ output_shm                    (dispatch.py reads them as it places jobs)
     weigh(piece, shm[, inputs])     ─▶ output_shm, input_shm        ─▶ a map's room and chunk size, a program's
-                                                                       parallelism (core.py answers with them)
+    weigh_message(piece, size)      ─▶ message_bytes                   parallelism (core.py answers with them)
 
 A piece's depth is computed here when a measure changes it, not at every pump:
 dispatch reads `depths` as it places jobs (a placement is the host's hottest
@@ -13,7 +13,7 @@ step; a run places one job).
 
 from __future__ import annotations
 
-from .chunks import CHUNK_SHM
+from .chunks import CHUNK_BYTES, CHUNK_SHM, UNWEIGHED_FILL
 from .chunks import size as chunk_size
 
 MAX_DEPTH = 64  # at most this many jobs per worker in flight when inputs are tiny (see depths)
@@ -30,6 +30,7 @@ class Measures:
         self.first_seen: set = set()  # pieces whose first job's outcome has come
         self.output_shm: dict = {}  # piece id → bytes of /dev/shm one output takes
         self.input_shm: dict = {}  # piece id → bytes of /dev/shm the host copied one input into
+        self.message_bytes: dict = {}  # piece id → bytes one input takes of its chunk's message, as encoded
         # piece id → jobs of it worth having in flight per worker, once measured (dispatch.cap until then): enough
         # that the worker runs the next ones while the last outcomes travel. 2 (one running, one waiting) for jobs
         # that take longer than a round trip; up to MAX_DEPTH for jobs of microseconds; a piece with a batching
@@ -68,11 +69,13 @@ class Measures:
         when not known), or with `inputs` what the host copied one of its inputs into. A larger one counts at
         once, smaller ones bring it down slowly: the measure bounds a map's window (`shm_per_input`), where
         counting too little fills /dev/shm."""
-        if shm is None:
-            return
-        measures = self.input_shm if inputs else self.output_shm
-        known = measures.get(piece.id)
-        measures[piece.id] = shm if known is None or shm > known else int(known + EMA * (shm - known))
+        if shm is not None:
+            _weighed(self.input_shm if inputs else self.output_shm, piece, shm)
+
+    def weigh_message(self, piece, size: int) -> None:
+        """Learn what one input of `piece` takes of its chunk's message, as encoded (`size` bytes; as `weigh`
+        counts: a larger one at once): no chunk's message holds much more than CHUNK_BYTES of them."""
+        _weighed(self.message_bytes, piece, size)
 
     def shm_per_input(self, pieces: list) -> int | None:
         """Bytes of /dev/shm an input of a program of `pieces` takes on its way (each piece's output and what
@@ -92,8 +95,11 @@ class Measures:
     def chunk(self, piece) -> int:
         """How many inputs of `piece` a chunk holds (see chunks.size): 1 until measured; no more than take
         CHUNK_SHM bytes of /dev/shm, their inputs and outputs as measured (a chunk's job holds its inputs until
-        its last is done: chunks of 20 MiB arrays filled a 64 MiB /dev/shm the map's window had room for)."""
+        its last is done: chunks of 20 MiB arrays filled a 64 MiB /dev/shm the map's window had room for), nor
+        CHUNK_BYTES of its message (UNWEIGHED_FILL until a chunk of the piece was weighed)."""
         size = chunk_size(self.service_s.get(piece.id))
+        message = self.message_bytes.get(piece.id)
+        size = min(size, UNWEIGHED_FILL if message is None else max(1, CHUNK_BYTES // max(1, message)))
         shm = self.output_shm.get(piece.id, 0) + self.input_shm.get(piece.id, 0)
         return min(size, max(1, CHUNK_SHM // shm)) if shm else size
 
@@ -110,3 +116,10 @@ class Measures:
         if not pieces or any(p.id not in self.depths for p in pieces):
             return workers
         return workers * min(self.depths[p.id] for p in pieces)
+
+
+def _weighed(measures: dict, piece, size: int) -> None:
+    """`measures[piece.id]` learns `size`: a larger one counts at once, smaller ones bring it down slowly (a
+    measure that bounds memory must not count too little)."""
+    known = measures.get(piece.id)
+    measures[piece.id] = size if known is None or size > known else int(known + EMA * (size - known))

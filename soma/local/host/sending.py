@@ -3,7 +3,8 @@
     core: Send(slot, jobs) ── dispatch.entries(jobs) ─▶ [each job alone | a batching node alone's in a bundle]
     loop: encode(get_store, entries) ─▶ items (jobs, `BundleSend`s) for pool.send, the inputs that could
           not be encoded, each with its NodeError (handed back to the core: `unsent`), and the /dev/shm each
-          piece's inputs were copied into (`copied`: the core weighs them)
+          piece's inputs were copied into, the bytes of a chunk's message each took (`weights`: the core
+          weighs them)
 
 An input is encoded once, when its job is first sent: a wave's branches share one
 encoding (`Job.twins`), a bundle's inputs are one encoder pass and one payload
@@ -68,7 +69,7 @@ class BundleSend:
 
 
 def encode(get_store, groups: list) -> tuple[list, list, list]:
-    """`(items to send, [(job, the NodeError its input raised)], copied(items))` for `groups` (dispatch.entries)."""
+    """`(items to send, [(job, the NodeError its input raised)], weights(items))` for `groups` (dispatch.entries)."""
     items, failed = [], []
     for group in groups:
         first = group[0]
@@ -96,20 +97,26 @@ def encode(get_store, groups: list) -> tuple[list, list, list]:
             for job in bundled:
                 by_packed.setdefault(id(job.packed), []).append(job)
             items += [BundleSend(members[0].packed, members) for members in by_packed.values()]
-    return items, failed, copied(items)
+    return items, failed, weights(items)
 
 
-def copied(items: list) -> list:
-    """`[(piece, bytes of /dev/shm one input was copied into)]` for the encodings among `items` (encode's) that
-    copied any: what a map's back-pressure by memory counts for its inputs (Measures.weigh)."""
+def weights(items: list) -> list:
+    """`[(piece, bytes of /dev/shm one input was copied into or None, bytes one input takes of its chunk's
+    message or None)]` for the encodings among `items` (encode's) that copied any, or are a chunk's: what a
+    map's back-pressure by memory counts for its inputs, and what bounds a chunk (Measures.weigh, weigh_message)."""
     found = []
     for item in items:
+        message = None
         if type(item) is BundleSend:
-            encoder, count = item.packed.keep, item.packed.size
+            packed = item.packed
+            encoder, count = packed.keep, packed.size
+            if packed.places is not None:  # (a chunk's)
+                message = len(packed.payload) // count
         else:
             encoder, count = item.keep, 1
-        if encoder is not None and encoder.copied:
-            found.append((item.piece, sum(encoder.copied) // count))
+        copied = encoder is not None and encoder.copied
+        if copied or message is not None:
+            found.append((item.piece, sum(encoder.copied) // count if copied else None, message))
     return found
 
 

@@ -42,6 +42,8 @@ from .values import decode_input, encode_listed
 PART_S = 0.04  # what is done waits at most this long (and one input) before it goes, while the chunk runs
 #               (above host/chunks.CHUNK_S: a chunk that takes what it should answers in one message)
 FIELDS = 5  # an input done is this many items of ChunkRun.done: job id, ok, output or error body, spans, seconds
+GROUP_S = 20e-6  # quick inputs read the clock once per group of about this long (`_quick`),
+MAX_GROUP = 32  # and of at most this many inputs
 QUICK_RUN = 64  # quick inputs run in stretches of at most this many (`_quick`): a part is looked at between them
 
 
@@ -297,10 +299,17 @@ def _called(runner, piece, call, *args) -> tuple:
 def _quick(ids: list, xs: list, first: int, end: int, start: float, due: float, pace: float, claim, naming, call,
            add, clock, could_not_run, producer) -> tuple:
     """Inputs `first` to `end` of a chunk while they stay quick, called directly one after another (their
-    node's lock held by the caller), each added to what is done as it ends with its own seconds (a give-back
-    finds it there): the loop of `run_chunk` without what only a slow input or a part needs (it looks at those
-    between stretches of up to QUICK_RUN inputs, and once a part is `due`). `(the next position, when the last input
-    ended, its seconds)`."""
+    node's lock held by the caller), each added to what is done as it ends (a give-back finds it there): the
+    loop of `run_chunk` without what only a slow input or a part needs (it looks at those between stretches of
+    up to QUICK_RUN inputs, and once a part is `due`). `(the next position, when the last input ended, the
+    seconds of one)`.
+
+    The clock is read once per group of inputs, as many as take about GROUP_S at the last pace (at most
+    MAX_GROUP; a read was a fifth of a tiny input's loop): each input's seconds are the last group's mean (the
+    host sizes chunks by their median), and a group that took MIN_S in all ends the stretch as an input that
+    took it would (any one of them may have: the next input takes its GIL turn)."""
+    group = max(1, min(MAX_GROUP, int(GROUP_S / pace))) if pace > 0 else 1
+    ungrouped = group
     for position in range(first, end):
         job_id = ids[position]
         if claim(job_id, False):  # (else answered out of turn: Cancelled, given back; or not wanted: id 0)
@@ -313,12 +322,18 @@ def _quick(ids: list, xs: list, first: int, end: int, start: float, due: float, 
             except BaseException as err:  # never lose an input: the host is waiting for it
                 ok, value = False, failures.error_body(could_not_run(producer, err))
             xs[position] = None  # (its input goes as soon as it is done with)
-            now = clock()
-            pace = now - start
             add((job_id, ok, value, None, pace))
-            if pace >= MIN_S or now >= due:
-                return position + 1, now, pace  # (a GIL turn for the next input, or a part: run_chunk's loop)
-            start = now
+            ungrouped -= 1
+            if not ungrouped:
+                now = clock()
+                took = now - start
+                if took >= MIN_S or now >= due:  # (an input of the group may have taken it all: not quick)
+                    return position + 1, now, took  # (a GIL turn for the next input, or a part: run_chunk's loop)
+                pace, start, ungrouped = took / group, now, group
+    if ungrouped != group:
+        now = clock()
+        took = now - start
+        pace, start = took if took >= MIN_S else took / (group - ungrouped), now
     return end, start, pace
 
 
