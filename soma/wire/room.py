@@ -32,7 +32,11 @@ How a reservation in /dev/shm that fails goes on (`SegmentStore._create`):
        directory (one per pool: `mkdir` is atomic) logs the one warning, naming the
        value's size, the room in /dev/shm and `--shm-size`.
 
-A value larger than /dev/shm can ever hold skips 1-3.
+A value larger than /dev/shm can ever hold skips 1-3. A reservation that spilled
+starts a *spill streak* in its store (`SpillStreak`): for STREAK_S, the next one
+short of room skips step 2 while /dev/shm has no more free than when the last
+one spilled (no frees came: waiting again would end the same way), unless its
+process was told to wait for frees on their way (`told_wait`).
 """
 
 from __future__ import annotations
@@ -57,6 +61,25 @@ SPILLED = "d"  # leads the number of a segment whose file is in the spill direct
 SPILL_BYTES_PER_S = 500 << 20
 ROOM_WAIT_MIN_S = 0.02
 ROOM_WAIT_S = 2.0
+# A spill streak (see the docstring): a map whose caller kept more outputs than /dev/shm holds had the host copy 190
+# inputs in a row into no room, each spilling after its 20 ms wait: 3.8 s without an output (Dec 6, 64 MiB).
+STREAK_S = 0.5
+
+
+class SpillStreak:
+    """When a store last spilled a segment, and /dev/shm's free bytes then (see the module's docstring)."""
+
+    __slots__ = ("at", "free")
+
+    def __init__(self):
+        self.at, self.free = float("-inf"), 0
+
+    def holds(self, now: float, free: int) -> bool:
+        """A reservation short of room now spills without waiting: no frees came since the last spill."""
+        return now - self.at < STREAK_S and free <= self.free
+
+    def spilled(self, now: float, free: int) -> None:
+        self.at, self.free = now, free
 
 
 def room_wait_s(size: int) -> float:
@@ -174,14 +197,15 @@ def reserve(name: str, size: int) -> None:
         os.close(fd)
 
 
-def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_held, told_wait=None) -> str | None:
+def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_held, told_wait=None,
+                   streak: SpillStreak | None = None) -> str | None:
     """`name`, made in /dev/shm with `size` bytes reserved after giving back and waiting for room as this
     module's docstring says (`give_back(0)`: the bytes this process gave back of what it keeps); None when the
     segment is to go to the spill directory. SharedMemoryFull when the room it lacks is held by results the
     caller keeps (`caller_held()`, when there is such a measure). `told_wait()`: how long to wait, in seconds,
     as this process is told now (None, or no `told_wait`: `room_wait_s(size)`), read at each look: a worker
     told to wait long for frees on their way stops once its host says none are coming (a map's caller keeps
-    the room)."""
+    the room). `streak`: the store's SpillStreak (step 2 is skipped while it holds and no wait was told)."""
     free, total = shm_room()
     if total and size > total:
         return None  # it can never fit
@@ -203,12 +227,17 @@ def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_h
             if give_back(0):
                 continue  # (1) what this process kept for reuse first
             wanted.say()  # (2) and what the others keep
+            if streak is not None and streak.holds(started, shm_room()[0]) and (
+                    told_wait is None or told_wait() is None):
+                break  # (a spill streak: no frees came since the last spill, and none was said to be on its way)
         if not wait_for_room(size, deadline, wanted):
             break
     free, total = shm_room()
     held = caller_held() if caller_held is not None else 0
     if held and held + free >= size:
         raise SharedMemoryFull.caller_holds(size, held, free, total)  # (3)
+    if streak is not None:
+        streak.spilled(time.monotonic(), free)
     return None  # (4)
 
 

@@ -157,6 +157,7 @@ class SegmentStore:
         self.caller_held = caller_held
         self.room_wait_s = room_wait_s  # (None: `room.room_wait_s`, by the value's size)
         self.wanted = room.RoomWanted(prefix)
+        self.streak = room.SpillStreak()  # (values short of room spill at once while no frees come: soma.wire.room)
         self.pid = os.getpid()
         self._on_release = on_release
         self._name_re = re.compile(rf"^{re.escape(prefix)}-\d+-{room.SPILLED}?\d+$")
@@ -210,7 +211,8 @@ class SegmentStore:
     def _create(self, nbytes: int) -> _Segment:
         size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
         name = room.reserve_in_shm(self._name(), size, self.trim, self.wanted, self.caller_held,
-                                   lambda: self.room_wait_s)  # (read at each look: the host may say otherwise)
+                                   lambda: self.room_wait_s, self.streak)  # (read at each look: the host may say
+        #                                                                   otherwise)
         if name is None:  # no room in /dev/shm, and not the caller's to free (see soma.wire.room)
             name = self._name(room.SPILLED)
             try:

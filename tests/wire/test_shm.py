@@ -442,6 +442,39 @@ def test_a_wait_for_room_says_it_is_wanted_at_each_look(prefix, monkeypatch):
     assert keeper.wanted.heard()
 
 
+def test_a_spill_after_a_wait_in_vain_lets_the_next_ones_spill_without_waiting_until_frees_come(prefix, monkeypatch):
+    # A map whose caller kept more outputs than /dev/shm holds had its host copy 190 inputs in a row into no
+    # room, each spilling after its own wait: 3.8 s without an output (room.STREAK_S).
+    _dev_shm_full(monkeypatch)
+    free = [0]
+    monkeypatch.setattr(room, "shm_room", lambda: (free[0], 64 << 20))
+    waits = []
+    real_wait = room.wait_for_room
+
+    def counted(nbytes, deadline, wanted):
+        waits.append(nbytes)
+        return real_wait(nbytes, deadline, wanted)
+
+    monkeypatch.setattr(room, "wait_for_room", counted)
+    store = SegmentStore(prefix, cap=0)  # (keeps nothing for reuse: step 1 gives nothing back)
+    views = [store.allocate(GRANULE) for _ in range(5)]
+    assert all(room.is_spilled(name) for _, name in views)
+    assert len(waits) == 1  # the first waited in vain; the four after it spilled at once
+    free[0] = GRANULE // 2  # frees came (not enough for a segment): the next waits again
+    views.append(store.allocate(GRANULE))
+    assert len(waits) == 2 and room.is_spilled(views[-1][1])
+    store.streak.at -= room.STREAK_S  # the streak is over
+    free[0] = 0
+    views.append(store.allocate(GRANULE))
+    assert len(waits) == 3
+    store.room_wait_s = 0.05  # told to wait for frees on their way (a map held back by memory): it waits
+    views.append(store.allocate(GRANULE))
+    assert len(waits) == 4
+    del views
+    store.close()
+    unlink_all(prefix)
+
+
 def test_trim_gives_back_the_largest_free_segments_first_down_to_what_is_kept(prefix):
     store = SegmentStore(prefix, cap=1 << 30)
     live, live_name = store.allocate(GRANULE)  # in use: never trimmed

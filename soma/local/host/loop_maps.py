@@ -24,11 +24,16 @@ class MapHints:
 
     def map_held_back(self, inflight, held: bool) -> None:
         """A map open now is held back by memory (its outputs' room counted: HostSegments.for_task), or no
-        longer (what its caller keeps left no room to count)."""
+        longer (what its caller keeps left no room to count): the workers are told now (WorkerPool.tell_room),
+        for one waiting for room it was told to wait long for hears of it from no Task while it waits (its
+        jobs are all it may have out: it waited its ROOM_WAIT_S, 2 s, for frees that were not coming)."""
+        held_back = self.pool.segments.held_back
         if held:
-            self.pool.segments.held_back.add(inflight)
-        else:
-            self.pool.segments.held_back.discard(inflight)
+            held_back.add(inflight)
+        elif inflight in held_back:
+            held_back.discard(inflight)
+            if not held_back:
+                self._post(self.pool.tell_room)
 
     def parallelism(self, program_pieces: list) -> int:
         return self.core.parallelism(program_pieces)  # (read without the lock: a hint, as map uses it)

@@ -359,6 +359,13 @@ class WorkerPool:
     def apply_host_releases(self) -> None:
         self.segments.apply_releases()
 
+    def tell_room(self) -> None:
+        """Tell every worker now what a Task says of the host's memory (`held`, `room_s`: HostSegments.for_task),
+        with the frees it is owed: a Task of no jobs."""
+        for slot, worker in enumerate(self.workers):
+            if worker is not None and worker.ready:
+                self.send(slot, [])
+
     def flush_frees(self) -> None:
         """Tell owners about segments nobody holds any more (otherwise they ride on the next Task)."""
         self.apply_host_releases()
