@@ -86,12 +86,21 @@ class Dispatch:
         for piece, line in waiting.snapshot():
             self._place_line(piece, line, usable, places)
             waiting.settle(piece)
-        sends = []
+        sends, chunked = [], []
         for slot, jobs in places.items():
             if slot in starting:
                 self.parked[slot].extend(jobs)
+            elif len(jobs) > 1 and jobs[0].places is not None:
+                chunked.append((slot, jobs))
             else:
                 sends.append((slot, jobs, self.sent(slot, jobs)))
+        # A map's chunks go one a Task, the first of each worker's before any worker's second: a worker starts
+        # on its first while the host encodes the next ones (all of one worker's encoded before its one Task
+        # left, the second worker began ~1.8 ms into a 12 ms map, the first ~0.9 ms before it).
+        for k in range(max(len(jobs) for _, jobs in chunked) if chunked else 0):
+            for slot, jobs in chunked:
+                if k < len(jobs):
+                    sends.append((slot, [jobs[k]], self.sent(slot, [jobs[k]])))
         return sends
 
     def has_room(self, usable) -> bool:

@@ -20,13 +20,14 @@ class MapHints:
             segments.maps_open.add(inflight)
         else:
             segments.maps_open.discard(inflight)
-            segments.held_back.discard(inflight)
+            self.map_held_back(inflight, False)
 
     def map_held_back(self, inflight, held: bool) -> None:
         """A map open now is held back by memory (its outputs' room counted: HostSegments.for_task), or no
-        longer (what its caller keeps left no room to count): the workers are told now (WorkerPool.tell_room),
-        for one waiting for room it was told to wait long for hears of it from no Task while it waits (its
-        jobs are all it may have out: it waited its ROOM_WAIT_S, 2 s, for frees that were not coming)."""
+        longer (what its caller keeps left no room to count, or it closed). When the last such map lets go, the
+        workers are told now (WorkerPool.tell_room): one waiting for room, told to wait long for frees on their
+        way, would hear it from no Task while it waits (its jobs are all it may have out), and waited its
+        ROOM_WAIT_S, 2 s, for frees that were not coming."""
         held_back = self.pool.segments.held_back
         if held:
             held_back.add(inflight)
