@@ -10,7 +10,7 @@ from ..errors import RunTimeout
 from ..run.aio import LoopSink
 from ..run.mapping import Inflight
 from ..wire.room import shm_room
-from .host.chunks import AHEAD
+from .host.chunks import AHEAD, even_chunks
 from .host.flows import Chunk
 from .host.loop import HostLoop
 from .host.program import pieces
@@ -163,12 +163,3 @@ class LocalInflight(Inflight):
             self.loop.cancel(list(self.flows.values()))
             self.flows.clear()
 
-
-def even_chunks(count: int, most: int, workers: int) -> int:
-    """How many inputs each chunk of `count` inputs started together holds: at most `most`, the chunks as many as
-    a multiple of `workers` (each worker gets as many, of nearly one size: none is left running the last one
-    alone while the others idle; 20,000 inputs in chunks of up to 4,096 on 2 workers: 6 of 3,334, not 4 of
-    4,096 and one of 3,616)."""
-    chunks = -(-count // most)
-    chunks = -(-chunks // workers) * workers
-    return -(-count // chunks)

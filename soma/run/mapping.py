@@ -235,7 +235,7 @@ class MapLoop:
         self.deadlines: dict = {}  # index → deadline, in the order taken (one timeout for all: the first is next)
         self._default = 0  # the default window, as last looked at (`_limit`)
         self._look_at = 0.0  # when to look again
-        self._eager_until = None  # looked at on every turn until then (`_limit`)
+        self._eager_until = time.monotonic() + WINDOW_LOOK_S  # looked at on every turn until then (`_limit`)
 
     # -- 0. where it starts, and what was consumed ------------------------------------------------------------
     def _starting_point(self, resume) -> tuple[int, list]:
@@ -295,8 +295,6 @@ class MapLoop:
         # WINDOW_LOOK_S, a map of 1,000 tiny inputs through a new piece took them 12 at a time to its end), then
         # at most every WINDOW_LOOK_S (asking on every turn was a tenth of a tiny map's host time once).
         now = time.monotonic()
-        if self._eager_until is None:
-            self._eager_until = now + WINDOW_LOOK_S
         if now >= self._look_at or now < self._eager_until:
             self._default = default_window(self.inflight.parallelism())
             self._look_at = now + WINDOW_LOOK_S

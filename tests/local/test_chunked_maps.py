@@ -89,8 +89,8 @@ def test_every_output_of_a_chunked_map_is_its_own(local, ordered):
 
 
 def test_inputs_started_together_split_into_chunks_of_one_size_as_many_for_each_worker():
-    """None is left running the last chunk alone while the others idle (inflight.even_chunks)."""
-    from soma.local.inflight import even_chunks
+    """None is left running the last chunk alone while the others idle (chunks.even_chunks)."""
+    from soma.local.host.chunks import even_chunks
 
     assert even_chunks(20_000, 4096, 2) == 3334  # 6 chunks, 3 for each worker (not 4 of 4,096 and one of 3,616)
     assert even_chunks(10_000, 4096, 2) == 2500

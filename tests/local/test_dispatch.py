@@ -73,3 +73,20 @@ def test_a_measured_piece_keeps_only_its_depth_of_jobs_at_each_worker():
     dispatch = dispatch_of(measures)
     dispatch.admit([piece])
     assert fill(dispatch, piece) == [2, 2]
+
+
+def test_chunks_placed_in_one_pump_go_one_a_send_each_workers_first_before_any_second():
+    """A worker starts on its first chunk while the host encodes the next ones: sent all in one Task, the
+    second worker began ~1.8 ms into a 12 ms map of 20,000 tiny inputs."""
+    from soma.local.host.flows import Chunk, Walker
+
+    piece = piece_of(AddOne())
+    dispatch, walker = dispatch_of(), Walker()
+    dispatch.admit([piece])
+    jobs = [walker.start_chunk(Chunk(k * 10, None, piece, list(range(10)))) for k in range(6)]
+    dispatch.waiting.add(jobs)
+    sends = dispatch.pump((0, 1), ())
+    assert [len(sent) for _, sent, _ in sends] == [1] * 6  # (one chunk a Task)
+    slots = [slot for slot, _, _ in sends]
+    assert sorted(slots[:2]) == [0, 1] and sorted(slots) == [0, 0, 0, 1, 1, 1]  # each worker's first, first
+    assert sorted(job.base for _, sent, _ in sends for job in sent) == sorted(job.base for job in jobs)

@@ -38,7 +38,7 @@ STRAGGLER_S = 0.02  # a chunk's job out this long (and 4 times what it should ta
 # Why up to 4,096 inputs: a chunk's messages and books cost the host ~115 µs and its worker ~110 µs of CPU (fitted
 # from maps of 20,000 tiny inputs in chunks of 64 and of 1,024, Dec 6): in chunks of 1,024 a fifth of a tiny
 # input's cost. 20,000 tiny inputs in chunks of up to 1,024, 4,096, 8,192 ran at 0.98x, 1.10x, 1.06x the chunked
-# process pool (a map splits its inputs evenly over the workers: inflight.even_chunks). Why three chunks ahead: with
+# process pool (a map splits its inputs evenly over the workers: chunks.even_chunks). Why three chunks ahead: with
 # two, a worker that finished both waited ~1.2 ms for its next (its outcome and the next chunk each waiting for a
 # core the other worker and the host were using: a timeline of one map, Dec 6); the map of 20,000 went 1.10x
 # faster with three (medians of 4 x 40 maps, alternated).
@@ -49,6 +49,16 @@ def size(service_s: float | None) -> int:
     if service_s is None:
         return 1
     return max(1, min(MAX_CHUNK, int(CHUNK_S / max(service_s, 1e-7))))
+
+
+def even_chunks(count: int, most: int, workers: int) -> int:
+    """How many inputs each chunk of `count` inputs started together holds: at most `most`, the chunks as many as
+    a multiple of `workers` (each worker gets as many, of nearly one size: none is left running the last one
+    alone while the others idle; 20,000 inputs in chunks of up to 4,096 on 2 workers: 6 of 3,334, not 4 of
+    4,096 and one of 3,616)."""
+    chunks = -(-count // most)
+    chunks = -(-chunks // workers) * workers
+    return -(-count // chunks)
 
 
 def arrived(job: Job, one: Bundled, worker) -> tuple[list, list]:
