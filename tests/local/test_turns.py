@@ -12,7 +12,7 @@ import time
 import pytest
 
 from soma import Done, Graph, Node
-from soma.local.worker.turns import LETS_GO_AFTER, Turns
+from soma.local.worker.turns import LETS_GO_AFTER, STUCK_S, Turns
 from tests.local.nodes import burn
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,3 +158,43 @@ def test_a_job_waiting_for_a_sibling_in_its_worker_lets_the_sibling_run(waits):
     holder.join(30)
     assert done.is_set() and not holder.is_alive()
     assert took < 20, took  # (30 s: the holder gave up waiting; the sibling never ran beside it)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="turns measure from /proc")
+@pytest.mark.parametrize("computes_s", [0.4, 3.0])
+def test_a_holder_asleep_while_a_thread_that_runs_no_job_computes_keeps_its_turn(computes_s):
+    """The holder of the turn sleeps on a lock that a thread running no job holds while it computes (a piece's
+    first job waiting on an import another thread runs; under load, a GIL holder waiting for a core looks the
+    same): it is not blocked, so the waiting job waits for it, not just BLOCKED_S (a wave's two pure-Python
+    branches ran at once beside two CPU burners, 1 wave in ~40). A thread that computes for ever holds the
+    waiting job up for STUCK_S at most."""
+    turns, lock, holding, done = Turns(), threading.Lock(), threading.Event(), threading.Event()
+
+    def computes():  # runs no job: not on the turns' clock
+        with lock:
+            holding.set()
+            end = time.monotonic() + computes_s
+            while time.monotonic() < end:
+                pass
+            done.set()  # (before the holder can have the lock: it is set by the time the waiting job may go)
+
+    def holder():
+        with lock:  # asleep until the computing thread lets go
+            pass
+    threading.Thread(target=computes).start()
+    assert holding.wait(30)
+    first = threading.Thread(target=job, args=(turns, 1, holder))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not turns.holders and time.monotonic() < deadline:
+        time.sleep(0.001)
+    start = time.monotonic()
+    entered = []
+    job(turns, 2, lambda: entered.append((time.monotonic(), done.is_set(), first.is_alive())))
+    first.join(30)
+    assert done.wait(30)
+    at, computing_over, _ = entered[0]
+    if computes_s < STUCK_S:
+        assert computing_over, f"went {at - start:.3f} s in, while the holder still waited for the computing thread"
+    else:
+        assert not computing_over and at - start < STUCK_S + 1.0, (at - start, computing_over)

@@ -46,6 +46,15 @@ may go: every job running here counts (a holder waiting for another job's GIL is
 not blocked), and they must have slept in stretches of two switch intervals or
 more (a holder waiting for the GIL of a thread that runs no job, a receiver
 decoding or a piece's first job importing, is not blocked either), or for STUCK_S.
+The whole process must have been quiet too (`_ProcessClock`: every thread's time
+on a CPU or waiting for one): on a machine whose cores other programs keep busy, a
+thread that runs no job and holds the GIL waits for a core (a CFS slice: tens of
+ms), and the holder, asleep on that GIL, looked blocked in long stretches: a
+wave's two pure-Python branches ran at once in 1 of ~40 waves beside two CPU
+burners (Dec 6). A thread that holds the GIL is on a CPU or waiting for one; the
+threads that wait for it sleep; so a process that computed under HOLDS of the
+window holds nobody up. STUCK_S still bounds the wait (a thread that is no job's
+may compute for ever).
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ class Turns:
         self.retired = [0, 0]  # busy ns and wakes of the jobs that ran here and ended (see `_computed`)
         self.lets_go: dict = {}  # piece id → how many of its last measured jobs in a row let go of the GIL
         self.local = threading.local()
+        self.process = _ProcessClock()  # every thread's computing, read while a job waits for its turn
 
     def enter(self, piece_id: int, pace: float | None):
         """Before a job of `piece_id` (its last job took `pace` seconds): a token for `leave`, after waiting
@@ -147,16 +157,20 @@ class Turns:
         only the holders. A window, not one look: a computing thread also waits for the GIL now and then.
         Lock held."""
         busy, wakes = self._computed()
-        now = (busy, wakes, time.monotonic_ns(), None)
+        now = (busy, wakes, time.monotonic_ns(), None, self.process.busy())
         if look is None or now[2] - look[2] < BLOCKED_S * 1e9:
             return look or now
         window = now[2] - look[2]
         if busy - look[0] >= HOLDS * window:
             return now  # (they compute)
-        if len(self.running) * window - (busy - look[0]) >= 2e9 * sys.getswitchinterval() * (wakes - look[1]):
-            return None  # (they slept for 2 switch intervals a wake or more: not for the GIL)
         quiet_since = look[3] or look[2]
-        return None if now[2] - quiet_since >= STUCK_S * 1e9 else (busy, wakes, now[2], quiet_since)
+        if now[2] - quiet_since >= STUCK_S * 1e9:
+            return None
+        if (now[4] - look[4] < HOLDS * window  # (nobody here computed: nobody held the GIL they may wait for)
+                and len(self.running) * window - (busy - look[0])
+                >= 2e9 * sys.getswitchinterval() * (wakes - look[1])):
+            return None  # (they slept for 2 switch intervals a wake or more: not for the GIL)
+        return busy, wakes, now[2], quiet_since, now[4]
 
     def _fd(self):
         """This thread's /proc/thread-self/schedstat, opened once (None where there is none: no turns)."""
@@ -177,3 +191,39 @@ def _busy(fd: int) -> tuple:
         return int(on_cpu) + int(waiting), int(runs), time.monotonic_ns()
     except (OSError, ValueError):
         return 0, 0, time.monotonic_ns()
+
+
+class _ProcessClock:
+    """ns that all of this process's threads have computed or waited for a core (each thread's schedstat, from
+    /proc/self/task; a thread's descriptor opened once): whether anyone here computed, GIL holders included.
+    Read only while a job waits for its turn (every CHECK_S), so its few preads a thread cost little."""
+
+    def __init__(self):
+        self.fds: dict = {}  # thread id (a /proc/self/task entry) → its schedstat descriptor
+        self.gone = 0  # ns of the threads that ended since they were first read (the clock never runs back)
+
+    def busy(self) -> int:
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:
+            return 0
+        fds, total = self.fds, self.gone
+        for tid in tids:
+            if tid not in fds:
+                try:
+                    fds[tid] = [os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY), 0]
+                except OSError:
+                    continue
+        for tid in [tid for tid in fds if tid not in tids]:
+            fd, last = fds.pop(tid)
+            self.gone += last
+            total += last
+            os.close(fd)
+        for tid, entry in fds.items():
+            try:
+                on_cpu, waiting, _ = os.pread(entry[0], 128, 0).split()
+                entry[1] = int(on_cpu) + int(waiting)
+            except (OSError, ValueError):
+                pass
+            total += entry[1]
+        return total
