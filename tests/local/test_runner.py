@@ -426,3 +426,18 @@ def test_a_map_in_a_done_callback_runs_and_the_pool_goes_on(local, tmp_path):
     assert called.wait(60)
     assert seen["map"] == list(range(3, 41))
     assert list(local.map(AddOne(), range(40))) == list(range(1, 41))  # the map's inputs were let go of
+
+
+def test_a_pool_that_stops_getting_runs_stops_spinning(local):
+    """After runs back to back (whose callers and workers look at their sockets before they sleep, on a machine
+    with a core to spare: soma.wire.transport.Receiver.wait), an idle pool uses next to no CPU: no receiver
+    keeps spinning once nothing comes."""
+    g = Graph.somatize(AddOne())
+    for i in range(500):
+        assert local.run(g, i) == i + 1
+    processes = [psutil.Process(pid) for pid in [os.getpid(), *local.pids()]]
+    time.sleep(0.5)  # (a worker's last wait ends within its poll: 200 ms)
+    before = [sum(p.cpu_times()[:2]) for p in processes]
+    time.sleep(1.0)
+    used = sum(sum(p.cpu_times()[:2]) - b for p, b in zip(processes, before))
+    assert used < 0.15, f"an idle pool used {used:.2f} s of CPU in 1 s"

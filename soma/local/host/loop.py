@@ -26,12 +26,14 @@ go (so nothing posted meanwhile is stranded).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections import deque
 
 from ...errors import SomaError
+from ...wire.transport import cores_wanted
 from .core import HostCore
 from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
 from .flows import Chunk, Flow
@@ -116,7 +118,7 @@ class HostLoop(WorkerLife, MapHints):
             if self.inbox:
                 self._take_inbox()
             self.core.start(program, flows)
-            self._lead(min(lead, LEAD_S))
+            self._lead(min(lead, LEAD_S), spin=True)
         else:
             self._post(self.core.start, program, flows)
 
@@ -192,9 +194,10 @@ class HostLoop(WorkerLife, MapHints):
                 return item
             self._pass_on()
 
-    def _lead(self, seconds: float) -> None:
+    def _lead(self, seconds: float, spin: bool = False) -> None:
         """Receive on this thread (lock held on entry) until an outcome is ready to deliver or `seconds` pass;
-        then let go, deliver, and hand the receiving on when work is still out there.
+        then let go, deliver, and hand the receiving on when work is still out there. `spin`: a run's caller,
+        who looks at the socket before it sleeps while frames come quickly (transport.Receiver.wait).
 
         What is queued already, and the look at the workers now and then, come first, once what the core
         decided is sent: done while the workers work, not between an outcome's arrival and its caller (a run's
@@ -205,6 +208,7 @@ class HostLoop(WorkerLife, MapHints):
         self.leading = True
         try:
             if not self.closing:
+                spin = spin and not cores_wanted()  # (asked before sending: this side's threads are calm)
                 self._act()
                 self._drain()
                 self._now_and_then()
@@ -212,7 +216,7 @@ class HostLoop(WorkerLife, MapHints):
                 wait_ms = max(1, int(seconds * 1000))
                 receive = self.pool.receiver.wait
                 while not self._deliveries and time.monotonic() < deadline:
-                    frame = receive(wait_ms)
+                    frame = receive(wait_ms, spin)
                     if frame is not None:
                         self._on_frame(frame)
                 if self.core.busy():
@@ -236,9 +240,18 @@ class HostLoop(WorkerLife, MapHints):
         waiter.sink.put(_LEAD)
 
     # -- holding the lock -------------------------------------------------------------------------------
+    @contextlib.contextmanager
     def _held(self):
-        """A context that holds the lock (waiting for it) and lets go the one way (`_release`)."""
-        return _Held(self)
+        """The lock, waited for (the listener is woken so it lets go soon: it never waits while holding it),
+        let go the one way (`_release`)."""
+        if not self.lock.acquire(blocking=False):
+            self.listener.wake()
+            self.lock.acquire()
+        self._take_inbox()
+        try:
+            yield
+        finally:
+            self._release()
 
     def _take_inbox(self) -> None:
         """Hand the posted events to the core, in order; consecutive starts as one (`HostCore.start_all`: one
@@ -369,25 +382,6 @@ class HostLoop(WorkerLife, MapHints):
             self.pool.flush_frees()
             self.pool.trim_if_idle(self.core.busy())
 
-
-
-class _Held:
-    """`with loop._held():` the lock, waited for (the listener is woken so it lets go soon)."""
-
-    __slots__ = ("loop",)
-
-    def __init__(self, loop: HostLoop):
-        self.loop = loop
-
-    def __enter__(self):
-        loop = self.loop
-        if not loop.lock.acquire(blocking=False):
-            loop.listener.wake()  # (it lets go soon: it never waits while holding the lock)
-            loop.lock.acquire()
-        loop._take_inbox()
-
-    def __exit__(self, *exc):
-        self.loop._release()
 
 
 class _Waiter:

@@ -64,6 +64,7 @@ class Worker:
         self.inbox.setsockopt(zmq.RECONNECT_IVL, 5)
         self.inbox.connect(args.tasks)
         self.receiver = transport.Receiver(self.inbox)
+        self.spins = False  # the receiving thread looks for the next Task before it sleeps (see `receive`)
         # Who does what (all under `cv`): one thread receives; threads take runnable lanes.
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)  # (taken as `with self.lock`: one call, not three)
@@ -202,8 +203,15 @@ class Worker:
 
     def receive(self):
         # While chunks are here, look at least every PART_S whether one holds outputs behind a long input.
-        frame = self.receiver.wait(PART_MS if self.lanes.chunks else POLL_MS)
-        return None if frame is None else protocol.parse(self.secret, frame, "the host")
+        # (spinning while Tasks come quickly and the machine has a core to spare: a run after run keeps this
+        # vCPU awake, see transport.Receiver.wait; asked as a Task arrives, when this side's threads are calm)
+        frame = self.receiver.wait(PART_MS if self.lanes.chunks else POLL_MS, self.spins)
+        if frame is None:
+            return None
+        message = protocol.parse(self.secret, frame, "the host")
+        if type(message) is Task:
+            self.spins = not transport.cores_wanted()
+        return message
 
     def handle(self, message) -> None:
         """Act on a message other than a Task (`accept`'s)."""
