@@ -28,7 +28,9 @@ How one `run(g, x)` goes (calls go down, answers come back as return values; the
       │                                        ── ROUTER ── ipc ──▶ worker: decode, run, encode
       │     meanwhile the caller takes in what else is queued and looks at the workers (off the way back)
       ├─▶ HostLoop.await_item    loop      the caller receives while nobody else does (or sleeps on its
-      │                                    sink while another caller or the listener does):
+      │                                    sink while another caller or the listener does), looking at the
+      │                                    socket before it blocks while outcomes come quickly (the spin:
+      │                                    wire/transport.py):
       │     pool.receiver ◀── PULL ◀── Result[outcomes, releases] ◀──────────── worker
       │     pool.handle(frame)   pool      authenticate, decode outputs (map segments), count leases
       │     HostCore.outcomes    core      the postcondition on what arrived (outcomes.py); the job's

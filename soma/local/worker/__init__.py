@@ -3,7 +3,9 @@
 How messages flow through a worker (the host is drawn in `soma.local`):
 
     host ROUTER ──Task/Free/Cancel/GiveBack/Stop──▶ DEALER
-                                             │ one serving thread receives (soma.wire.protocol.parse)
+                                             │ one serving thread receives (soma.wire.protocol.parse);
+                                             │ after answering it looks for the next Task before it
+                                             │ blocks while Tasks come quickly (the spin: transport.py)
                                              ▼
                      accept(Task) (worker.py): register the node code and piece specs it carries
                                    (library.py: code unpickled on first use, a piece's Interpreter built
