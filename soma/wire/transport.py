@@ -145,7 +145,7 @@ class Receiver:
 
 
 _LOAD = [None, 0.0, False]  # /proc/loadavg (opened once per process; False: there is none), when read, verdict
-LOAD_EVERY_S = 0.01  # how long a verdict of `_cores_wanted` holds
+LOAD_EVERY_S = 0.01  # how long a verdict of `cores_wanted` holds
 
 
 def cores_wanted() -> bool:

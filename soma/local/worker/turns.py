@@ -199,7 +199,7 @@ class _ProcessClock:
     Read only while a job waits for its turn (every CHECK_S), so its few preads a thread cost little."""
 
     def __init__(self):
-        self.fds: dict = {}  # thread id (a /proc/self/task entry) → its schedstat descriptor
+        self.fds: dict = {}  # thread id (a /proc/self/task entry) → [its schedstat descriptor, ns last read]
         self.gone = 0  # ns of the threads that ended since they were first read (the clock never runs back)
 
     def busy(self) -> int:
