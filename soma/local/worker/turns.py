@@ -52,9 +52,11 @@ thread that runs no job and holds the GIL waits for a core (a CFS slice: tens of
 ms), and the holder, asleep on that GIL, looked blocked in long stretches: a
 wave's two pure-Python branches ran at once in 1 of ~40 waves beside two CPU
 burners (Dec 6). A thread that holds the GIL is on a CPU or waiting for one; the
-threads that wait for it sleep; so a process that computed under HOLDS of the
-window holds nobody up. STUCK_S still bounds the wait (a thread that is no job's
-may compute for ever).
+threads that wait for it sleep; so a process that computed under QUIET (a fifth)
+of the window holds nobody up. Not HOLDS: a pure-Python thread that shares the GIL
+with the waiting job's looks (each /proc read lets go of the GIL and takes it back
+after a switch interval) was seen at 58 % of the window in a test. STUCK_S still
+bounds the wait (a thread that is no job's may compute for ever).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ MIN_S = 0.001  # jobs of a piece whose last one took less than this take no turn
 CHECK_S = 0.01  # a waiting job looks this often at whether the jobs running here still compute ...
 BLOCKED_S = 0.05  # ... and runs beside them once they computed under HOLDS of a window this long (they wait) ...
 STUCK_S = 1.0  # ... in long sleeps, not as threads waiting for the GIL do; or after this long of such windows
+QUIET = 0.2  # ... and the whole process computed under this share of that window (see `_ProcessClock`)
 LETS_GO_AFTER = 2  # a piece lets go of the GIL once this many of its jobs in a row were seen to (not one hiccup)
 
 
@@ -166,7 +169,7 @@ class Turns:
         quiet_since = look[3] or look[2]
         if now[2] - quiet_since >= STUCK_S * 1e9:
             return None
-        if (now[4] - look[4] < HOLDS * window  # (nobody here computed: nobody held the GIL they may wait for)
+        if (now[4] - look[4] < QUIET * window  # (nobody here computed: nobody held the GIL they may wait for)
                 and len(self.running) * window - (busy - look[0])
                 >= 2e9 * sys.getswitchinterval() * (wakes - look[1])):
             return None  # (they slept for 2 switch intervals a wake or more: not for the GIL)
