@@ -14,7 +14,9 @@
 
 A caller waiting for its outcome receives it itself while nobody else does (one
 thread hand-off fewer per run: on two cores a wake-up costs about what a small
-run's Python does); otherwise it sleeps on its sink until its outcome comes, or
+run's Python does; `Local.run`'s caller looks at the socket before it blocks while
+outcomes come quickly and a core is free: the spin, transport.Receiver.wait);
+otherwise it sleeps on its sink until its outcome comes, or
 until the receiver leaving with work still out hands it the receiving (`_LEAD`).
 The listener receives when no caller does; it polls the socket's descriptor
 outside the lock and never blocks while holding it.
