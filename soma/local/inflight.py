@@ -162,4 +162,3 @@ class LocalInflight(Inflight):
         if self.flows:
             self.loop.cancel(list(self.flows.values()))
             self.flows.clear()
-

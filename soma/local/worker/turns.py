@@ -190,10 +190,15 @@ class Turns:
 def _busy(fd: int) -> tuple:
     """`(ns the thread has computed or waited for a core, times it was put on a core, now in ns)`."""
     try:
-        on_cpu, waiting, runs = os.pread(fd, 128, 0).split()
-        return int(on_cpu) + int(waiting), int(runs), time.monotonic_ns()
+        return (*_schedstat(fd), time.monotonic_ns())
     except (OSError, ValueError):
         return 0, 0, time.monotonic_ns()
+
+
+def _schedstat(fd: int) -> tuple:
+    """`(ns computed or waited for a core, times put on a core)` of the thread whose schedstat `fd` is."""
+    on_cpu, waiting, runs = os.pread(fd, 128, 0).split()
+    return int(on_cpu) + int(waiting), int(runs)
 
 
 class _ProcessClock:
@@ -224,9 +229,8 @@ class _ProcessClock:
             os.close(fd)
         for tid, entry in fds.items():
             try:
-                on_cpu, waiting, _ = os.pread(entry[0], 128, 0).split()
-                entry[1] = int(on_cpu) + int(waiting)
+                entry[1] = _schedstat(entry[0])[0]
             except (OSError, ValueError):
-                pass
+                pass  # (a thread ending: its last reading stands)
             total += entry[1]
         return total
