@@ -36,6 +36,9 @@ class Graph:
         self._catalog: dict[str, Node] = catalog
         self._topology = topology
         self._placement = Placement(placed)
+        # Bumped by every `place()`: a runner keeps what it compiled for a graph per version (an attribute, not
+        # a property: every run reads it).
+        self.placement_version = 0
 
     @classmethod
     def somatize(cls, expr) -> "Graph":
@@ -76,12 +79,8 @@ class Graph:
             except DeviceError as err:
                 raise DeviceError(f"{err} (placing node `{node_id}`)") from None
         self._placement.set(node_id, device)
+        self.placement_version += 1
         return self
-
-    @property
-    def placement_version(self) -> int:
-        """Bumped by every `place()`: a runner keeps what it compiled for a graph per version."""
-        return self._placement.version
 
     # -- when -----------------------------------------------------------------------------
     def plan(self) -> Plan:

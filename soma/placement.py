@@ -8,11 +8,10 @@ from .device import Device
 class Placement:
     """`id → Device` for placed nodes. Unplaced means "wherever it already is"."""
 
-    __slots__ = ("_devices", "version")
+    __slots__ = ("_devices",)
 
     def __init__(self, devices: dict | None = None):
         self._devices: dict[str, Device] = dict(devices or {})
-        self.version = 0  # bumped by every change: runners cache what they compiled per version
 
     def of(self, node_id: str) -> Device | None:
         return self._devices.get(node_id)
@@ -22,5 +21,4 @@ class Placement:
             self._devices.pop(node_id, None)
         else:
             self._devices[node_id] = device
-        self.version += 1
 

@@ -19,7 +19,7 @@ How one `run(g, x)` goes (calls go down, answers come back as return values; the
     Local.run(g, x)             runner.py  the program of (g, placement), compiled once (host/program.py):
       │                                    pieces of the plan, each run whole on one worker;
       │                                    PlacementError here, before anything is sent
-      ├─▶ HostLoop.start_one     loop      a Flow for x, posted to the loop's inbox; whoever holds the
+      ├─▶ HostLoop.run_one       loop      start_one: a Flow for x, posted to the loop's inbox; whoever holds the
       │                                    lock (this thread, if it is free) hands it to the core:
       │     HostCore.start       core      flows.Walker makes the Jobs; dispatch.pump picks a worker for
       │                                    each (by the depths measures.py learnt) → Send(slot, jobs)
@@ -27,7 +27,7 @@ How one `run(g, x)` goes (calls go down, answers come back as return values; the
       │     handles only; a batching node alone's inputs into one bundle) → pool.send: one Task
       │                                        ── ROUTER ── ipc ──▶ worker: decode, run, encode
       │     meanwhile the caller takes in what else is queued and looks at the workers (off the way back)
-      ├─▶ HostLoop.await_item    loop      the caller receives while nobody else does (or sleeps on its
+      │   then await_item        loop      the caller receives while nobody else does (or sleeps on its
       │                                    sink while another caller or the listener does), looking at the
       │                                    socket before it blocks while outcomes come quickly (the spin:
       │                                    wire/transport.py):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import queue
 import re
 import threading
 import time
@@ -150,22 +149,13 @@ class Local(RunnerBase):
         if type(retries) is not int or retries < 0:  # (0 and the like pass without a call: a run's hot path)
             retries = checked_retries(retries)
         loop, g, program = self._ready(g, "Local.run")
-        sink = queue.SimpleQueue()
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
-        flow = loop.start_one(program, x, sink, trace, retries, g, lead=timeout or 1.0)
         try:
             try:
-                _, ok, value = loop.await_item(sink, timeout)
-            except queue.Empty:
-                err = loop.expire(flow, timeout)
-                item = loop.take_nowait(sink)  # it may have ended while it was being stopped
-                if item is None:
-                    raise err from None
-                _, ok, value = item
-            except KeyboardInterrupt:  # the caller gave up (Ctrl-C): its input is not wanted any more
-                loop.cancel([flow])
-                raise KeyboardInterrupt from None  # (the traceback stops here, not deep in soma's receiving)
+                _, ok, value = loop.run_one(program, x, trace, retries, g, timeout)
+            except KeyboardInterrupt:  # (cancelled by the loop: the traceback stops here, not deep in its receiving)
+                raise KeyboardInterrupt from None
             if not ok:
                 raise value
             return value

@@ -1,6 +1,6 @@
 """The host's state and its rules, with one owner: events go in, actions come out (h11's shape).
 
-    events (the loop calls them, one at a time)        actions (`take()`: the loop carries them out, in order)
+    events (the loop calls them, one at a time)        actions (`out`: the loop pops them as it carries them out)
       start(program, flows) · start_all(starts)          Send(slot, jobs)           jobs to a worker (encoded there)
       cancel(flows)                                      CancelAt(slot, job ids)    drop these unless started (or
                                                                                     give them back: chunks)
@@ -31,6 +31,7 @@ every event with Hypothesis and checks its invariants after each step).
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from ...errors import (
     Cancelled,
@@ -74,11 +75,12 @@ class HostCore(WorkerEvents, ChunkEvents):
         self.walker = Walker()
         self.chunk_jobs: dict = {}  # base → a Chunk's job out or waiting (its inputs travel as base + place)
         self.admitted: set = set()  # programs whose pieces the dispatch knows (Dispatch.admit)
-        self.out: list = []  # actions not yet taken by the loop
+        self.out: deque = deque()  # actions decided and not yet carried out, oldest first (the loop pops them)
 
     def take(self) -> list:
-        """The actions decided since the last take, in order."""
-        out, self.out = self.out, []
+        """Every action decided and not yet carried out, in order (at once: the tests' way; the loop pops `out`)."""
+        out = list(self.out)
+        self.out.clear()
         return out
 
     def has_idle(self) -> bool:
@@ -270,7 +272,9 @@ class HostCore(WorkerEvents, ChunkEvents):
                 del self.chunk_jobs[job.base]
             self._deliver_chunk(flow, chunks.failed(flow, job.places, value))
             return
-        made = job.then(ok, value)  # the jobs its outcome makes, or (ok, value): the walk has ended (flows.py)
+        then = job.then  # the jobs its outcome makes, or (ok, value): the walk has ended (flows.py); a job of a
+        # program's last piece has the flow itself as its continuation: its outcome is the input's, no call
+        made = (ok, value) if then is flow else then(ok, value)
         if type(made) is tuple:
             self._finish(flow, *made)
         elif made:

@@ -4,7 +4,7 @@
       Ready      a worker said hello: it takes jobs now
       Outcomes   the Arrived jobs (and Bundled ones) one Result brought (values decoded, or Undecodable), and
                  the chunk inputs it gave back unstarted
-    core → loop (actions: `HostCore.take()`; the loop carries them out in order)
+    core → loop (actions: `HostCore.out`, popped by the loop as it carries them out, in order)
       Send       jobs to a worker          CancelAt   drop these unless started (or give them back)
       Retire     kill and replace a worker Spawn      try to start a worker again
       Deliver    an input's outcome, for its sink (put there once the loop has let go of its lock)

@@ -79,12 +79,12 @@ class Job:
     """One input for one piece: queued, then outstanding at a worker.
 
     A job carries its input as a value (`value`) until it is sent: then the loop encodes it (sending.py),
-    alone (`payload`, `shared`, `keep`) or, for a batching node alone, together with the others going to the
+    alone (`spec`: its JobSpec's fields as they travel, the encoded input among them; `shared`, `keep`) or, for a batching node alone, together with the others going to the
     same worker into a bundle (`packed`, and its `position` there). `twins`: the jobs made from the same
     value in one step (a wave's branches) share one encoding through it.
     """
 
-    __slots__ = ("id", "flow", "try_", "piece", "payload", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
+    __slots__ = ("id", "flow", "try_", "piece", "spec", "shared", "keep", "then", "slot", "sent_at", "sent_ns",
                  "behind", "traced", "value", "twins", "packed", "position", "send", "base", "places", "pending",
                  "pace", "asked_back")
 
@@ -96,7 +96,7 @@ class Job:
         # Once encoded, `keep` holds the encoder as long as the job lives: every tensor its handles name stays
         # held by the host until the job is over, so a segment cannot be reused under the worker (before the
         # send is counted), and a job its worker never started can be sent again, as it is, to another.
-        self.payload, self.shared, self.keep = None, (), None
+        self.spec, self.shared, self.keep = None, (), None
         self.then = then  # then(ok, value) → the jobs it makes, when the job is over
         self.slot = None
         self.sent_at = 0.0
@@ -130,10 +130,6 @@ class Job:
             self.value = self.value[:at] + self.value[at + 1:]
         self.places = self.places[:at] + self.places[at + 1:]  # (a new list: a packed payload's stays as it is)
         self.pending.discard(place)
-
-    def wire(self) -> tuple:
-        """The JobSpec's fields (protocol.JobSpec), as the pool packs them."""
-        return self.id, self.piece.id, self.payload, [self.flow.index] if self.traced else False
 
 
 class SendCount:

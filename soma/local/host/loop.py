@@ -38,7 +38,7 @@ from ...errors import SomaError
 from ...wire.transport import cores_wanted
 from .core import HostCore
 from .events import CancelAt, Deliver, Outcomes, Ready, Retire, Send, Spawn
-from .flows import Chunk, Flow
+from .flows import Flow
 from .listener import PUMP_S, Listener
 from .loop_maps import MapHints
 from .loop_workers import WorkerLife
@@ -99,21 +99,23 @@ class HostLoop(WorkerLife, MapHints):
         self._started(program, [flow], lead)
         return flow
 
-    def start_chunks(self, program, indices: list, xs: list, sink, graph, size: int, retries: int = 0,
-                     trace=None) -> dict:
-        """Start inputs `xs` (numbered `indices`, ascending) of a map in chunks (flows.Chunk) of up to `size`
-        consecutive ones, each input with `retries` of its own (and traced in `trace`, if any); an ok run's
-        outcome comes as `(index, True, Span)` (core.py, chunks.py). Returns first index → Chunk."""
-        flows, count = {}, len(indices)
-        if indices[-1] - indices[0] == count - 1:  # (consecutive: the common case, sliced at C speed)
-            cuts = range(0, count, size)
-        else:  # (a resumed map's inputs: a chunk never spans a gap)
-            cuts = [at for at in range(count) if at == 0 or indices[at] != indices[at - 1] + 1]
-            cuts = [cut for start, stop in zip(cuts, cuts[1:] + [count]) for cut in range(start, stop, size)]
-        for start, stop in zip(cuts, list(cuts[1:]) + [count]):
-            flows[indices[start]] = Chunk(indices[start], sink, program, xs[start:stop], graph, retries, trace)
-        self._started(program, list(flows.values()))
-        return flows
+    def run_one(self, program, x, trace, retries: int, graph, timeout: float | None) -> tuple:
+        """`Local.run`'s input: start `x`, wait for it, and return its `(None, ok, value)` (this thread receives
+        while the lock is free: start_one's `lead`, then await_item). Its time up first: the input is stopped
+        (`expire`) and its RunTimeout raised, unless it ended meanwhile. Interrupted (Ctrl-C): it is cancelled."""
+        sink = queue.SimpleQueue()
+        flow = self.start_one(program, x, sink, trace, retries, graph, lead=timeout or 1.0)
+        try:
+            return self.await_item(sink, timeout)
+        except queue.Empty:
+            err = self.expire(flow, timeout)
+            item = self.take_nowait(sink)  # it may have ended while it was being stopped
+            if item is None:
+                raise err from None
+            return item
+        except KeyboardInterrupt:  # the caller gave up: its input is not wanted any more
+            self.cancel([flow])
+            raise
 
     def _started(self, program, flows: list, lead: float = 0.0) -> None:
         if lead and self.lock.acquire(blocking=False):
@@ -201,9 +203,10 @@ class HostLoop(WorkerLife, MapHints):
         then let go, deliver, and hand the receiving on when work is still out there. `spin`: a run's caller,
         who looks at the socket before it sleeps while frames come quickly (transport.Receiver.wait).
 
-        What is queued already, and the look at the workers now and then, come first, once what the core
-        decided is sent: done while the workers work, not between an outcome's arrival and its caller (a run's
-        way back: on two cores, each step on it is a run's time). After the outcome, what is queued behind it
+        The look at the workers now and then comes first, once what the core decided is sent: done while the
+        workers work, not between an outcome's arrival and its caller (a run's way back: on two cores, each step
+        on it is a run's time); frames queued already come next, in the order they came. After the outcome,
+        what is queued behind it
         is taken too while work is out (other callers' outcomes, a map's next ones: delivered together); with
         none out, what may still come (a stale job's Result, its releases) is the next holder's (its first step)
         or the listener's (within PUMP_S)."""
@@ -212,7 +215,6 @@ class HostLoop(WorkerLife, MapHints):
             if not self.closing:
                 spin = spin and not cores_wanted()  # (asked before sending: this side's threads are calm)
                 self._act()
-                self._drain()
                 self._now_and_then()
                 deadline = time.monotonic() + seconds
                 wait_ms = max(1, int(seconds * 1000))
@@ -272,11 +274,12 @@ class HostLoop(WorkerLife, MapHints):
 
     def _act(self) -> None:
         """Carry out what the core decided, until it decides nothing more (lock held)."""
-        core = self.core
+        out = self.core.out  # (the core's deque of actions, popped here: no call a turn to take them)
         if self.inbox:
             self._take_inbox()
-        while core.out:  # (read before taking: most turns decide nothing, and a call less counts on a run)
-            for action in core.take():
+        while True:
+            while out:
+                action = out.popleft()
                 kind = type(action)
                 if kind is Deliver:
                     self._deliveries.append(action)
@@ -294,8 +297,9 @@ class HostLoop(WorkerLife, MapHints):
                         self._end(action.worker, action.why)
                 elif kind is Spawn:
                     self._start_due(action.slot, wanted=True)
-            if self.inbox:
-                self._take_inbox()
+            if not self.inbox:
+                return
+            self._take_inbox()
 
     def _release(self) -> None:
         """Take in what was posted, carry out the actions, let go of the lock, then deliver the outcomes; look

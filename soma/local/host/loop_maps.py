@@ -4,9 +4,27 @@ the pool works on at once, what an input takes of /dev/shm; read without the loc
 
 from __future__ import annotations
 
+from .flows import Chunk
+
 
 class MapHints:
-    """HostLoop's methods for a map's in-flight set (its `core`, `pool` and `_post`)."""
+    """HostLoop's methods for a map's in-flight set (its `core`, `pool`, `_started` and `_post`)."""
+
+    def start_chunks(self, program, indices: list, xs: list, sink, graph, size: int, retries: int = 0,
+                     trace=None) -> dict:
+        """Start inputs `xs` (numbered `indices`, ascending) of a map in chunks (flows.Chunk) of up to `size`
+        consecutive ones, each input with `retries` of its own (and traced in `trace`, if any); an ok run's
+        outcome comes as `(index, True, Span)` (core.py, chunks.py). Returns first index → Chunk."""
+        flows, count = {}, len(indices)
+        if indices[-1] - indices[0] == count - 1:  # (consecutive: the common case, sliced at C speed)
+            cuts = range(0, count, size)
+        else:  # (a resumed map's inputs: a chunk never spans a gap)
+            cuts = [at for at in range(count) if at == 0 or indices[at] != indices[at - 1] + 1]
+            cuts = [cut for start, stop in zip(cuts, cuts[1:] + [count]) for cut in range(start, stop, size)]
+        for start, stop in zip(cuts, list(cuts[1:]) + [count]):
+            flows[indices[start]] = Chunk(indices[start], sink, program, xs[start:stop], graph, retries, trace)
+        self._started(program, list(flows.values()))
+        return flows
 
     def chunk(self, piece) -> int:
         """How many inputs of `piece` a chunk holds now (1: its inputs go one by one: not measured, or slow)."""

@@ -172,7 +172,7 @@ class WorkerPool:
         (right after its hello: send again soon).
 
         Each item (a flows.Job, or a sending.BundleSend: several inputs in one entry) has `.piece`, `.shared`
-        (segment names it lends) and `.wire()` (its JobSpec's or Bundle's fields).
+        (segment names it lends) and `.spec` (its JobSpec's, Bundle's or Chunk's fields, as sending.py made them).
         """
         worker = self.workers[slot]
         if self.closing or worker is None or worker.retired:
@@ -189,7 +189,7 @@ class WorkerPool:
                     code[key] = self.registry.code(node_id, key)
         held, room_s = self.segments.for_task()  # (first: its frees are current)
         frees = self._book.take_frees(worker.pid) if self._book.frees else []
-        task = Task(code, pieces, [item.wire() for item in items], frees, worker.forget, held, room_s)
+        task = Task(code, pieces, [item.spec for item in items], frees, worker.forget, held, room_s)
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
         if not sent_ok:
             self._book.give_back_frees(worker.pid, frees)

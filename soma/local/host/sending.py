@@ -37,7 +37,7 @@ class BundleSend:
     input whose job is elsewhere or over: a bundle sent again after its worker left carries its whole
     payload, and the worker runs only the inputs named)."""
 
-    __slots__ = ("packed", "ids", "piece", "shared", "jobs")
+    __slots__ = ("packed", "ids", "piece", "shared", "jobs", "spec")
 
     def __init__(self, packed: Packed, jobs: list):
         self.packed, self.piece, self.shared, self.jobs = packed, packed.piece, packed.shared, jobs
@@ -53,19 +53,14 @@ class BundleSend:
             else:
                 wanted = set(first.places)
                 self.ids = [base + place if place in wanted else 0 for place in places]
+            chunk = first.flow  # (its fields as protocol.Chunk's; a traced chunk's inputs: each its index)
+            self.spec = (self.ids, self.piece.id, packed.payload, False if chunk.trace is None else [
+                [chunk.index + place] for place in places])
             return
         self.ids = [0] * packed.size
         for job in jobs:
             self.ids[job.position] = job.id
-
-    def wire(self) -> tuple:
-        """The Bundle's fields (protocol.Bundle), or a chunk's (protocol.Chunk), as the pool packs them."""
-        places = self.packed.places
-        if places is not None:  # (a traced chunk's inputs: each its index, as a JobSpec's `traced`)
-            chunk = self.jobs[0].flow
-            return self.ids, self.piece.id, self.packed.payload, False if chunk.trace is None else [
-                [chunk.index + place] for place in places]
-        return self.ids, self.piece.id, self.packed.payload
+        self.spec = (self.ids, self.piece.id, packed.payload)  # (as protocol.Bundle's fields)
 
 
 def encode(get_store, groups: list) -> tuple[list, list, list]:
@@ -83,7 +78,7 @@ def encode(get_store, groups: list) -> tuple[list, list, list]:
         if first.packed is not None:
             items.append(BundleSend(first.packed, group))
         elif len(group) == 1:
-            if first.payload is None:
+            if first.spec is None:
                 try:
                     encode_alone(get_store, first)
                 except NodeError as err:
@@ -139,7 +134,8 @@ def encode_alone(get_store, job) -> None:
                 payload = _packed(encoder.pack, x, piece.entry)
             found = (payload, encoder.shared, encoder)
         twins[id(x)] = found
-    job.payload, job.shared, job.keep = found
+    payload, job.shared, job.keep = found
+    job.spec = (job.id, job.piece.id, payload, [job.flow.index] if job.traced else False)  # (protocol.JobSpec's)
     job.value = None
 
 
