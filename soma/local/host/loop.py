@@ -231,15 +231,18 @@ class HostLoop(WorkerLife, MapHints):
         self._pass_on()
 
     def _pass_on(self) -> None:
-        """Nobody receives now: a waiting caller is handed the receiving, or the listener is woken, when work is
-        still out there."""
+        """Nobody receives now: a waiting caller is handed the receiving (not one whose outcome is in its sink
+        already: it would only hand it on, a wake-up each), or the listener is woken, when work is still out."""
         if not self.core.busy() or self.lock.locked():
             return
-        try:
-            waiter = self._waiters.popleft()
-        except IndexError:
-            self.listener.notify()
-            return
+        while True:
+            try:
+                waiter = self._waiters.popleft()
+            except IndexError:
+                self.listener.notify()
+                return
+            if waiter.sink.empty():
+                break
         waiter.handed = True
         waiter.sink.put(_LEAD)
 
@@ -387,7 +390,6 @@ class HostLoop(WorkerLife, MapHints):
                 self._send_unreachable()
             self.pool.flush_frees()
             self.pool.trim_if_idle(self.core.busy())
-
 
 
 class _Waiter:
