@@ -79,9 +79,10 @@ class Job:
     """One input for one piece: queued, then outstanding at a worker.
 
     A job carries its input as a value (`value`) until it is sent: then the loop encodes it (sending.py),
-    alone (`spec`: its JobSpec's fields as they travel, the encoded input among them; `shared`, `keep`) or, for a batching node alone, together with the others going to the
-    same worker into a bundle (`packed`, and its `position` there). `twins`: the jobs made from the same
-    value in one step (a wave's branches) share one encoding through it.
+    alone (`spec`: its JobSpec's fields as they travel, the encoded input among them; `shared`, `keep`) or,
+    for a batching node alone, together with the others going to the same worker into a bundle (`packed`,
+    and its `position` there). `twins`: the jobs made from the same value in one step (a wave's branches)
+    share one encoding through it.
     """
 
     __slots__ = ("id", "flow", "try_", "piece", "spec", "shared", "keep", "then", "slot", "sent_at", "sent_ns",

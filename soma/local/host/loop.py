@@ -102,7 +102,7 @@ class HostLoop(WorkerLife, MapHints):
     def run_one(self, program, x, trace, retries: int, graph, timeout: float | None) -> tuple:
         """`Local.run`'s input: start `x`, wait for it, and return its `(None, ok, value)` (this thread receives
         while the lock is free: start_one's `lead`, then await_item). Its time up first: the input is stopped
-        (`expire`) and its RunTimeout raised, unless it ended meanwhile. Interrupted (Ctrl-C): it is cancelled."""
+        (`expire`) and its outcome is its RunTimeout, unless it ended meanwhile. Interrupted: it is cancelled."""
         sink = queue.SimpleQueue()
         flow = self.start_one(program, x, sink, trace, retries, graph, lead=timeout or 1.0)
         try:
@@ -110,9 +110,7 @@ class HostLoop(WorkerLife, MapHints):
         except queue.Empty:
             err = self.expire(flow, timeout)
             item = self.take_nowait(sink)  # it may have ended while it was being stopped
-            if item is None:
-                raise err from None
-            return item
+            return item if item is not None else (None, False, err)  # (raised by the caller: a short traceback)
         except KeyboardInterrupt:  # the caller gave up: its input is not wanted any more
             self.cancel([flow])
             raise
@@ -206,10 +204,9 @@ class HostLoop(WorkerLife, MapHints):
         The look at the workers now and then comes first, once what the core decided is sent: done while the
         workers work, not between an outcome's arrival and its caller (a run's way back: on two cores, each step
         on it is a run's time); frames queued already come next, in the order they came. After the outcome,
-        what is queued behind it
-        is taken too while work is out (other callers' outcomes, a map's next ones: delivered together); with
-        none out, what may still come (a stale job's Result, its releases) is the next holder's (its first step)
-        or the listener's (within PUMP_S)."""
+        what is queued behind it is taken too while work is out (other callers' outcomes, a map's next ones:
+        delivered together); with none out, what may still come (a stale job's Result, its releases) is the
+        next holder's (its first step) or the listener's (within PUMP_S)."""
         self.leading = True
         try:
             if not self.closing:
