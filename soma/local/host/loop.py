@@ -176,7 +176,7 @@ class HostLoop(WorkerLife, MapHints):
             if not waiter.handed:
                 try:
                     self._waiters.remove(waiter)
-                except ValueError:  # (handed the receiving just now: take it)
+                except ValueError:  # (popped by `_pass_on`: handed the receiving just now, or passed by)
                     pass
             if item is _LEAD or item is None:
                 continue
