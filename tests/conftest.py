@@ -434,6 +434,20 @@ def shm_names(prefix: str | None = None) -> set:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
 
+def segment_file(value) -> str | None:
+    """The /dev/shm file a tensor's or an array's first byte is a mapping of in this process (its name, as
+    `shm_names` gives it), or None: read from /proc/self/maps, not from soma's books."""
+    address = value.data_ptr() if hasattr(value, "data_ptr") else value.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            if lo <= address < hi:
+                path = fields[5].strip().removesuffix(" (deleted)") if len(fields) > 5 else ""
+                return path[len("/dev/shm/"):] if path.startswith("/dev/shm/") else None
+    return None
+
+
 def in_threads(func, count: int, seconds: float = 60.0) -> list:
     """`[func(0), ..., func(count - 1)]`, each called on a thread of its own, all at once.
 

@@ -14,6 +14,7 @@ import re
 import threading
 import time
 import weakref
+from typing import NamedTuple
 
 from ..device import Device
 from ..errors import DeviceError, SomaError
@@ -29,6 +30,18 @@ from .host.program import compile_program
 from .inflight import LocalInflight
 
 CLOSE_WAIT_S = 60.0  # a second close() waits this long for the first (which takes a few seconds at most)
+
+
+class Snapshot(NamedTuple):
+    """What a `Local` holds at one moment (`Local.snapshot()`): to watch a pool, or to check it let go of all."""
+
+    pids: list  # its workers' pids, in slot order (as `pids()`)
+    inputs: int  # inputs started and not ended yet (run, submit, arun, a map's in flight)
+    jobs: list  # per slot: jobs sent to its worker (or held for it while it starts) not back yet, cancelled included
+    waiting: int  # jobs on the host waiting for a worker with room
+    running: list  # per slot: the ids of the nodes its worker runs now (its status page)
+    shm_prefix: str | None  # every /dev/shm segment the pool's processes make starts with it (None: not started)
+    run_dir: str | None  # the private directory of its sockets, removed by close() (None: not started)
 
 
 class Local(RunnerBase):
@@ -135,8 +148,16 @@ class Local(RunnerBase):
             self._close_done.set()
 
     def pids(self) -> list[int]:
-        """The pids of the workers running now, in slot order (none before `start()`)."""
-        return [] if self._pool is None else self._pool.pids()
+        """The pids of the workers running now, in slot order (none before `start()`, nor once `close()` ended)."""
+        return [] if self._pool is None or self._close_done.is_set() else self._pool.pids()
+
+    def snapshot(self) -> "Snapshot":
+        """What this pool holds now: its workers, the inputs and jobs in flight, where its files are."""
+        pool, loop = self._pool, self._loop
+        if pool is None:
+            return Snapshot([], 0, [0] * len(self.worker_devices), 0, [[] for _ in self.worker_devices], None, None)
+        inputs, jobs, waiting, running = loop.snapshot()
+        return Snapshot(self.pids(), inputs, jobs, waiting, running, pool.prefix, pool.run_dir)
 
     # -- running ------------------------------------------------------------------------------------
     def run(self, g, x, *, timeout: float | None = None, retries: int = 0):

@@ -107,8 +107,8 @@ def test_leaving_a_map_early_drops_the_bundles_still_queued_at_the_workers(local
     outputs = local.map(Graph.somatize(LogsBatches(str(log), 0.05)), range(10_000), window=64)
     assert [next(outputs) for _ in range(3)] == [0, 1, 2]
     outputs.close()
-    wait_for(lambda: not local._loop.core.dispatch.outstanding, what="the cancelled jobs' outcomes")
-    assert not local._loop.core.flows
+    wait_for(lambda: not any(local.snapshot().jobs), what="the cancelled jobs' outcomes")
+    assert local.snapshot().inputs == 0
     ran = [int(x) for x in log.read_text().split()]
     assert len(ran) == len(set(ran))  # none twice
     # 64 were in flight (and more would have come): each worker ran the batches of 8 it had started, two or
@@ -144,9 +144,9 @@ def test_a_bundle_handed_back_goes_again_naming_only_the_inputs_still_wanted(mon
     with soma.Local(workers=1, max_memory="100MiB") as capped:
         g = Graph.somatize(GrowsAfterSleep(120, 0.5))
         first = capped.submit(g, 0)
-        wait_for(lambda: capped._loop.core.dispatch.outstanding, what="input 0 at the worker")
+        wait_for(lambda: any(capped.snapshot().jobs), what="input 0 at the worker")
         futures = [capped.submit(g, x) for x in (1, 2, 3, 4)]
-        wait_for(lambda: len(capped._loop.core.dispatch.outstanding) == 5, what="inputs 1-4 sent as one bundle")
+        wait_for(lambda: capped.snapshot().jobs == [5], what="inputs 1-4 sent as one bundle")
         assert futures[1].cancel()
         assert first.result(timeout=60) == 0
         assert [f.result(timeout=60) for f in (futures[0], futures[2], futures[3])] == [2, 6, 8]

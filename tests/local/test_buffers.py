@@ -15,7 +15,7 @@ np = pytest.importorskip("numpy")
 import soma  # noqa: E402
 from soma import Done, Graph, Node, NodeError, WorkerDied  # noqa: E402
 from soma.wire.codec import INLINE_LIMIT  # noqa: E402
-from tests.conftest import in_threads, shm_names  # noqa: E402
+from tests.conftest import in_threads, segment_file, shm_names  # noqa: E402
 from tests.nodes import Die, Identity, in_segment  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -120,13 +120,13 @@ def test_array_results_held_at_once_stay_intact(local, n, through_ctx):
 def test_ctx_empty_array_is_shared_memory_reused_across_runs(local):
     g = Graph.somatize(ArrayFill(1 << 20, through_ctx=True))
     first = local.run(g, 2.0)
-    segment = local._pool.get_store().segment_of(first.__array_interface__["data"][0])
+    segment = segment_file(first)
     assert segment is not None and float(first[0]) == 2.0
     del first
     local.run(Graph.somatize(Identity()), 0)  # lets the worker hear that the host dropped it
-    before = shm_names(local._pool.prefix)
+    before = shm_names(local.snapshot().shm_prefix)
     second = local.run(g, 3.0)
-    assert local._pool.get_store().segment_of(second.__array_interface__["data"][0]) in before  # reused, not new
+    assert segment_file(second) in before  # reused, not new
     assert np.all(second == 3.0)
 
 
@@ -303,11 +303,11 @@ def test_thousand_array_runs_leave_shm_and_fds_flat(local):
     for _ in range(50):
         local.run(g, x)
     fds_before = len(os.listdir("/proc/self/fd"))
-    shm_before = len(shm_names(local._pool.prefix))
+    shm_before = len(shm_names(local.snapshot().shm_prefix))
     raw, made = Graph.somatize(Identity()), Graph.somatize(ArrayFill(BIG, through_ctx=True))
     for i in range(1000):
         out = (local.run(g, x), local.run(made, i)) if i % 2 else local.run(raw, {"b": b"\x01" * BIG, "a": bytearray(BIG)})
     del out
     local.run(Graph.somatize(Identity()), 0)
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
-    assert len(shm_names(local._pool.prefix)) <= shm_before + 4
+    assert len(shm_names(local.snapshot().shm_prefix)) <= shm_before + 4

@@ -23,7 +23,8 @@ RACE = textwrap.dedent("""
     tries = int(sys.argv[2])
     for i in range(tries):
         local = soma.Local(workers=2).start()
-        run_dir, prefix, pids = local._pool.run_dir, local._pool.prefix, local.pids()
+        snapshot = local.snapshot()
+        run_dir, prefix, pids = snapshot.run_dir, snapshot.shm_prefix, snapshot.pids
         held = local.run(Graph.somatize(Fill(1 << 20)), 3.0)  # a result the caller holds, in shared memory
         marker = os.path.join(run_dir, f"running-{i}")
         errors = {}

@@ -463,6 +463,13 @@ class CoreMachine(RuleBasedStateMachine):
                     assert value.tries == retries + 1 and value.worker in ("w0", "w1"), value
 
     @invariant()
+    def in_flight_counts_the_inputs_not_ended(self):
+        """What Local.snapshot shows: the inputs started and not ended (a chunk's each by itself), the jobs out."""
+        inputs, jobs, waiting = self.core.in_flight()
+        assert inputs == sum(1 for i in self.inputs if i not in self.outcomes and i not in self.given_up)
+        assert jobs == self.core.dispatch.load and waiting >= 0
+
+    @invariant()
     def counted_out_is_what_was_sent(self):
         core = self.core
         for slot in (0, 1):

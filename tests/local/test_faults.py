@@ -25,11 +25,13 @@ def gone(pid):
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def exited(pool, pid):
-    """The worker `pid` has fully exited: waitpid says so (a zombie leader may still have threads dying),
-    or the pool has already noticed, reaped and replaced it."""
-    worker = next((w for w in pool._pool.workers if w.pid == pid), None)
-    return worker is None or worker.proc.poll() is not None
+def exited(pid):
+    """The worker `pid` (a child of this process) has fully exited: waitid says so, without reaping it (a zombie
+    leader may still have threads dying; the pool reaps its own), or it was reaped already (the pool noticed)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def heals(pool):
@@ -95,7 +97,7 @@ def test_worker_killed_while_sending_its_result(local):
 def test_worker_killed_while_idle_is_replaced_at_the_next_run(local):
     victim = local.pids()[0]
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: exited(local, victim), what="the worker to die")
+    wait_for(lambda: exited(victim), what="the worker to die")
     heals(local)
     assert victim not in local.pids()
 
@@ -176,7 +178,7 @@ def test_host_killed_its_workers_exit_and_clean_up(tmp_path):
         from tests.nodes import Identity
         pool = soma.Local(workers=2).start()
         out = pool.run(Graph.somatize(Identity() | Identity()), torch.ones(1 << 16))
-        print(" ".join(map(str, pool.pids())), pool._pool.prefix, pool._pool.run_dir, flush=True)
+        print(" ".join(map(str, pool.pids())), pool.snapshot().shm_prefix, pool.snapshot().run_dir, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
     pytest.importorskip("torch")
@@ -193,18 +195,19 @@ def test_segments_of_a_killed_worker_are_unlinked(local):
     torch = pytest.importorskip("torch")
     g = Graph.somatize(Identity() | Identity())
     out = local.run(g, torch.ones(1 << 18))
-    held = shm_names(local._pool.prefix)
+    prefix = local.snapshot().shm_prefix
+    held = shm_names(prefix)
     assert held
     victim = local.pids()[1]
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: exited(local, victim))
+    wait_for(lambda: exited(victim))
     heals(local)
-    owned_by_victim = {n for n in shm_names(local._pool.prefix) if f"-{victim}-" in n}
+    owned_by_victim = {n for n in shm_names(prefix) if f"-{victim}-" in n}
     # what the host still holds stays (mapped, counted); the rest of the dead worker's segments are gone
     assert all(n in held for n in owned_by_victim)
     del out
     heals(local)
-    assert not {n for n in shm_names(local._pool.prefix) if f"-{victim}-" in n}
+    assert not {n for n in shm_names(prefix) if f"-{victim}-" in n}
 
 
 def test_a_pool_whose_workers_cannot_start_says_why_and_leaves_nothing(local, tmp_path, monkeypatch):
@@ -214,7 +217,7 @@ def test_a_pool_whose_workers_cannot_start_says_why_and_leaves_nothing(local, tm
     broken.write_text("#!/bin/sh\nexit 5\n")  # an interpreter that cannot even start a worker
     broken.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(broken))  # workers run with the host's interpreter
-    others = local._pool.prefix  # the module's own pool may make and free segments meanwhile
+    others = local.snapshot().shm_prefix  # the module's own pool may make and free segments meanwhile
 
     def ours():
         return {n for n in shm_names() if not n.startswith(others)}
@@ -256,7 +259,7 @@ def test_the_next_run_after_a_kill_between_runs_succeeds(local):
     assert local.run(g, 1) == 2
     for victim in local.pids():
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: exited(local, victim), what="the worker to die")
+        wait_for(lambda: exited(victim), what="the worker to die")
     assert local.run(g, 1) == 2  # on a replacement: its code is sent again
     pytest.importorskip("torch")
     import torch
@@ -281,7 +284,7 @@ def test_timeout_says_which_nodes_ran_and_which_waited():
 
         first = threading.Thread(target=one.run, args=(g, 0))
         first.start()
-        wait_for(lambda: one._pool.running(0), what="the first run to start")
+        wait_for(lambda: one.snapshot().running[0] == ["slow"], what="the first run to start")
         with pytest.raises(RunTimeout) as info:
             one.run(g, 1, timeout=0.3)  # queued behind the first: the same copy runs one input at a time
         first.join()

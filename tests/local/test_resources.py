@@ -96,7 +96,7 @@ def test_a_forked_child_cannot_use_or_destroy_its_parents_pool(tmp_path):
 
         out = {}
         local = soma.Local(workers=2).start()
-        run_dir = local._pool.run_dir
+        run_dir = local.snapshot().run_dir
         held = local.run(Graph.somatize(PlusOne()), torch.zeros(1 << 16))
         child = os.fork()
         if child == 0:  # a child that uses the pool, closes it, and exits normally (atexit runs)
@@ -214,7 +214,7 @@ def test_ctrl_c_during_a_run_or_map_stops_it_with_a_short_traceback_and_leaves_n
         from tests.nodes import Sleep
 
         local = soma.Local(workers=2).start()
-        print(local._pool.run_dir, local._pool.prefix, *local.pids(), flush=True)
+        print(local.snapshot().run_dir, local.snapshot().shm_prefix, *local.pids(), flush=True)
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         if {call!r} == "run":
             local.run(Graph.somatize(Sleep(30)), 1)
@@ -248,7 +248,7 @@ class Filled(__import__("soma").Node):
 
 def _pool_bytes(local) -> int:
     """Bytes of /dev/shm this pool's segments take."""
-    prefix = local._pool.prefix
+    prefix = local.snapshot().shm_prefix
     return sum(os.stat(os.path.join("/dev/shm", n)).st_size for n in os.listdir("/dev/shm") if n.startswith(prefix))
 
 

@@ -252,6 +252,31 @@ def test_nodes_defined_in_a_script_load_in_workers(tmp_path):
     assert out.stdout.strip() == "HI!?"
 
 
+def test_snapshot_shows_the_workers_the_inputs_in_flight_and_the_files_from_start_to_close(tmp_path):
+    from tests.conftest import segment_file, wait_for
+    from tests.nodes import Fill, WaitsForFile
+
+    go = tmp_path / "go"
+    local = soma.Local(workers=1)
+    assert tuple(local.snapshot()) == ([], 0, [0], 0, [[]], None, None)  # not started: nothing held
+    with local:
+        start = local.snapshot()
+        assert start.pids == local.pids() and len(start.pids) == 1 and os.path.isdir(start.run_dir)
+        g = Graph.somatize(WaitsForFile(str(go)).named("waits"))
+        futures = [local.submit(g, i) for i in range(3)]
+        wait_for(lambda: local.snapshot().running == [["waits"]], what="the first input to run")
+        now = local.snapshot()
+        assert now.inputs == 3 and now.jobs[0] >= 1 and now.jobs[0] + now.waiting == 3
+        go.touch()
+        assert [f.result(timeout=60) for f in futures] == [1, 2, 3]
+        wait_for(lambda: tuple(local.snapshot())[1:5] == (0, [0], 0, [[]]), what="nothing in flight")
+        held = local.run(Graph.somatize(Fill(1 << 20)), 2.0)  # a result in a segment the pool's worker made
+        assert segment_file(held).startswith(start.shm_prefix) and segment_file(held) in shm_names(start.shm_prefix)
+    end = local.snapshot()
+    assert end.pids == [] == local.pids() and end.inputs == 0 and (end.shm_prefix, end.run_dir) == start[5:]
+    assert not os.path.exists(end.run_dir) and not shm_names(end.shm_prefix) and float(held.sum()) == 2.0 * (1 << 20)
+
+
 def test_close_leaves_no_processes_segments_or_socket_files():
     pytest.importorskip("torch")
     import torch
@@ -259,7 +284,7 @@ def test_close_leaves_no_processes_segments_or_socket_files():
     before = shm_names()
     pool = soma.Local(workers=2).start()
     pids = pool.pids()
-    run_dir = pool._pool.run_dir
+    run_dir = pool.snapshot().run_dir
     big = torch.arange(1 << 18, dtype=torch.float32)
     out = pool.run(Graph.somatize(Identity() | Double()), big)
     assert os.path.exists(run_dir)

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import soma  # noqa: E402
 from soma import Done, Graph, Node, NodeError, SharedMemoryFull  # noqa: E402
 from soma.wire.codec import INLINE_LIMIT  # noqa: E402
-from tests.conftest import shm_names, wait_for  # noqa: E402
+from tests.conftest import segment_file, shm_names, wait_for  # noqa: E402
 from tests.local.nodes import InPlaceAdd, MakeTensor, Slice, WrapInHolder  # noqa: E402
 from tests.nodes import Double, Identity, Obeys, RequiresGradOutput, Shared, in_segment  # noqa: E402
 
@@ -106,18 +106,18 @@ def test_ctx_empty_is_shared_memory_reused_across_runs(local):
     g = Graph.somatize(MakeTensor(1 << 20, through_ctx=True, value=2.0))
     first = local.run(g, None)
     assert in_segment(first) and float(first[0]) == 2.0
-    first_segment = _segment_of(local, first)
+    first_segment = segment_file(first)
     del first
     local.run(Graph.somatize(Identity()), 0)  # lets the worker hear that the host dropped it
     second = local.run(g, None)
-    assert _segment_of(local, second) == first_segment  # the same pre-mapped memory, reused
+    assert segment_file(second) == first_segment  # the same pre-mapped memory, reused
 
 
 def test_a_segment_still_held_by_the_host_is_not_reused(local):
     g = Graph.somatize(MakeTensor(1 << 20, through_ctx=True, value=3.0))
     kept = local.run(g, None)
     again = [local.run(g, None) for _ in range(3)]
-    assert len({_segment_of(local, t) for t in [kept] + again}) == 4
+    assert len({segment_file(t) for t in [kept] + again}) == 4
     assert float(kept.sum()) == 3.0 * (1 << 20)  # nobody wrote over it
 
 
@@ -127,18 +127,13 @@ def test_thousand_runs_leave_shm_and_fds_flat(local):
     for _ in range(50):
         local.run(g, x)
     fds_before = len(os.listdir("/proc/self/fd"))
-    shm_before = len(shm_names(local._pool.prefix))
+    shm_before = len(shm_names(local.snapshot().shm_prefix))
     for _ in range(1000):
         out = local.run(g, x)
     del out
     local.run(Graph.somatize(Identity()), 0)
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
-    assert len(shm_names(local._pool.prefix)) <= shm_before + 4
-
-
-def _segment_of(pool, t):
-    """The segment a host tensor or array maps (its file in /dev/shm), found through the host's store."""
-    return pool._pool.get_store().segment_of(t.data_ptr() if hasattr(t, "data_ptr") else t.ctypes.data)
+    assert len(shm_names(local.snapshot().shm_prefix)) <= shm_before + 4
 
 
 def test_shared_memory_that_runs_out_is_an_error_naming_the_node(local, monkeypatch):
@@ -161,7 +156,7 @@ def test_a_segment_that_cannot_be_made_for_an_input_is_an_error_naming_the_node(
     def no_files(*args, **kwargs):
         raise OSError(errno.EMFILE, "Too many open files")
 
-    monkeypatch.setattr(local._pool.get_store(), "allocate", no_files)  # the host's next segment
+    monkeypatch.setattr(soma.wire.shm.SegmentStore, "allocate", no_files)  # the host's next segment (its store's)
     with pytest.raises(NodeError, match=r"^node `identity` failed: its input could not be put in shared memory: "
                                         r"OSError: \[Errno 24\] Too many open files$"):
         local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))
@@ -206,18 +201,6 @@ def test_small_tensors_from_many_threads_while_a_fresh_worker_imports_torch():
 LARGE = 1 << 21  # float32 elements: 8 MiB, past the size from which a receiver maps every page at once
 
 
-def segment_file(value) -> str | None:
-    """The /dev/shm file a tensor's or an array's first byte is a mapping of, in this process (or None)."""
-    address = value.data_ptr() if hasattr(value, "data_ptr") else value.__array_interface__["data"][0]
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            lo, hi = (int(a, 16) for a in fields[0].split("-"))
-            if lo <= address < hi:
-                return os.path.basename(fields[5].strip().removesuffix(" (deleted)")) if len(fields) > 5 else None
-    return None
-
-
 class HowItArrived(Node):
     """Its input tensor or array as the worker sees it: (torch's is_shared, or None for an array; the segment
     file it maps; its last element)."""
@@ -228,10 +211,12 @@ class HowItArrived(Node):
 
 
 def test_results_are_what_torch_calls_shared_heap_born_or_through_ctx_empty(local):
+    prefix = local.snapshot().shm_prefix
     for through_ctx in (False, True):
         t = local.run(Graph.somatize(MakeTensor(LARGE, through_ctx=through_ctx, value=5.0)), None)
         assert t.is_shared() and t.untyped_storage().is_shared()
-        assert os.path.basename(t.untyped_storage().filename) == segment_file(t) == _segment_of(local, t)
+        name = segment_file(t)  # (what /proc/self/maps says the tensor's memory is a mapping of)
+        assert os.path.basename(t.untyped_storage().filename) == name and name.startswith(prefix)
         assert float(t.sum()) == 5.0 * LARGE
         view = t[10:20]  # a view of it too, and its storage's bytes in place after share_memory_
         assert view.is_shared() and view.share_memory_().data_ptr() == t.data_ptr() + 40
@@ -240,11 +225,11 @@ def test_results_are_what_torch_calls_shared_heap_born_or_through_ctx_empty(loca
 def test_a_workers_view_of_an_input_is_what_torch_calls_shared(local):
     x = torch.arange(LARGE, dtype=torch.float32)  # heap-born here: copied once into a segment
     shared, name, last = local.run(Graph.somatize(HowItArrived()), x)
-    assert shared is True and name.startswith(local._pool.prefix) and last == LARGE - 1
+    assert shared is True and name.startswith(local.snapshot().shm_prefix) and last == LARGE - 1
     received = local.run(Graph.somatize(Identity()), x)  # and a tensor that came back, sent again: any worker
     for _ in range(4):  # (its owner, or the other one) sees it shared, over the same segment
         shared, name, last = local.run(Graph.somatize(HowItArrived()), received)
-        assert shared is True and name == _segment_of(local, received) and last == LARGE - 1
+        assert shared is True and name == segment_file(received) and last == LARGE - 1
 
 
 def test_a_received_tensor_or_array_sent_to_another_run_crosses_as_its_segment(local, monkeypatch):
@@ -258,8 +243,8 @@ def test_a_received_tensor_or_array_sent_to_another_run_crosses_as_its_segment(l
     fresh = soma.wire.codec.Encoder.fresh
     monkeypatch.setattr(soma.wire.codec.Encoder, "fresh", lambda enc, n: copies.append(n) or fresh(enc, n))
     for kind, value in made.items():
-        segment = _segment_of(local, value)
-        assert segment is not None and segment_file(value) == segment
+        segment = segment_file(value)
+        assert segment is not None and segment.startswith(local.snapshot().shm_prefix)
         shared, name, last = local.run(Graph.somatize(HowItArrived()), value)
         assert name == segment and last == 7.0, kind  # the worker maps the very segment the host holds
         back = local.run(Graph.somatize(Identity()), value)
@@ -281,7 +266,7 @@ def test_a_torch_multiprocessing_queue_hands_a_result_on_without_a_copy_and_the_
 
     g = Graph.somatize(MakeTensor(LARGE, value=3.0))
     t = local.run(g, None)
-    segment, ptr = _segment_of(local, t), t.data_ptr()
+    segment, ptr = segment_file(t), t.data_ptr()
     spawn = tmp.get_context("spawn")
     tensors, answers, go_on = spawn.Queue(), spawn.Queue(), spawn.Queue()
     child = spawn.Process(target=_hand_on_queue, args=(tensors, answers, go_on), daemon=True)
@@ -290,12 +275,12 @@ def test_a_torch_multiprocessing_queue_hands_a_result_on_without_a_copy_and_the_
         tensors.put(t)
         shared, name, lo, hi = answers.get(timeout=120)
         assert shared and name == segment and lo == hi == 3.0  # the child maps the very segment: no copy
-        assert t.data_ptr() == ptr and _segment_of(local, t) == segment  # and here it stayed where it was
+        assert t.data_ptr() == ptr and segment_file(t) == segment  # and here it stayed where it was
         del t
         later = [local.run(Graph.somatize(MakeTensor(LARGE, value=float(i))), None) for i in range(4)]
         del later  # the pool made and dropped values of its size: had it reused the segment, the child would
         local.run(Graph.somatize(Identity()), 0)  # see them (the frees reach the owners with this run)
-        wait_for(lambda: segment not in shm_names(local._pool.prefix), 30, "the handed-on segment unlinked")
+        wait_for(lambda: segment not in shm_names(local.snapshot().shm_prefix), 30, "the handed-on segment unlinked")
         go_on.put(None)
         assert answers.get(timeout=60) == (3.0, 3.0)
     finally:

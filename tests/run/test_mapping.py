@@ -272,8 +272,9 @@ def test_leaving_a_map_early_leaves_no_backlog(local, tmp_path):
     assert [next(outputs) for _ in range(3)] == [0, 1, 2]
     outputs.close()
     assert local.run(Graph.somatize(AddOne()), 1) == 2
-    wait_for(lambda: not local._loop.core.dispatch.outstanding, what="the cancelled jobs' outcomes")
-    assert not local._loop.core.dispatch.outstanding and not local._loop.core.flows
+    wait_for(lambda: not any(local.snapshot().jobs), what="the cancelled jobs' outcomes")
+    after = local.snapshot()
+    assert not any(after.jobs) and after.inputs == 0 and after.waiting == 0
     assert len(log.read_text().split()) <= 3 + 6  # no more ran than were taken
 
 

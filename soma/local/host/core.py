@@ -92,6 +92,14 @@ class HostCore(WorkerEvents, ChunkEvents):
         dispatch = self.dispatch
         return bool(dispatch.outstanding or dispatch.waiting.lines)
 
+    def in_flight(self) -> tuple:
+        """`(inputs started and not ended, jobs out per slot, jobs waiting for a worker)`: Local.snapshot's.
+        A job out is one sent to the slot's worker (or parked for it) whose outcome has not come back, a
+        cancelled one's included (its worker may be running it)."""
+        inputs = sum(len(flow.open) if type(flow) is Chunk else 1 for flow in self.flows)
+        waiting = sum(len(line) for line in self.dispatch.waiting.lines.values())
+        return inputs, list(self.dispatch.load), waiting
+
     def parallelism(self, program_pieces: list) -> int:
         """How many inputs of a program this pool works on at once (see Measures.parallelism)."""
         return self.measures.parallelism(program_pieces, len(self.state))

@@ -1,6 +1,7 @@
 """HostLoop's half for workers coming and going: spawned, said hello, ended (died, or retired by the core), found
-dead, started again when due. The loop's lock is held for all of it (loop.py); what happens is told to the core
-(core_workers.py has the core's side of the same events)."""
+dead, started again when due; and what a caller asks of the pool (wait_ready; snapshot: Local.snapshot). The
+loop's lock is held for all of it (loop.py); what happens is told to the core (core_workers.py has the core's side
+of the same events)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .listener import PUMP_S
 
 
 class WorkerLife:
-    """HostLoop's methods for workers' lives (its `pool`, `core`, `all_ready`, `closing`, `trace`)."""
+    """HostLoop's methods for workers' lives (its `pool`, `core`, `all_ready`, `closing`, `trace`, `_held`)."""
 
     def wait_ready(self, deadline: float) -> None:
         """Until every worker has said hello; WorkerDied naming the first that cannot, or did not in time."""
@@ -26,6 +27,12 @@ class WorkerLife:
                 worker = self.pool.worker(slot)
                 raise WorkerDied(f"worker w{slot} (pid {getattr(worker, 'pid', '?')}) did not say hello in time",
                                  worker=f"w{slot}", pid=getattr(worker, "pid", None), node=None)
+
+    def snapshot(self) -> tuple:
+        """`(inputs, jobs out per slot, jobs waiting, node ids each slot's worker runs)` now (Local.snapshot)."""
+        with self._held():
+            inputs, jobs, waiting = self.core.in_flight()
+            return inputs, jobs, waiting, [[node for _, node in self.pool.running(s)] for s in range(len(jobs))]
 
     def _spawn(self, slot: int) -> None:
         """The first worker of `slot`, or why there is none (the machine refused it: tried again soon)."""
