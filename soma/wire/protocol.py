@@ -50,7 +50,8 @@ ids of 1,024 inputs were 9 KiB to pack, parse and compare on each side); a
 Bundle's, or a chunk's with gaps (the rest of one sent again), a list.
 
 A frame is `mac + body`, body = msgpack([kind, *fields]), mac = keyed BLAKE2b of
-the body with the pool's secret. A frame that does not authenticate or decode is
+the body with the pool's secret, or for a body of SHA_FROM bytes or more its
+HMAC-SHA-256 cut to 16 bytes (`mac`: the faster of the two at each size). A frame that does not authenticate or decode is
 dropped and logged (rate-limited); nothing in it is ever unpickled.
 
 A piece spec is a plan tree in the plan's own words: `["Step", id, key, device]`,
@@ -262,18 +263,48 @@ def _entry(fields: list):
 
 
 def mac(secret: bytes, body: bytes) -> bytes:
-    keyed = _keyed.get(secret)
+    """The seal of `body`: keyed BLAKE2b under SHA_FROM bytes, HMAC-SHA-256 (cut to MAC_SIZE) from there on."""
+    if len(body) < SHA_FROM:
+        keyed = _keyed.get(secret)
+        if keyed is None:
+            keyed = _keep(_keyed, secret, blake2b(key=secret, digest_size=MAC_SIZE))
+        h = keyed.copy()  # a copy of the keyed state: cheaper than keying a new hash for every frame
+        h.update(body)
+        return h.digest()
+    keyed = _keyed_big.get(secret)
     if keyed is None:
-        if len(_keyed) >= _KEYED_MAX:  # (a process that makes many pools must not keep every secret)
-            _keyed.clear()
-        keyed = _keyed[secret] = blake2b(key=secret, digest_size=MAC_SIZE)
-    h = keyed.copy()  # a copy of the keyed state: cheaper than keying a new hash for every frame
+        keyed = _keep(_keyed_big, secret, _hmac_sha256(secret))
+    h = keyed.copy()
     h.update(body)
-    return h.digest()
+    return h.digest()[:MAC_SIZE]
 
 
-_keyed: dict = {}  # secret → a hash keyed with it, never updated (a pool has one secret)
+def _keep(keyed: dict, secret: bytes, state):
+    if len(keyed) >= _KEYED_MAX:  # (a process that makes many pools must not keep every secret)
+        keyed.clear()
+    keyed[secret] = state
+    return state
+
+
+# Both sides choose by the body's length. A run's messages (~150 bytes) seal in 0.45 µs with BLAKE2b against 0.9
+# with HMAC; from ~1 KiB on, SHA-256 on the CPU's SHA instructions (OpenSSL) is the faster: 1.6-1.8 GB/s against
+# BLAKE2b's 0.6-0.9 here (a bundle of 13 4-KiB tensors: 31 against 58 µs, on each side). Measured Dec 6.
+SHA_FROM = 1024
+_keyed: dict = {}  # secret → a BLAKE2b keyed with it, never updated (a pool has one secret)
+_keyed_big: dict = {}  # secret → an HMAC-SHA-256 keyed with it, the same way
 _KEYED_MAX = 16
+
+
+def _hmac_sha256(secret: bytes):
+    """HMAC-SHA-256 keyed with `secret`, as a state to copy: OpenSSL's (its module loads here, at the first big
+    frame: 2.5 ms once, not at every worker's start), else the standard library's."""
+    try:
+        from _hashlib import hmac_new
+        return hmac_new(secret, digestmod="sha256")
+    except ImportError:  # pragma: no cover - a CPython built without OpenSSL
+        import hashlib
+        import hmac
+        return hmac.new(secret, digestmod=hashlib.sha256)
 
 
 class _DropLog:

@@ -143,3 +143,28 @@ def test_many_pools_secrets_are_not_all_kept_and_each_still_seals():
         assert protocol.parse(secret, frame, "test") == protocol.Free([["seg", i]])
         assert protocol.parse(secrets[i - 1], frame, "test") is None  # another pool's secret never opens it
     assert len(protocol._keyed) <= protocol._KEYED_MAX
+    big = [protocol.pack(secret, protocol.Free([["s" * protocol.SHA_FROM, i]])) for i, secret in enumerate(secrets)]
+    assert all(protocol.parse(secret, frame, "test") is not None for secret, frame in zip(secrets, big))
+    assert len(protocol._keyed_big) <= protocol._KEYED_MAX
+
+
+@pytest.mark.parametrize("size", [0, 100, protocol.SHA_FROM - 1, protocol.SHA_FROM, 64 * 1024])
+def test_a_seal_is_keyed_blake2b_for_small_bodies_and_hmac_sha256_from_sha_from_on(size):
+    """Either side picks the MAC by the body's length: both standard constructions, cut to MAC_SIZE bytes; a
+    body changed in any byte, or sealed with another secret, does not open."""
+    import hashlib
+    import hmac
+    import os
+
+    body = os.urandom(size)
+    tag = protocol.mac(SECRET, body)
+    if size < protocol.SHA_FROM:
+        assert tag == hashlib.blake2b(body, key=SECRET, digest_size=protocol.MAC_SIZE).digest()
+    else:
+        assert tag == hmac.new(SECRET, body, hashlib.sha256).digest()[:protocol.MAC_SIZE]
+    assert protocol.mac(SECRET, body) == tag and len(tag) == protocol.MAC_SIZE  # (the cached key is never updated)
+    assert protocol.mac(b"another secret" * 3, body) != tag
+    if size:
+        changed = bytearray(body)
+        changed[size // 2] ^= 1
+        assert protocol.mac(SECRET, bytes(changed)) != tag
