@@ -461,13 +461,18 @@ class Decoder:
     def __init__(self, get_store):
         self._get_store = get_store
         self.received: list[str] = []  # segment names, one per handle, for the host's lease book
-        self._objects: list = []  # the tensors and arrays decoded so far, in order (REF names them)
+        self._objects: list = []  # the tensors and arrays of the body being decoded, in order (REF names them)
         # What the values decoded so far take of /dev/shm (a map's back-pressure by memory measures it; a spilled
         # segment's file takes none): bytes of the distinct segments in /dev/shm, and how many were spilled.
         self._shm_bytes = self._spilled = 0
         self._sized: set = set()
 
     def unpack(self, data: bytes):
+        """One body, as one `Encoder.pack` or `pack_each` made it. Its REFs number the tensors and arrays of that
+        body alone, from 0, as its Encoder did: a Decoder that decodes several bodies (a Result's outcomes, each
+        encoded by an Encoder of its own) starts the numbering again with each, or a REF of one would name
+        another's object (an output holding one array twice came back with another input's array)."""
+        self._objects = []
         return msgpack.unpackb(data, ext_hook=self.ext_hook, list_hook=_tuple_if_marked, raw=False,
                                strict_map_key=False, use_list=True)
 

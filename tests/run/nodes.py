@@ -122,3 +122,13 @@ class MakesOnDevice(Node):
 
         return Done(torch.ones(2, device=ctx.device))
 
+
+
+class Twice(Node):
+    """Its input twice in one output, `(x, x)`: one object the output holds in two places (`tag`: `(tag, x)`)."""
+
+    def __init__(self, tag: str | None = None):
+        self.tag = tag
+
+    def forward(self, x, ctx):
+        return Done((x, x) if self.tag is None else (self.tag, x))

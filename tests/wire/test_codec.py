@@ -94,6 +94,22 @@ def test_a_handle_reaching_outside_its_segment_is_refused():
         codec.Decoder(lambda create: None).tensor(handle)
 
 
+def test_one_decoder_gives_each_body_its_own_objects_and_a_lists_items_theirs():
+    """A REF names an object of its own body (the host decodes a Result's outcomes, each one's Encoder's, with
+    one Decoder); within a body, one object held twice arrives as one object held twice."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    values = [(np.full(3, i), torch.full((2,), float(i))) for i in range(4)]
+    bodies = [codec.Encoder(lambda create: None).pack((a, a, t, [t])) for a, t in values]
+    listed = codec.Encoder(lambda create: None).pack_each([(a, a, t) for a, t in values])
+    decoder = codec.Decoder(lambda create: None)
+    for (a, t), body in zip(values, bodies):
+        got_a, again_a, got_t, (again_t,) = decoder.unpack(body)
+        assert np.array_equal(got_a, a) and again_a is got_a and torch.equal(got_t, t) and again_t is got_t
+    for (a, t), (got_a, again_a, got_t) in zip(values, decoder.unpack(listed)):
+        assert np.array_equal(got_a, a) and again_a is got_a and torch.equal(got_t, t)
+
+
 # -- which way values go, and values that need shared memory (two stores stand for two processes) ----------
 
 @pytest.fixture
