@@ -50,7 +50,7 @@ class RunState:
     `observer.enter(job, node)` / `observer.leave(job, node)`.
     """
 
-    __slots__ = ("running", "cancelled", "job", "index", "owed", "_lock", "_observer")
+    __slots__ = ("running", "cancelled", "job", "index", "owed", "began", "_lock", "_observer")
 
     def __init__(self, observer=None, job: int = 0, index=None):
         self.running: dict[str, int] = {}
@@ -58,6 +58,7 @@ class RunState:
         self.job = job
         self.index = index  # the input's position in a map (None for run): a batch's trace event lists them
         self.owed: set | None = None  # the Meetings that count this run as coming and it has not reached
+        self.began = False  # it has held a node's copy (its code may have run: see `waits`)
         self._lock = threading.Lock() if observer is None else None
         self._observer = observer
 
@@ -69,6 +70,19 @@ class RunState:
             return
         with self._lock:
             count_in(self.running, node_id, +1)
+
+    def waits(self, node_id: str) -> None:
+        """The run waits for another input to let go of the node's copy. A worker's status page shows a run
+        that has begun no node yet as not started meanwhile: were its worker to die now, it goes elsewhere
+        without a try counted, as an input still queued there does (it was named as running the node, and
+        failed WorkerDied with no retries, while only the input ahead of it had run)."""
+        if self._observer is not None and not self.began:
+            self._observer.leave(self.job, node_id, waiting=True)
+
+    def holds(self, node_id: str) -> None:
+        """The run has the node's copy after waiting for it (`waits`): the page names it again."""
+        if self._observer is not None:
+            self._observer.enter(self.job, node_id)
 
     def leave(self, node_id: str) -> None:
         if self._observer is not None:
@@ -363,19 +377,26 @@ class Interpreter:
 
     def invoke(self, node_id: str, x, state: RunState, spans: list | None = None):
         """Run one node: setup once, forward, check it returned Done, check the postcondition, unwrap."""
-        forward, ctx = self._forward_of(node_id)
+        called, ctx = self._forward_of(node_id, held=True)
         guard = self._guard(node_id, self.nodes[node_id])
+        lock = guard.lock
         state.enter(node_id)
         start = time.monotonic_ns() if spans is not None else 0
         outcome = "ok"
         try:
-            if spans is not None and not guard.ready:
-                with guard.lock:
-                    if not guard.ready:
-                        self.setup(self.nodes[node_id], node_id, ctx, spans)
-                        guard.ready = True
-                start = time.monotonic_ns()  # (the node's own span starts after its setup's)
-            value = forward(x, spans)
+            if not lock.acquire(blocking=False):  # another input has the node's copy: this one waits its turn
+                state.waits(node_id)
+                lock.acquire()
+                state.holds(node_id)
+            state.began = True
+            try:
+                if spans is not None and not guard.ready:
+                    self.setup(self.nodes[node_id], node_id, ctx, spans)
+                    guard.ready = True
+                    start = time.monotonic_ns()  # (the node's own span starts after its setup's)
+                value = called(x, spans)
+            finally:
+                lock.release()
         except BaseException as exc:
             # What the node itself raised (under the NodeError that names it), or soma's own verdict.
             cause = exc.__cause__ if type(exc) is NodeError and exc.__cause__ is not None else exc

@@ -313,3 +313,22 @@ class GrowsAfterSleep(Node):
         time.sleep(self.seconds)
         self.kept.append(bytearray(os.urandom(1)) * (self.mib << 20))  # written: resident, not just reserved
         return Done([x * 2 for x in xs])
+
+
+class MarksThenWaits(Node):
+    """Input `(name, gate)`: writes the file `name` in `folder` (so a test knows the input is running), then
+    waits until the file `gate` there exists (30 s at most); returns `name`."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def forward(self, x, ctx):
+        import time
+
+        name, gate = x
+        with open(os.path.join(self.folder, name), "w"):
+            pass
+        deadline = time.monotonic() + 30
+        while gate is not None and not os.path.exists(os.path.join(self.folder, gate)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return Done(name)

@@ -15,7 +15,14 @@ import soma
 from soma import Graph, NodeError, RunTimeout, SharedMemoryFull, WorkerDied
 from soma.wire import protocol
 from tests.conftest import ROOT, shm_names, wait_for
-from tests.local.nodes import FullShm, NodeExitsAtLoad, Raises, ReturnsExitAtPickle
+from tests.local.nodes import (
+    EchoesBatch,
+    FullShm,
+    MarksThenWaits,
+    NodeExitsAtLoad,
+    Raises,
+    ReturnsExitAtPickle,
+)
 from tests.nodes import AddOne, Die, Identity, MarkThenSleep, Pid, Sleep
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,6 +107,28 @@ def test_worker_killed_while_idle_is_replaced_at_the_next_run(local):
     wait_for(lambda: exited(victim), what="the worker to die")
     heals(local)
     assert victim not in local.pids()
+
+
+def test_an_input_waiting_for_a_nodes_copy_has_not_started_when_its_worker_dies(tmp_path):
+    """A piece with a batching node runs a turn's inputs on threads of their own (they meet at that node): one
+    waiting for the copy of the node before it, which the input ahead of it holds, has run nothing. Its worker
+    killed, it runs again on the replacement without a try counted, as an input still queued there does (it was
+    named as running that node, and failed WorkerDied with no retries)."""
+    g = Graph.somatize(MarksThenWaits(str(tmp_path)) >> EchoesBatch())
+    with soma.Local(workers=1) as one:
+        first = one.submit(g, ("c", "go"))
+        wait_for(lambda: (tmp_path / "c").exists(), 30, "the first input to run")
+        ahead, behind = one.submit(g, ("a", "never")), one.submit(g, ("b", None))
+        wait_for(lambda: one.snapshot().jobs == [3], 30, "both next inputs queued at the worker")
+        (tmp_path / "go").touch()  # the first ends; the next two start as one turn, "a" ahead at the node
+        assert first.result(timeout=60) == "c"
+        wait_for(lambda: (tmp_path / "a").exists(), 30, "the input ahead to run")
+        wait_for(lambda: one.snapshot().running == [["marks_then_waits"]], 30, "only the input ahead named")
+        os.kill(one.pids()[0], signal.SIGKILL)
+        with pytest.raises(WorkerDied, match="while running node `marks_then_waits`") as info:
+            ahead.result(timeout=60)
+        assert info.value.tries == 1
+        assert behind.result(timeout=60) == "b"  # (no retries: it had not started)
 
 
 def test_other_branches_of_the_wave_are_waited_for(local, tmp_path):

@@ -45,10 +45,11 @@ class Observer:
     def enter(self, job: int, node_id: str) -> None:
         self.status.enter(job, node_id)
 
-    def leave(self, job: int, node_id: str) -> None:
+    def leave(self, job: int, node_id: str, waiting: bool = False) -> None:
         # On a serving thread the next node's name, or the job's end (run_job), overwrites it; a wave's
         # branch thread clears its slot, or a finished branch would be named as running until reused.
-        if not getattr(self.local, "serving", False):
+        # `waiting`: the job has begun no node and waits for one's copy (RunState.waits): off the page.
+        if waiting or not getattr(self.local, "serving", False):
             self.status.leave()
 
 
