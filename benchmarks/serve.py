@@ -138,6 +138,12 @@ def why_no_ray_serve(args) -> str | None:
         return "ray[serve] is not installed (pip install 'soma[ray]' 'ray[serve]')"
     if importlib.util.find_spec("starlette") is None:
         return "ray[serve] is incomplete (starlette is missing)"
+    # Its own imports, tried in a child (a second or two): a plain `ray` beside a partial Serve (grpc missing,
+    # say) passes the looks above and failed the whole module once the uvicorn contenders had been measured.
+    tried = subprocess.run([sys.executable, "-c", "import ray.serve"], capture_output=True, text=True, timeout=120)
+    if tried.returncode != 0:
+        last = (tried.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        return f"ray.serve does not import here: {last}"
     if not os.environ.get(h.IN_NAMESPACE):
         return "no loopback-only network namespace (unshare -n refused): Ray would bind this machine's address"
     return None
