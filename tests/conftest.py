@@ -351,6 +351,11 @@ class LeftBehind:
     """
 
     def __init__(self):
+        import multiprocessing.util
+
+        # multiprocessing's own temp folder (its fd passing's socket, say) made now, outside the session's: it
+        # removes it at exit, after the session's folder is gone (made inside, its removal printed a traceback).
+        multiprocessing.util.get_temp_dir()
         self.root = tempfile.gettempdir()
         self.folder = tempfile.mkdtemp(prefix="soma-tests-", dir=self.root)
         self.saved = {name: os.environ.get(name) for name in ("TMPDIR", "PYTEST_DEBUG_TEMPROOT")}
