@@ -20,7 +20,7 @@ from ..device import Device
 from ..errors import DeviceError, SomaError
 from ..run.aio import FutureSink, InputFuture
 from ..run.base import RunnerBase, checked_retries, closed_message
-from ..run.mapping import map_outputs
+from ..run.mapping import map_outputs, save_open
 from ..run.registry import NodeRegistry
 from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
@@ -142,6 +142,7 @@ class Local(RunnerBase):
             return
         try:
             _live_pools.discard(self)
+            save_open(self)  # (its maps with a checkpoint write it: their callers may never step them again)
             if self._loop is not None:
                 _shut_down(self._loop, SomaError("this soma.Local was closed while this run was in flight"))
         finally:
@@ -220,7 +221,7 @@ class Local(RunnerBase):
         inflight = LocalInflight(loop, g, program, self, timeout, retries)
         return map_outputs(inflight, xs, graph=g, window=window, ordered=ordered, progress=progress,
                            timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
-                           checkpoint_every=checkpoint_every)
+                           checkpoint_every=checkpoint_every, owner=self)
 
     def _ready(self, g, where: str, whole: bool = False):
         self._check_process()

@@ -42,7 +42,7 @@ import time
 from ..errors import NodeError, SomaError
 from ..run.aio import InputFuture, amap_outputs
 from ..run.base import RunnerBase, checked_retries
-from ..run.mapping import default_window, map_outputs
+from ..run.mapping import default_window, map_outputs, save_open
 from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
 from . import tracing
@@ -89,7 +89,8 @@ def _over_inputs(outputs, where: str, doc: str):
         batch = batch_size(graph, window or default_window(parallelism(graph, driver.cpus)), timeout)
         inflight = RayInflight(driver, graph, timeout, ordered, batch, retries, tracer=self, source=g, by_cost=True)
         return outputs(inflight, xs, graph=g, window=window, ordered=ordered, progress=progress, timeout=timeout,
-                       errors=errors, resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every)
+                       errors=errors, resume=resume, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                       owner=self)
 
     over_inputs.__name__, over_inputs.__qualname__ = where.rpartition(".")[2], where
     over_inputs.__doc__ = doc
@@ -143,6 +144,7 @@ class Ray(RunnerBase):
                 return
             self._closed = True
             driver = self._driver
+        save_open(self)  # (its maps with a checkpoint write it: their callers may never step them again)
         if driver is None:
             return
         driver.close()

@@ -188,7 +188,15 @@ class AsyncMapIterator:
         return self
 
     def __anext__(self):
-        return self._outputs.__anext__()
+        if self._loop.stepping is None:
+            return self._outputs.__anext__()
+        return self._stepped()
+
+    async def _stepped(self):
+        """The next output of a map with a checkpoint, its `stepping` lock held meanwhile (mapping.save_open):
+        never waited for (the closing runner only tries it), so holding it across awaits blocks nobody."""
+        with self._loop.stepping:
+            return await self._outputs.__anext__()
 
     def state_dict(self) -> dict:
         """As `map(...).state_dict()`: the outputs consumed so far, as plain data, for `resume=`."""
@@ -251,7 +259,7 @@ class AsyncRunner:
         inflight, graph = self._async_inflight(g, timeout, retries)
         return amap_outputs(inflight, xs, graph=graph, window=window, ordered=ordered, progress=progress,
                             timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
-                            checkpoint_every=checkpoint_every)
+                            checkpoint_every=checkpoint_every, owner=self)
 
     def _async_inflight(self, g, timeout, retries):
         """`(the in-flight set for an amap of g, the Graph of g)`."""

@@ -34,7 +34,7 @@ from .base import RunnerBase, checked_retries, closed_message
 from .batching import max_batch_of
 from .inprocess import run_plan
 from .interpreter import Interpreter, RunState
-from .mapping import Inflight, map_outputs
+from .mapping import Inflight, map_outputs, save_open
 from .resuming import DEFAULT_EVERY_S
 from .threads import thread_modes
 from .trace import Trace
@@ -66,6 +66,7 @@ class Executor(RunnerBase):
         with self._pool_lock:
             self._closed = True
             pool, self._pool = self._pool, None
+        save_open(self)  # (its maps with a checkpoint write it: their callers may never step them again)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -98,7 +99,7 @@ class Executor(RunnerBase):
         g = self.accepting(g, "Executor.map")
         return map_outputs(self._inflight(g, timeout), xs, graph=g, window=window, ordered=ordered,
                            progress=progress, timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
-                           checkpoint_every=checkpoint_every)
+                           checkpoint_every=checkpoint_every, owner=self)
 
     def _inflight(self, g, timeout) -> "ExecutorInflight":
         return ExecutorInflight(self, g, g.devices(), timeout)

@@ -22,7 +22,9 @@ The books also say which outputs the caller consumed: `state_dict()`, `resume=` 
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections import deque
 from itertools import islice
 from operator import length_hint
@@ -124,11 +126,16 @@ class MapIterator:
 
     def __iter__(self):
         # The generator itself: a `for` loop then steps it from C, with no Python call of ours per output
-        # (a tiny map's loop is a few microseconds an output; a method here was a twentieth of it).
-        return self._outputs
+        # (a tiny map's loop is a few microseconds an output; a method here was a twentieth of it). A map with
+        # a checkpoint is stepped holding its `stepping` lock (see `save_open`): through `__next__`.
+        return self._outputs if self._loop.stepping is None else self
 
     def __next__(self):
-        return self._outputs.__next__()
+        stepping = self._loop.stepping
+        if stepping is None:
+            return self._outputs.__next__()
+        with stepping:
+            return self._outputs.__next__()
 
     def state_dict(self) -> dict:
         """Which outputs were consumed so far, as plain data (JSON-able): pass it as `resume=` to a map of
@@ -201,10 +208,13 @@ class MapLoop:
     place (`.index` set) and the map goes on. The iterable's own exception is raised either way."""
 
     def __init__(self, inflight: Inflight, xs, *, graph, window=None, ordered: bool = True, progress=False,
-                 timeout=None, errors: str = "raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
+                 timeout=None, errors: str = "raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S,
+                 owner=None):
         if errors not in ERRORS:
             raise ValueError(f"map's errors must be 'raise' or 'yield', got {errors!r}")
         self.inflight = inflight
+        self.owner = owner  # the runner it runs on (its close() writes this map's checkpoint: `save_open`)
+        self.stepping = None  # with a checkpoint: held while its caller steps it (`save_open`)
         self.window = _checked_window(window)
         self.ordered = ordered
         self.timeout = timeout
@@ -214,13 +224,16 @@ class MapLoop:
         self._graph_print = None  # fingerprint(graph), made when a state is first wanted
         self._identity = None  # resuming.identity(...), the same
         self.checkpoint = Checkpoint(checkpoint, checkpoint_every) if checkpoint is not None else None
+        if self.checkpoint is not None:
+            self.stepping = threading.Lock()
+            _OPEN.add(self)
         # next_index: where the map starts; with ordered=True, the index to hand out next.
         self.next_index, self.after_start = self._starting_point(resume)
         # Inputs are numbered by their position in xs: on resuming, only those not consumed are taken.
         self.positions = positions(self.next_index, self.after_start)
         self.consumed = None if ordered else Consumed(self.next_index, self.after_start)
         self.taken = self.yielded = consumed_count(self.next_index, self.after_start)
-        self.out = None  # the index of the output the caller held when the map ended (see outputs())
+        self.out = None  # the index of the output the caller holds (a map with a checkpoint), or held when it ended
         self.handing = None  # (index, yielded, count, iterator) of the Span being handed out (see _settle)
         self.saved = self.yielded  # how many were consumed in the checkpoint's file (or at the start)
         self.save_at = time.monotonic() + (self.checkpoint.every if self.checkpoint is not None else 0.0)
@@ -391,11 +404,15 @@ class MapLoop:
                 self.yielded += 1
                 if report is not None:
                     report(self.yielded)
+                if checkpoint is not None:
+                    self.out = index  # (held until the caller asks again: a save from outside, save_open, skips it)
                 try:
                     yield value
                 except BaseException:
                     self.out = index
                     raise
+                if checkpoint is not None:
+                    self.out = None
                 index += 1
                 if checkpoint is not None and time.monotonic() >= self.save_at:
                     self.save()
@@ -467,11 +484,22 @@ class MapLoop:
         if self.checkpoint is not None and time.monotonic() >= self.save_at:
             self.save()
 
+    def save_unless_stepped(self) -> None:
+        """Its runner closes: write the checkpoint now (what the caller consumed), unless the caller is stepping
+        the map this moment (then it ends with the runner's error, and its close writes it)."""
+        if self.stepping.acquire(blocking=False):
+            try:
+                if not self.closed and not self.checkpoint.failed:
+                    self.save()
+            finally:
+                self.stepping.release()
+
     def close(self) -> None:
         """The map is over: its checkpoint removed (all yielded) or written (ended early), its in-flight set closed."""
         if self.closed:
             return
         self.closed = True
+        _OPEN.discard(self)
         try:
             if self.checkpoint is not None and not self.checkpoint.failed:
                 if self.completed:
@@ -481,6 +509,20 @@ class MapLoop:
         finally:
             self.inflight.close()
             self.report(None)
+
+
+_OPEN: "weakref.WeakSet[MapLoop]" = weakref.WeakSet()  # maps with a checkpoint, not over yet
+
+
+def save_open(owner) -> None:
+    """`owner`, a runner, is closing: each of its maps with a checkpoint that is not over writes it as of now,
+    as one that ends early does. Its caller may never step it again, and a generator's `finally` runs only when
+    it is collected: Ctrl-C in a loop body, out of `with soma.Local()`, left the map's iterator held by the
+    traceback's frame, and its checkpoint was not written, not even at exit (resuming redid up to
+    `checkpoint_every` of outputs). One being stepped by another thread now is left to write its own."""
+    for loop in list(_OPEN):
+        if loop.owner is owner:
+            loop.save_unless_stepped()
 
 
 def default_window(parallelism: int) -> int:

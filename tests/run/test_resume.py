@@ -300,6 +300,52 @@ def test_an_error_and_ctrl_c_save_the_checkpoint(runner, tmp_path):
     assert json.loads(path.read_text())["next"] == 3
 
 
+@pytest.mark.parametrize("kind", ["executor", "local", "ray"])
+def test_closing_the_runner_writes_the_checkpoint_of_a_map_its_caller_left_holding_it(kind, tmp_path, request):
+    """Ctrl-C in the body of a `for` over a map held in a variable (a script's top level) leaves the iterator
+    alive in the traceback's frame: its checkpoint is written as the runner closes (`with`'s exit, or at exit),
+    without the output held; it was written only if the generator was collected, and on Local not even at exit.
+    Stepped again, the map goes on from there, then ends with the runner's error: never silently."""
+    if kind == "ray":
+        request.getfixturevalue("ray_session").start()
+    runner = {"executor": soma.Executor, "local": lambda: soma.Local(workers=1), "ray": soma.Ray}[kind]().start()
+    path = tmp_path / "map.ckpt"
+    outs = runner.map(add_one(), range(10), checkpoint=path, window=2)
+    try:
+        with runner:
+            for y in outs:
+                if y == 4:
+                    raise KeyboardInterrupt  # output 4 (input 3) held, not handled
+    except KeyboardInterrupt:
+        pass
+    assert json.loads(path.read_text())["next"] == 3  # written by close(), the iterator still held here
+    with pytest.raises(SomaError, match="closed"):
+        for _ in outs:  # (what had come before the close may still come first)
+            pass
+    assert json.loads(path.read_text())["next"] in range(3, 11)
+
+
+def test_ctrl_c_in_a_scripts_loop_body_writes_the_checkpoint(tmp_path):
+    """The case above as users meet it: a script's top-level loop over a map of a function of its own, Ctrl-C
+    in the body, nothing caught (the iterator lives on in the traceback until the interpreter exits)."""
+    script, path = tmp_path / "job.py", tmp_path / "map.ckpt"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import soma
+def work(x):
+    return x
+with soma.Local(workers=2) as local:
+    outs = local.map(soma.fn(work), range(1000), checkpoint={str(path)!r}, checkpoint_every=1000)
+    for y in outs:
+        if y == 100:
+            raise KeyboardInterrupt
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr, done.stderr
+    assert json.loads(path.read_text())["next"] == 100, done.stderr
+
+
 def test_resuming_a_range_at_input_a_million_is_instant(tmp_path):
     # A sequence is skipped by index: no step per skipped input (a million would take a while in Python).
     executor = soma.Executor()
