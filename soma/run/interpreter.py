@@ -71,6 +71,14 @@ class RunState:
         with self._lock:
             count_in(self.running, node_id, +1)
 
+    @staticmethod
+    def entered_together(states: list, node_id: str) -> None:
+        """These runs entered `node_id` for one call (a batch), on this thread: a worker's status page names them
+        all (each `enter` names the one run it is told of, so the call's thread named only the last)."""
+        observer = states[0]._observer
+        if observer is not None:
+            observer.enter_batch([state.job for state in states], node_id)
+
     def waits(self, node_id: str) -> None:
         """The run waits for another input to let go of the node's copy. A worker's status page shows a run
         that has begun no node yet as not started meanwhile: were its worker to die now, it goes elsewhere
@@ -470,6 +478,8 @@ class Interpreter:
                 taken.append(i)
             except Cancelled as err:
                 outcomes[i] = (False, err)
+        if taken:  # (a worker's page: this thread's slot names every input of the call, not the last one entered)
+            RunState.entered_together([entries[i].state for i in taken], node_id)
         traced = next((entries[i].spans for i in taken if entries[i].spans is not None), None)
         start = time.monotonic_ns()
         try:

@@ -332,3 +332,39 @@ class MarksThenWaits(Node):
         while gate is not None and not os.path.exists(os.path.join(self.folder, gate)) and time.monotonic() < deadline:
             time.sleep(0.01)
         return Done(name)
+
+
+class LogsInput(Node):
+    """Appends its input, a line, to the file `path` (a side effect a test counts); returns the input. Input 0
+    first sleeps `first_s` (the inputs sent after it gather at the worker meanwhile)."""
+
+    def __init__(self, path: str, first_s: float = 0.0):
+        self.path, self.first_s = path, first_s
+
+    def forward(self, x, ctx):
+        if x == 0 and self.first_s:
+            import time
+
+            time.sleep(self.first_s)
+        with open(self.path, "a") as f:
+            f.write(f"{x}\n")
+        return Done(x)
+
+
+class BatchWhileFile(Node):
+    """A batching node that, called with more than one input, waits while the file `path` exists (30 s at most);
+    returns its inputs."""
+
+    max_batch = 16
+    batch_wait = 0.05
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def forward_batch(self, xs, ctx):
+        import time
+
+        deadline = time.monotonic() + 30
+        while len(xs) > 1 and os.path.exists(self.path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return Done(list(xs))

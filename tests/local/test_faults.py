@@ -16,8 +16,10 @@ from soma import Graph, NodeError, RunTimeout, SharedMemoryFull, WorkerDied
 from soma.wire import protocol
 from tests.conftest import ROOT, shm_names, wait_for
 from tests.local.nodes import (
+    BatchWhileFile,
     EchoesBatch,
     FullShm,
+    LogsInput,
     MarksThenWaits,
     NodeExitsAtLoad,
     Raises,
@@ -129,6 +131,35 @@ def test_an_input_waiting_for_a_nodes_copy_has_not_started_when_its_worker_dies(
             ahead.result(timeout=60)
         assert info.value.tries == 1
         assert behind.result(timeout=60) == "b"  # (no retries: it had not started)
+
+
+def test_inputs_that_ran_a_node_count_as_run_when_their_worker_dies_at_the_batch_after_it(tmp_path):
+    """A piece `logs >> batch` runs a turn's inputs on threads of their own, which meet at the batching node:
+    each input that ran `logs` (a side effect) and waits there, or is in the call, or is done and waits for the
+    turn's others, is named on the status page until the turn's outcomes leave. Killed then, each fails
+    WorkerDied (retries=0); none runs `logs` a second time (7 of 8 did: only the call's last input was named)."""
+    import threading
+
+    log, gate = tmp_path / "ran", tmp_path / "hold"
+    g = Graph.somatize(LogsInput(str(log), first_s=0.5) >> BatchWhileFile(str(gate)))
+    gate.touch()
+    with soma.Local(workers=1) as one:
+        outcomes: list = []  # input 0 runs alone; 1-7 gather behind it and run as the next turn, then wait
+        mapping = threading.Thread(target=lambda: outcomes.extend(one.map(g, range(8), window=8, retries=0,
+                                                                          errors="yield")))
+        mapping.start()
+        wait_for(lambda: log.exists() and len(log.read_text().split()) >= 3
+                 and "batch_while_file" in one.snapshot().running[0], 30, "a batch of the next turn called")
+        before = {int(line) for line in log.read_text().split()}  # (all 8 but on a machine slow to send them)
+        os.kill(one.pids()[0], signal.SIGKILL)
+        gate.unlink()
+        mapping.join(60)
+        ran = [int(line) for line in log.read_text().split()]
+        assert sorted(ran) == list(range(8)), f"ran twice: {sorted(x for x in set(ran) if ran.count(x) > 1)}"
+        assert len(outcomes) == 8 and outcomes[0] == 0 and len(before) >= 3, (outcomes, before)
+        for x, out in enumerate(outcomes[1:], 1):  # run before the kill: WorkerDied; not yet: run once, after
+            assert (type(out) is WorkerDied and out.tries == 1) if x in before else out == x, (x, out)
+        assert one.run(g, 9) == 9  # and the pool goes on
 
 
 def test_other_branches_of_the_wave_are_waited_for(local, tmp_path):

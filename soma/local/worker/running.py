@@ -38,12 +38,18 @@ class Observer:
         self.status = status
         self.local = threading.local()
 
-    def serving(self) -> None:
-        """This thread is a serving thread (jobs run on it, not a wave's branches)."""
-        self.local.serving = True
+    def serving(self, on: bool = True) -> bool:
+        """This thread is a serving thread (jobs run on it, not a wave's branches), or no longer; the previous."""
+        was = getattr(self.local, "serving", False)
+        self.local.serving = on
+        return was
 
     def enter(self, job: int, node_id: str) -> None:
         self.status.enter(job, node_id)
+
+    def enter_batch(self, jobs: list, node_id: str) -> None:
+        """This thread runs `node_id` for all of `jobs` in one call (a batching node inside a longer piece)."""
+        self.status.enter_batch(jobs, node_id)
 
     def leave(self, job: int, node_id: str, waiting: bool = False) -> None:
         # On a serving thread the next node's name, or the job's end (run_job), overwrites it; a wave's
@@ -87,25 +93,38 @@ class JobRunner:
             return [batches.failed(job, failure) if type(job) is Bundle else self.outcome_of(job, dropped)
                     for job in jobs]
         with piece.interpreter.arriving(len(jobs)) if piece is not None else contextlib.nullcontext():
-            return [value for _, value in on_threads([lambda job=job: self.outcome_of(job, dropped) for job in jobs],
+            return [value for _, value in on_threads([lambda job=job: self.serve(job, dropped) for job in jobs],
                                                      kept_threads())]
 
-    def outcome_of(self, job, dropped: set) -> Outcome:
+    def serve(self, job, dropped: set) -> Outcome:
+        """`outcome_of(job)` on a thread of a turn's, a serving thread meanwhile: its slot on the status page names
+        the job from its first node to its end, between nodes and while it waits at the batching node too (a
+        branch thread's slot is cleared after each node: these jobs' were, and a worker killed while they waited
+        at the batch left them unnamed, run again elsewhere with no try counted, their first node twice)."""
+        was = self.observer.serving()
+        try:
+            return self.outcome_of(job, dropped, named_after=True)
+        finally:
+            self.observer.serving(was)
+
+    def outcome_of(self, job, dropped: set, named_after: bool = False) -> Outcome:
         """A job's outcome: Cancelled when the host dropped it (or this worker is over max_memory: what has
-        not started runs elsewhere), else what running it gave."""
+        not started runs elsewhere), else what running it gave (`named_after`: see run_job)."""
         if job.id in dropped or self.over_memory:
             return cancelled(job.id)
-        outcome = self.run_job(job)
+        outcome = self.run_job(job, named_after)
         if self.max_memory:
             self.check_memory()
         return outcome
 
-    def run_job(self, job) -> Outcome:
+    def run_job(self, job, named_after: bool = False) -> Outcome:
         """Decode the input, run the piece, encode the output: one Outcome, whatever happens.
 
         The status page names the job's node all along (its first node while its code
         loads and its input is decoded, its last while the output is encoded), so a
         worker that dies at any moment is reported with the node it was busy with.
+        `named_after`: and after it, until this thread's next job (a turn's job, whose outcome leaves with the
+        whole turn's: were the worker to die before, the host must count it as run, not run it again).
         """
         start = time.perf_counter()
         spans = [] if job.traced else None
@@ -145,7 +164,8 @@ class JobRunner:
             err = self.could_not_run(producer if producer != "?" else entry, err)
             ok, body = False, failures.error_body(err)
         finally:
-            status.leave()
+            if not named_after:
+                status.leave()
         return Outcome(job.id, ok, body, spans, time.perf_counter() - start)
 
     def load_for_batch(self, jobs: list) -> tuple:
