@@ -1,7 +1,8 @@
 """A FastAPI app on uvicorn with a soma graph behind its endpoint: tokenize in Python, then a batched torch model.
 
     pip install 'soma[serve]'          (fastapi, uvicorn; torch too)
-    python examples/serve.py [PORT]    (127.0.0.1; then: curl -d '{"text": "a few words"}' 127.0.0.1:PORT/predict)
+    python examples/serve.py [PORT]    (127.0.0.1; then:
+        curl -H 'content-type: application/json' -d '{"text": "a few words"}' 127.0.0.1:PORT/predict)
 
     POST /predict {"text": "..."}  →  {"scores": [4 floats]}
 
