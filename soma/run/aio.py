@@ -193,10 +193,18 @@ class AsyncMapIterator:
         return self._stepped()
 
     async def _stepped(self):
-        """The next output of a map with a checkpoint, its `stepping` lock held meanwhile (mapping.save_open):
-        never waited for (the closing runner only tries it), so holding it across awaits blocks nobody."""
-        with self._loop.stepping:
+        """The next output of a map with a checkpoint, its `stepping` lock held meanwhile (mapping.save_open).
+        Never waited for on the event loop's thread: held by another task stepping it, or by its closing runner
+        saving (a moment), it is tried again after a millisecond, the loop going on meanwhile."""
+        stepping = self._loop.stepping
+        while not stepping.acquire(blocking=False):
+            import asyncio  # (here, as elsewhere in this module: importing soma does not import asyncio)
+
+            await asyncio.sleep(0.001)
+        try:
             return await self._outputs.__anext__()
+        finally:
+            stepping.release()
 
     def state_dict(self) -> dict:
         """As `map(...).state_dict()`: the outputs consumed so far, as plain data, for `resume=`."""

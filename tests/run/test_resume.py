@@ -325,6 +325,23 @@ def test_closing_the_runner_writes_the_checkpoint_of_a_map_its_caller_left_holdi
     assert json.loads(path.read_text())["next"] in range(3, 11)
 
 
+def test_two_tasks_stepping_one_amap_with_a_checkpoint_take_turns(runner, tmp_path):
+    """An amap with a checkpoint is stepped holding its lock (closing its runner saves it meanwhile): a second
+    task asking at once waits its turn on the event loop, never blocks the loop's thread."""
+
+    async def both():
+        outputs = runner.amap(add_one(), range(60), checkpoint=tmp_path / "map.ckpt")
+
+        async def take(n):
+            return [await outputs.__anext__() for _ in range(n)]
+
+        first, second = await asyncio.wait_for(asyncio.gather(take(30), take(30)), 60)
+        return first, second
+
+    first, second = asyncio.run(both())
+    assert sorted(first + second) == list(range(1, 61)) and len(first) == len(second) == 30
+
+
 def test_ctrl_c_in_a_scripts_loop_body_writes_the_checkpoint(tmp_path):
     """The case above as users meet it: a script's top-level loop over a map of a function of its own, Ctrl-C
     in the body, nothing caught (the iterator lives on in the traceback until the interpreter exits)."""
