@@ -25,7 +25,6 @@ import time
 
 from ..errors import SomaError
 from ..run.aio import FutureSink, InputFuture
-from ..run.threads import calm_signals
 from .submission import ActorGraph, Submission
 
 
@@ -74,7 +73,6 @@ class Settler:
         self.events.put(("ready", tries, submission))
 
     def _serve(self) -> None:
-        calm_signals()  # (the program's signals go to its own threads)
         deadlines: list = []  # heap of (deadline, order, Tries)
         while True:
             wait = max(0.0, deadlines[0][0] - time.monotonic()) if deadlines else None

@@ -36,7 +36,7 @@ from .inprocess import run_plan
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs, save_open
 from .resuming import DEFAULT_EVERY_S
-from .threads import calm_signals, thread_modes
+from .threads import thread_modes
 from .trace import Trace
 
 THREADS = 64  # inputs the Executor runs at once at most (threads kept while it is open)
@@ -114,7 +114,7 @@ class Executor(RunnerBase):
             if self._closed:  # (closed since its caller was accepted: as a pool refuses a submit after shutdown)
                 raise SomaError(closed_message("Executor"))
             if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input", initializer=calm_signals)
+                self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input")
             return self._pool
 
     def _submit_inputs(self, interpreter: Interpreter, calls: list) -> list:

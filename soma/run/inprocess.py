@@ -18,7 +18,7 @@ import threading
 
 from ..errors import RunTimeout
 from .interpreter import Interpreter, RunState
-from .threads import calm_signals, thread_modes
+from .threads import thread_modes
 
 
 def run_here(nodes: dict, devices: dict, plan, x, timeout: float | None = None):
@@ -36,7 +36,6 @@ def run_plan(interpreter: Interpreter, plan, x, state: RunState, spans, timeout:
     modes = thread_modes()
 
     def whole_run() -> None:
-        calm_signals()
         try:
             with modes():
                 box["value"] = interpreter.run(plan, x, state, spans)

@@ -4,32 +4,14 @@
                                in a worker: this thread and kept ones); every failure waits for its siblings
     kept_threads()             a worker's reusable threads (a thread start per branch costs as much as a node)
     thread_modes()             torch's grad and inference mode, carried to those threads
-    calm_signals()             the first call of every thread soma starts: the program's signals are not its
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
-import signal
 import sys
 import threading
-
-# Signals sent to the whole process (Ctrl-C's SIGINT, a SIGTERM, a terminal's SIGHUP, ...): the kernel gives each to
-# one thread that does not block it. Blocked in every thread soma starts (as ZeroMQ blocks them in its own), they
-# reach the program's main thread and interrupt what it waits in. One delivered to soma's listener left a main
-# thread asleep in `time.sleep(60)` sleeping on: the Ctrl-C came a minute late (tests/local/test_resources.py, once
-# under load), as it would for a `run` waiting on a long node.
-_PROCESS_SIGNALS = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",
-                                                        "SIGALRM", "SIGCHLD", "SIGWINCH") if hasattr(signal, name)}
-
-
-def calm_signals() -> None:
-    """Block the process-directed signals in this thread (one soma started): they go to the program's threads."""
-    try:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _PROCESS_SIGNALS)
-    except (AttributeError, OSError, ValueError):  # (no pthread_sigmask: Windows)
-        pass
 
 
 def on_threads(calls: list, kept: "KeptThreads | None" = None) -> list:
@@ -45,7 +27,6 @@ def on_threads(calls: list, kept: "KeptThreads | None" = None) -> list:
     inherit = thread_modes()
 
     def one(i: int) -> None:
-        calm_signals()
         try:
             with inherit():
                 results[i] = (True, calls[i]())
@@ -109,7 +90,6 @@ class KeptThreads:
             branch.done.wait()
 
     def _serve(self, inbox) -> None:
-        calm_signals()
         while True:
             branch = inbox.get()
             if not branch.claim.acquire(False):  # the thread that handed it over ran it

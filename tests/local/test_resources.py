@@ -11,12 +11,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 
-import soma
 from soma import Graph, WorkerDied
 from tests.conftest import ROOT
 from tests.nodes import Identity, Pid
@@ -166,27 +164,6 @@ def test_ctrl_c_at_the_terminal_is_the_hosts_alone(tmp_path):
     assert lines[0] == "interrupted"
     assert [int(p) for p in lines[1].split()[1:]] == pids  # nobody died, nobody was replaced
     assert proc.returncode == 0
-
-
-def blocked_signals(native_id: int) -> set:
-    """The signals a thread of this process blocks, as the kernel says (/proc/self/task/TID/status, SigBlk)."""
-    with open(f"/proc/self/task/{native_id}/status") as status:
-        mask = int(next(line for line in status if line.startswith("SigBlk:")).split()[1], 16)
-    return {number for number in range(1, 65) if mask >> (number - 1) & 1}
-
-
-def test_the_programs_signals_reach_its_own_threads_never_somas(local):
-    """Ctrl-C's SIGINT goes to one thread of the process that does not block it: soma's threads block the signals
-    sent to a whole process, so the main thread gets them and is woken from what it waits in (once, under load,
-    the listener got it and a main thread asleep slept a minute more: the test above)."""
-    [listener] = [t for t in threading.enumerate() if t.name == "listener"]
-    kept = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGCHLD}
-    assert kept <= blocked_signals(listener.native_id)
-    executor = soma.Executor(threads=2)
-    tids = set(executor.map(Graph.somatize(soma.fn(lambda x: threading.get_native_id(), name="tid")), range(20)))
-    executor.close()
-    assert all(kept <= blocked_signals(tid) for tid in tids if os.path.exists(f"/proc/self/task/{tid}"))
-    assert not kept & blocked_signals(threading.main_thread().native_id)  # (the program's: untouched)
 
 
 @pytest.mark.parametrize("errors", ["yield", "raise"])

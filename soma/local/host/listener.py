@@ -22,8 +22,6 @@ import os
 import threading
 import time
 
-from ...run.threads import calm_signals
-
 PUMP_S = 0.05  # how often the workers are looked at (a death nobody reported is found within this)
 
 
@@ -76,7 +74,6 @@ class Listener:
     def _listen(self) -> None:
         import select
 
-        calm_signals()  # (Ctrl-C is the program's: its main thread's, never this one's)
         loop = self.loop
         poller = select.poll()
         poller.register(loop.pool.results_fd(), select.POLLIN)
