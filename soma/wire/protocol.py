@@ -51,8 +51,9 @@ Bundle's, or a chunk's with gaps (the rest of one sent again), a list.
 
 A frame is `mac + body`, body = msgpack([kind, *fields]), mac = keyed BLAKE2b of
 the body with the pool's secret, or for a body of SHA_FROM bytes or more its
-HMAC-SHA-256 cut to 16 bytes (`mac`: the faster of the two at each size). A frame that does not authenticate or decode is
-dropped and logged (rate-limited); nothing in it is ever unpickled.
+HMAC-SHA-256 cut to 16 bytes (`mac`: the faster of the two at each size). A
+frame that does not authenticate or decode is dropped and logged (rate-limited);
+nothing in it is ever unpickled.
 
 A piece spec is a plan tree in the plan's own words: `["Step", id, key, device]`,
 `["Seq", [...]]`, `["Wave", [...]]`. An error body is a dict that rebuilds the
