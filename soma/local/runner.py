@@ -200,7 +200,9 @@ class Local(RunnerBase):
         flow = loop.start_one(program, x, FutureSink(future), self._trace, retries, g)
         future.on_cancel = lambda: loop.cancel([flow])
         if timeout is not None:
-            loop.at(time.monotonic() + timeout, lambda: _expired(loop, flow, future, timeout))
+            deadline = _Deadline(loop, flow, future, timeout)
+            future.add_done_callback(deadline.disarm)
+            loop.at(time.monotonic() + timeout, deadline)
         return future
 
     def _async_inflight(self, g, timeout, retries):
@@ -275,11 +277,27 @@ class Local(RunnerBase):
                     trace.process(worker.pid, f"worker {worker.id} (pid {worker.pid})")
 
 
-def _expired(loop: HostLoop, flow, future, timeout: float) -> None:
-    """A submitted input's time is up (on the listener thread): its RunTimeout, unless its outcome came first."""
-    err = loop.expire(flow, timeout)
-    if not future.done():
-        FutureSink(future).put((None, False, err))
+class _Deadline:
+    """A submitted input's `timeout=`, called on the listener thread when its time is up: its RunTimeout, unless
+    its outcome came first. Disarmed as its future is done: the listener's timers keep it until its time, and
+    with the flow and the future it kept the input and the result alive that long after the caller dropped
+    them (a server's 30 s timeout kept every response's /dev/shm for 30 s)."""
+
+    __slots__ = ("loop", "flow", "future", "timeout")
+
+    def __init__(self, loop: HostLoop, flow, future, timeout: float):
+        self.loop, self.flow, self.future, self.timeout = loop, flow, future, timeout
+
+    def disarm(self, _future=None) -> None:
+        self.flow = self.future = None
+
+    def __call__(self) -> None:
+        flow, future = self.flow, self.future
+        if flow is None or future is None:  # (done: disarmed, maybe between these two reads)
+            return
+        err = self.loop.expire(flow, self.timeout)
+        if not future.done():
+            FutureSink(future).put((None, False, err))
 
 
 def _shut_down(loop: HostLoop, error: SomaError) -> None:

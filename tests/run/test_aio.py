@@ -189,6 +189,39 @@ def test_async_with_starts_and_closes_a_pool_off_the_loop():
         local.run(AddOne(), 1)
 
 
+class Filled(Node):
+    """A 1 MiB float64 array full of `x` (through shared memory from a worker)."""
+
+    def forward(self, x, ctx):
+        import numpy as np
+
+        return Done(np.full(1 << 17, float(x)))
+
+
+def test_a_result_dropped_by_its_caller_is_not_kept_until_its_timeout(runner):
+    """A result of `submit` or `arun` with `timeout=` dies once its caller drops it, not at the deadline (Local's
+    timer kept its future, and the result with it, for the whole timeout: a server's 30 s timeout kept every
+    response's /dev/shm for 30 s)."""
+    import gc
+    import weakref
+
+    async def awaited(i):
+        return await runner.arun(Filled(), i, timeout=600)
+
+    refs = []
+    for i in range(6):
+        out = runner.submit(Filled(), i, timeout=600).result(timeout=60) if i % 2 else asyncio.run(awaited(i))
+        assert out[0] == out[-1] == i
+        refs.append(weakref.ref(out))
+        del out
+
+    def gone():  # (all but the last: Ray's own client keeps the value it gave last, outside soma, not gc-tracked)
+        gc.collect()
+        return all(ref() is None for ref in refs[:-1])
+
+    wait_for(gone, 20, "the dropped results to die")
+
+
 def test_submit_gives_futures_for_threaded_code(runner):
     futures = {runner.submit(AddOne(), i): i for i in range(10)}
     done = [(futures[f], f.result()) for f in cf.as_completed(futures, timeout=60)]
