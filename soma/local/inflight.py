@@ -21,8 +21,10 @@ SWEEP_AT = 1024  # a map's books of its flows are swept of ended chunks once the
 class LocalInflight(Inflight):
     """Local's in-flight set for map: flows on the host's loop, their outcomes in one queue."""
 
-    def __init__(self, loop: HostLoop, g, program, tracer, timeout, retries: int, asynchronous: bool = False):
-        self.loop, self.program, self.timeout = loop, program, timeout
+    def __init__(self, loop: HostLoop | None, g, program, tracer, timeout, retries: int, asynchronous: bool = False,
+                 attach=None):
+        # loop None: an amap's, on a pool not started yet; `attach()` starts it and gives its loop (`ready`)
+        self.loop, self.program, self.timeout, self.attach = loop, program, timeout, attach
         self.graph = g  # its nodes must live while the map does (their code is shipped by their key)
         self.retries = retries
         self.tracer = tracer  # whose trace block, if any, each input is recorded in when it starts
@@ -47,7 +49,15 @@ class LocalInflight(Inflight):
         self.first = self.workers * max([1] + [piece.batch for piece in self.pieces])
         self.held_back = None  # the window is bound by memory (room): True, False once measured
         self.shm_total = shm_room()[1]  # (room: what the window's values may take of /dev/shm at most)
-        loop.map_open(self, True)
+        if loop is not None:
+            loop.map_open(self, True)
+
+    async def ready(self) -> None:
+        if self.loop is None:
+            import asyncio
+
+            self.loop = await asyncio.to_thread(self.attach)  # (the pool starts: its workers' hellos are awaited)
+            self.loop.map_open(self, True)
 
     def parallelism(self) -> int:
         most = self.loop.parallelism(self.pieces)
@@ -158,6 +168,8 @@ class LocalInflight(Inflight):
             self.sweep_chunks_at = max(SWEEP_AT, 2 * len(kept))
 
     def close(self) -> None:
+        if self.loop is None:
+            return  # (an amap left before it began: nothing was started)
         self.loop.map_open(self, False)
         if self.flows:
             self.loop.cancel(list(self.flows.values()))

@@ -207,8 +207,13 @@ class Local(RunnerBase):
 
     def _async_inflight(self, g, timeout, retries):
         retries = checked_retries(retries)
-        loop, g, program = self._ready(g, "Local.amap")
-        return LocalInflight(loop, g, program, self, timeout, retries, asynchronous=True), g
+        loop, g, program = self._ready(g, "Local.amap", start=False)
+        # A pool not started yet starts as the amap begins, on a thread (LocalInflight.ready), not on the loop.
+        return LocalInflight(loop, g, program, self, timeout, retries, asynchronous=True,
+                             attach=lambda: self._ready(g, "Local.amap")[0]), g
+
+    def _starts_off_the_loop(self) -> bool:
+        return self._pool is None
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
             resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
@@ -225,10 +230,14 @@ class Local(RunnerBase):
                            timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
                            checkpoint_every=checkpoint_every, owner=self)
 
-    def _ready(self, g, where: str, whole: bool = False):
+    def _ready(self, g, where: str, whole: bool = False, start: bool = True):
+        """`(the loop, the graph of g, its program)`, the pool started first (`start=False`: a pool not started
+        yet is not, and the loop is None)."""
         self._check_process()
         g = self.accepting(g, where)
         if self._pool is None:
+            if not start:
+                return None, g, self._program(g, whole)
             self.start()
         if self._closed:  # (closed since it was accepted)
             raise SomaError(closed_message("Local"))

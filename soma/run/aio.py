@@ -218,6 +218,7 @@ class AsyncMapIterator:
 
 async def _adrive(loop: MapLoop, source):
     try:
+        await loop.inflight.ready()
         while True:
             wanted = loop.wanted()
             if wanted:
@@ -259,7 +260,15 @@ class AsyncRunner:
 
     async def arun(self, g, x, *, timeout: float | None = None, retries: int = 0):
         """`run(g, x)` without blocking the event loop; cancelling the awaiting task cancels the input."""
+        if self._starts_off_the_loop():  # (a pool's start waits for its workers: never on the loop)
+            import asyncio
+
+            await asyncio.to_thread(self.start)
         return await arun(self, g, x, timeout, retries)
+
+    def _starts_off_the_loop(self) -> bool:
+        """Whether `start()` has work to do that `arun` must not do on the event loop (a pool not started yet)."""
+        return False
 
     def amap(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
              resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):

@@ -73,6 +73,10 @@ class Inflight:
         """How many inputs the runner can usefully work on at once (the default window is twice this)."""
         raise NotImplementedError
 
+    async def ready(self) -> None:
+        """An amap's first step, before anything else is asked (on the event loop): what its runner must still
+        do to take inputs, done without blocking the loop (Local's pool not started yet starts on a thread)."""
+
     def start(self, indices: list, xs: list) -> None:
         """Start these inputs: `xs[i]` is input `indices[i]` (ascending)."""
         raise NotImplementedError

@@ -466,3 +466,34 @@ def test_a_pool_that_stops_getting_runs_stops_spinning(local):
     time.sleep(1.0)
     used = sum(sum(p.cpu_times()[:2]) - b for p, b in zip(processes, before))
     assert used < 0.15, f"an idle pool used {used:.2f} s of CPU in 1 s"
+
+
+def test_the_first_arun_or_amap_starts_the_pool_on_a_thread_not_on_the_event_loop():
+    """A pool not started yet starts as the first `arun` or `amap` begins, on a thread: its start waits for every
+    worker's hello (0.1-0.2 s for two workers here, seconds with torch preloaded), and an event loop blocked
+    that long stalls every other request of a server (before Dec 6 it ran on the loop's thread)."""
+    import asyncio
+
+    class Watched(soma.Local):
+        def start(self):
+            starts.append(threading.current_thread())
+            return super().start()
+
+    async def first(use):
+        loop_thread = threading.current_thread()
+        local = Watched(workers=1)  # (not started: `with` would start it here)
+        try:
+            if use == "arun":
+                assert await local.arun(AddOne(), 1) == 2
+            else:
+                assert [y async for y in local.amap(AddOne(), range(3))] == [1, 2, 3]
+            assert [y async for y in local.amap(AddOne(), range(3))] == [1, 2, 3]  # (started: as before)
+            assert await local.arun(AddOne(), 1) == 2
+        finally:
+            local.close()
+        return loop_thread
+
+    for use in ("arun", "amap"):
+        starts: list = []
+        loop_thread = asyncio.run(first(use))
+        assert starts and loop_thread not in starts, (use, starts)
