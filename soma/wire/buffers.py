@@ -252,8 +252,11 @@ def dump_pickle(enc, obj, fast: bool) -> bytes:
 
     `fast` pickles without a memo (no table of every object seen: a dict of a million
     keys pickles 3-5x faster); an object referenced twice then arrives as two copies,
-    as it does through msgpack. A cycle cannot be pickled that way: the pickle is
-    made again with its memo.
+    as it does through msgpack. Whatever fails that way is pickled again with its memo,
+    which then says what is wrong, if anything: a cycle cannot be pickled without one,
+    nor can a class pickled by value (a script's or a function's own: cloudpickle's
+    class refers to itself, "excessively deep recursion"), and CPython's pickler
+    raises KeyError for frozensets in fast mode.
     """
     checkpoint = enc.checkpoint()
     chunks, parts, oob = _Chunks(), [], []
@@ -261,8 +264,8 @@ def dump_pickle(enc, obj, fast: bool) -> bytes:
     pickler.fast = fast
     try:
         pickler.dump(obj)
-    except ValueError as err:
-        if not fast or "fast mode" not in str(err):
+    except Exception:
+        if not fast:
             raise
         enc.rollback(checkpoint)
         return dump_pickle(enc, obj, fast=False)

@@ -100,6 +100,8 @@ def _too_deep(obj, err) -> Unsendable | None:
     if not isinstance(err, RecursionError) and "recursion" not in str(err):
         return None
     depth = nesting_depth(obj)
+    if depth < 100:  # (the recursion is in something else, an object's own pickling: said as it is)
+        return None
     unsendable = Unsendable(
         f"{type(obj).__name__} nests {depth} levels deep, deeper than pickle can follow (Python's recursion limit "
         f"is {sys.getrecursionlimit()}): flatten it (rows in one list, not lists inside lists)")

@@ -275,6 +275,36 @@ def test_outputs_packed_each_on_their_own_go_as_one_pickle_when_they_are_many_tu
     assert data[0] == 0xC7 or data[0] in (0xC8, 0xC9)  # one PICKLE extension, not a list of values packed each
 
 
+def test_what_a_pickle_without_memo_refuses_crosses_with_one(stores):
+    """A big value is pickled without a memo first (3-5x faster); what that refuses is pickled with one: rows of a
+    class pickled by value (a script's or a function's own: cloudpickle's class refers to itself, and without a
+    memo that was "excessively deep recursion", reported as a value nesting too deep) and frozensets (CPython's
+    pickler raises KeyError for them without a memo). Both were refused by Local, sent or returned."""
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+        y: int
+
+    Row = collections.namedtuple("Row", "a b")
+    def plain(v):  # (a class pickled by value arrives as a class of its own: compared by name and fields)
+        if dataclasses.is_dataclass(v) or hasattr(v, "_fields"):
+            return type(v).__name__, tuple(vars(v).values()) if dataclasses.is_dataclass(v) else tuple(v)
+        if type(v) is list:
+            return [plain(x) for x in v]
+        return {k: plain(x) for k, x in v.items()} if type(v) is dict else v
+
+    sender, receiver = stores
+    for value in ([Point(i, -i) for i in range(5000)], [Row(i, str(i)) for i in range(5000)],
+                  [(frozenset({i}),) for i in range(60)], {"k": [frozenset({i, i + 1}) for i in range(5000)]}):
+        out = codec.Decoder(lambda create: receiver).unpack(codec.Encoder(lambda create: sender).pack(value))
+        assert plain(out) == plain(value)
+        both = codec.Decoder(lambda create: receiver).unpack(codec.Encoder(lambda create: sender).pack_each([value] * 2))
+        assert [plain(v) for v in both] == [plain(value)] * 2
+
+
 def test_arrays_and_tensors_in_a_value_of_many_tuples_cross_as_handles_and_the_same_one_stays_one(stores):
     """A value of many tuples goes as one pickle: the arrays and tensors in it still travel as handles, exact,
     writable, and one named twice arrives as one object (as through msgpack)."""
