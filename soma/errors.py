@@ -94,21 +94,26 @@ class SharedMemoryFull(NodeError):
 
     nbytes = 0
     held = 0  # bytes of /dev/shm the caller's own results hold, when that is why (`caller_holds`)
+    elsewhere = ""  # where else the store looked and why it failed there (its spill directory: `reserving`)
 
     @classmethod
-    def reserving(cls, node: str | None, nbytes: int, what: str) -> "SharedMemoryFull":
-        reason = (f"shared memory is full: could not reserve {size_text(nbytes)} in /dev/shm for {what}. Free space in "
-                  f"/dev/shm (`df -h /dev/shm` shows it), or give it more (in docker: `--shm-size=8g`)")
+    def reserving(cls, node: str | None, nbytes: int, what: str, elsewhere: str = "") -> "SharedMemoryFull":
+        """`elsewhere`: ", nor on disk in <the spill directory> (why)", when the store tried there too."""
+        advice = ("Free space in /dev/shm (`df -h /dev/shm` shows it), or give it more (in docker: `--shm-size=8g`)"
+                  if not elsewhere else "Free space in /dev/shm or on that disk (SOMA_SPILL_DIR names another "
+                                        "directory), or give /dev/shm more (in docker: `--shm-size=8g`)")
+        reason = f"shared memory is full: could not reserve {size_text(nbytes)} in /dev/shm for {what}{elsewhere}. " \
+                 f"{advice}"
         err = cls.failed(node, reason) if node is not None else cls(None, reason)
-        err.nbytes = nbytes
+        err.nbytes, err.elsewhere = nbytes, elsewhere
         return err
 
     @classmethod
     def again(cls, node: str, err: "SharedMemoryFull", what: str) -> "SharedMemoryFull":
-        """The store's `err` raised again for `node`, whose `what` it was: the store's reason kept when it said
-        whose the room is (`caller_holds`)."""
+        """The store's `err` raised again for `node`, whose `what` it was, with all the store said: whose the room
+        is (`caller_holds`), where else it looked (`elsewhere`)."""
         if not err.held:
-            return cls.reserving(node, err.nbytes, what)
+            return cls.reserving(node, err.nbytes, what, err.elsewhere)
         again = cls.failed(node, f"{err.args[0]} (for {what})")
         again.nbytes, again.held = err.nbytes, err.held
         return again

@@ -221,7 +221,7 @@ def reserve_in_shm(name: str, size: int, give_back, wanted: RoomWanted, caller_h
             return name
         except OSError as err:
             if err.errno not in (errno.ENOSPC, errno.ENOMEM):
-                raise SharedMemoryFull.reserving(None, size, f"a segment ({err.strerror})") from None
+                raise  # not a want of room (too many open files, ...): said as it is by whoever knows the node
         if started is None:
             started = time.monotonic()
             if give_back(0):

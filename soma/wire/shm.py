@@ -219,8 +219,8 @@ class SegmentStore:
                 room.make_spill_dir(self.prefix, nbytes)
                 room.reserve(name, size)
             except OSError as err:
-                raise SharedMemoryFull.reserving(None, size, f"a segment, nor on disk in {room.spill_dir(self.prefix)} "
-                                                 f"({err.strerror or err})") from None
+                raise SharedMemoryFull.reserving(None, size, "a segment", f", nor on disk in "
+                                                 f"{room.spill_dir(self.prefix)} ({err.strerror or err})") from None
         try:
             address = map_file(room.path_of(name), size, POPULATE_WRITE)  # (the value is copied in next)
         except OSError:

@@ -77,3 +77,21 @@ class ArrayPlusOne(Node):
                 time.sleep(0.005)
         return Done(x + 1)
 
+
+
+class NoFilesLeft(Node):
+    """Uses up this process's file descriptors (its soft limit lowered first: a node, or its library, leaking
+    them), then returns a 1 MiB array, which goes through /dev/shm."""
+
+    def forward(self, x, ctx):
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+        held = NoFilesLeft.held = []
+        try:
+            while True:
+                held.append(open("/dev/null"))
+        except OSError:
+            pass
+        return Done(np.ones(MIB // 8))

@@ -6,6 +6,8 @@ keep, or go through a file on disk; every value is checked, and nothing may be l
 in /dev/shm (or in a spill directory) after `close()`.
 """
 
+import re
+
 import pytest
 
 pytest.importorskip("numpy")
@@ -274,3 +276,34 @@ with soma.Local(workers=2) as local:
 """)
     assert "KEPT OK" in done.stdout
     assert done.stderr.count("does not fit in /dev/shm") == 1, done.stderr
+
+
+def test_a_value_with_room_neither_in_dev_shm_nor_on_the_spill_disk_says_both(small_shm):
+    """100 MiB where /dev/shm is 64 MiB and the spill directory's disk 8 MiB: SharedMemoryFull naming the node,
+    the value (its input, its output), and the spill directory with its own error (the message named a segment
+    and /dev/shm only, as the store had it: the disk and why it failed were dropped); the pool works on."""
+    done = small_shm(HEAD + """
+import subprocess, tempfile
+disk = tempfile.mkdtemp()
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", disk], check=True)
+os.environ["SOMA_SPILL_DIR"] = disk
+try:
+    with soma.Local(workers=1) as local:
+        for what, g, x in (("output", Graph.somatize(Make()), (1, 100)),
+                           ("input", Graph.somatize(Size()), np.ones(100 * MIB // 8))):
+            try:
+                local.run(g, x, timeout=60)
+            except soma.SharedMemoryFull as err:
+                print(what, "|", err)
+        print(local.run(Graph.somatize(Size()), np.ones(MIB // 8)))
+finally:
+    del os.environ["SOMA_SPILL_DIR"]
+    subprocess.run(["umount", disk], check=True)
+    os.rmdir(disk)
+""")
+    said = done.stdout
+    for node, what in (("make", "output"), ("size", "input")):
+        assert re.search(f"{what} \\| node `{node}` failed: shared memory is full: could not reserve 100\\.\\d MiB in "
+                         f"/dev/shm for its {what}, nor on disk in /\\S+-spill \\(No space left on device\\)\\. Free space "
+                         f"in /dev/shm or on that disk", said), said
+    assert "(1048576, 1.0, 1.0)" in said, said

@@ -150,18 +150,54 @@ def test_shared_memory_that_runs_out_is_an_error_naming_the_node(local, monkeypa
     assert float(local.run(Graph.somatize(Identity()), torch.ones(BIG)).sum()) == BIG  # and nothing is lost
 
 
-def test_a_segment_that_cannot_be_made_for_an_input_is_an_error_naming_the_node(local, monkeypatch):
-    import errno
+def test_a_segment_that_cannot_be_made_for_want_of_file_descriptors_says_so_on_the_way_in_and_out(tmp_path):
+    """No file descriptor left, in the caller's process (an input to copy in) or in a node's (its output): a
+    NodeError naming the node and the OSError, not "shared memory is full" (the store called every failure
+    to make a segment a full /dev/shm, with /dev/shm nearly empty); the pool works on once there are some."""
+    import subprocess
+    import sys
 
-    def no_files(*args, **kwargs):
-        raise OSError(errno.EMFILE, "Too many open files")
+    from tests.conftest import ROOT
 
-    monkeypatch.setattr(soma.wire.shm.SegmentStore, "allocate", no_files)  # the host's next segment (its store's)
-    with pytest.raises(NodeError, match=r"^node `identity` failed: its input could not be put in shared memory: "
-                                        r"OSError: \[Errno 24\] Too many open files$"):
-        local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))
-    monkeypatch.undo()
-    assert float(local.run(Graph.somatize(Identity()), torch.ones(BIG)).sum()) == BIG  # and nothing is lost
+    script = tmp_path / "no_files.py"
+    script.write_text("""
+import resource, numpy as np, soma
+from soma import Graph
+from tests.local.shm_nodes import NoFilesLeft, Size
+with soma.Local(workers=1) as local:
+    g = Graph.somatize(Size())
+    print(local.run(g, np.ones(10)))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
+    files = []
+    try:
+        while True:
+            files.append(open("/dev/null"))
+    except OSError:
+        pass
+    try:
+        local.run(g, np.ones(1 << 17), timeout=60)
+    except soma.NodeError as err:
+        print("in:", err)
+    for f in files:
+        f.close()
+    print(local.run(g, np.ones(1 << 17), timeout=60))
+with soma.Local(workers=1) as local:
+    try:
+        local.run(Graph.somatize(NoFilesLeft()), 0, timeout=60)
+    except soma.NodeError as err:
+        print("out:", err)
+""")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=90)
+    said = done.stdout
+    assert done.returncode == 0 and said.count("(1048576, 1.0, 1.0)") == 1, (said, done.stderr)
+    assert "in: node `size` failed: its input could not be put in shared memory: OSError: [Errno 24] Too many " \
+           "open files" in said, said
+    assert "out: node `no_files_left` failed: its output could not be put in shared memory: OSError: [Errno 24] " \
+           "Too many open files" in said, said
+    assert "shared memory is full" not in said, said
 
 
 class SumsRows(Node):

@@ -58,6 +58,9 @@ def _encoded(encoder, pack, value, producer: str, get_store, what: str) -> bytes
     except codec.Unsendable as err:
         hint = "" if err.too_deep else " (return plain data, tensors, or picklable objects)"
         raise NodeError.failed(producer, f"{what} cannot be sent back to the host: {err}{hint}") from None
+    except OSError as err:  # a segment that could not be made or mapped (too many open files, no memory, ...)
+        raise NodeError.failed(producer, f"{what} could not be put in shared memory: {type(err).__name__}: "
+                                         f"{err}") from None
     except Exception as err:
         raise NodeError.failed(
             producer, f"{what} cannot be sent back to the host: {type(err).__name__}: {err} "
