@@ -454,6 +454,16 @@ class SegmentStore:
         """Bytes of free segments kept for reuse."""
         return self._pooled_bytes
 
+    def received_of(self, names) -> int:
+        """Bytes of `received_bytes` that views of segments `names` hold."""
+        total = 0
+        with self._lock:
+            for name in names:
+                for rec in (self._views.get((name, False)), self._views.get((name, True))):  # (as counted there)
+                    if rec is not None and rec.seg is None and not room.is_spilled(name) and rec.ref() is not None:
+                        total += rec.nbytes
+        return total
+
     def received_bytes(self) -> int:
         """Bytes of /dev/shm in other processes' segments this process holds live views of (in the host: what
         the caller keeps of results, and values on their way through; a `caller_held` measure). Kept as views

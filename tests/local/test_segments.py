@@ -42,6 +42,31 @@ def test_a_task_says_wait_for_room_only_while_a_map_held_back_by_memory_is_open(
     assert segments.for_task()[0] == 0  # (no map open, nothing received: the caller holds nothing)
 
 
+def test_what_the_host_received_and_lends_on_is_not_counted_as_the_callers_results(prefix):
+    """A Task says what the caller's results hold: what the host maps of other processes' segments, less the
+    values on their way through it (lent to a worker now, or by that Task: a wave's input after a node)."""
+    from soma.wire.shm import SegmentStore
+
+    worker, book = 4_000_000, LeaseBook(os.getpid())
+    owner = SegmentStore(f"{prefix}", 1 << 30)  # (a worker's store: the host maps its segment, as it receives it)
+    segments = HostSegments(prefix, 1 << 20, book)
+    view, name = owner.allocate(3 * GRANULE)
+    received = segments.get_store().open(name, 3 * GRANULE)
+    book.received(name, worker)
+
+    class Lending:
+        shared = [name]
+
+    assert segments.for_task()[0] == 3 * GRANULE  # the caller's result, kept
+    assert segments.for_task([Lending()])[0] == 0  # this Task lends it: on its way
+    book.lent(name, worker + 1)
+    assert book.passing() == [name] and segments.for_task()[0] == 0  # lent: still on its way
+    book.released(worker + 1, name, 1)
+    assert book.passing() == [] and segments.for_task()[0] == 3 * GRANULE  # back with the host alone: kept
+    del received, view
+    owner.close()
+
+
 def _dev_shm_full_until(event, monkeypatch):
     """posix_fallocate refuses files in /dev/shm (a full tmpfs) until `event` is set: the free on its way; and
     shm_room says so (wait_for_room looks at it between tries)."""

@@ -307,3 +307,21 @@ finally:
                          f"/dev/shm for its {what}, nor on disk in /\\S+-spill \\(No space left on device\\)\\. Free space "
                          f"in /dev/shm or on that disk", said), said
     assert "(1048576, 1.0, 1.0)" in said, said
+
+
+def test_a_wave_after_a_node_with_no_room_for_its_outputs_spills_them_when_the_caller_keeps_nothing(small_shm):
+    """`Make() >> (PlusOne() | PlusOne())`, 30-60 MiB values in 64 MiB: the host holds the first node's output while
+    the branches run on it (it lends it to them), and the branches' outputs find no room: they spill. That output
+    was counted as results the caller keeps (the host maps it), and each run failed SharedMemoryFull saying
+    "the results this program keeps hold 30.0 MiB", with nothing kept, 6 of 6 fresh pools."""
+    done = small_shm(HEAD + """
+g = Graph.somatize(Make() >> (PlusOne().named("a") | PlusOne().named("b")))
+with soma.Local(workers=2) as local:
+    for mib in (30, 40, 60, 30):
+        a, b = local.run(g, (1, mib), timeout=120)
+        check(a, 2, mib)
+        check(b, 2, mib)
+        del a, b
+        print("ran", mib)
+""")
+    assert done.stdout.count("ran ") == 4, done.stdout

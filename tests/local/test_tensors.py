@@ -144,7 +144,8 @@ def test_shared_memory_that_runs_out_is_an_error_naming_the_node(local, monkeypa
 
     monkeypatch.setattr(os, "posix_fallocate", full)  # the host's next segment cannot be reserved
     with pytest.raises(SharedMemoryFull, match=r"^node `identity` failed: shared memory is full: could not reserve "
-                                               r"[\d.]+ [KMG]iB in /dev/shm for its input\. Free space in /dev/shm"):
+                                               r"[\d.]+ [KMG]iB in /dev/shm for its input, nor on disk in \S+-spill "
+                                               r"\(No space left on device\)\. Free space in /dev/shm or on that disk"):
         local.run(Graph.somatize(Identity()), torch.arange(BIG * 4, dtype=torch.float32))
     monkeypatch.undo()
     assert float(local.run(Graph.somatize(Identity()), torch.ones(BIG)).sum()) == BIG  # and nothing is lost

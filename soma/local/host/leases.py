@@ -37,6 +37,9 @@ class LeaseBook:
         # delays a free)
         self.frees: dict[int, list] = defaultdict(list)
         self._dead: set[int] = set()
+        # Segments the host holds a received view of that a worker holds too: values on their way through
+        # the host (an output that is a later piece's input, a wave's), not results the caller keeps (`passing`)
+        self._passing: set[str] = set()
 
     def received(self, name: str, sender: int) -> None:
         """The host decoded a handle to `name` sent by process `sender`."""
@@ -45,6 +48,8 @@ class LeaseBook:
             if owner_pid(name) == sender:
                 entry.from_owner += 1
             entry.held[self.host_pid] += 1
+            if len(entry.held) > 1:
+                self._passing.add(name)
 
     def lent(self, name: str, to: int) -> None:
         """The host sent a handle to `name` to process `to`."""
@@ -53,6 +58,8 @@ class LeaseBook:
             if owner_pid(name) == self.host_pid:
                 entry.from_owner += 1
             entry.held[to] += 1
+            if self.host_pid in entry.held and to != self.host_pid:
+                self._passing.add(name)
 
     def released(self, holder: int, name: str, n: int) -> None:
         with self._lock:
@@ -62,6 +69,7 @@ class LeaseBook:
             entry.held[holder] -= n
             if entry.held[holder] <= 0:
                 del entry.held[holder]
+                self._still_passing(name, entry)
             self._free_if_unheld(name, entry)
 
     def holder_gone(self, pid: int) -> None:
@@ -71,7 +79,17 @@ class LeaseBook:
             self.frees.pop(pid, None)
             for name, entry in list(self._entries.items()):
                 entry.held.pop(pid, None)
+                self._still_passing(name, entry)
                 self._free_if_unheld(name, entry)
+
+    def passing(self) -> list[str]:
+        """Segments the host has received and a worker holds too: values on their way through the host."""
+        return list(self._passing) if self._passing else []
+
+    def _still_passing(self, name: str, entry: _Entry) -> None:
+        # lock held
+        if name in self._passing and (len(entry.held) < 2 or self.host_pid not in entry.held):
+            self._passing.discard(name)
 
     def _free_if_unheld(self, name: str, entry: _Entry) -> None:
         # lock held
@@ -136,13 +154,24 @@ class HostSegments:
         waiting in maps' windows, values on their way): SegmentStore.received_bytes."""
         return self.store.received_bytes() if self.store is not None else 0
 
-    def for_task(self) -> tuple:
+    def kept(self, items=()) -> int:
+        """What `received` counts less the values on their way through the host (received, and lent to a worker
+        now, LeaseBook.passing, or by the Task about to go with `items`): bytes the caller's results hold."""
+        received = self.received()
+        if not received:
+            return 0
+        passing = set(self.book.passing()).union(*[item.shared for item in items])
+        return max(0, received - self.store.received_of(passing)) if passing else received
+
+    def for_task(self, items=()) -> tuple:
         """`(held, room_s)`, what a Task tells its worker of the host's memory, once the host's own dead receipts
         are applied (`apply_releases`: so the frees the Task carries are current). One call for a Task's way.
 
-        `held`: bytes of /dev/shm the caller's results hold (a worker short of that room raises SharedMemoryFull
-        saying so, rather than spill). What the host's store received and still maps is the caller's while no
-        map is open; with one open, some of it waits in the map's window and reorder buffer, which the map frees
+        `items`: what the Task carries (each `.shared`: the segments it lends). `held`: bytes of /dev/shm the caller's results hold (a worker short of that room raises SharedMemoryFull
+        saying so, rather than spill). What the host's store received and still maps, less what it lends to a
+        worker now (an output on its way into a later piece: a wave's branches' input, counted as the caller's
+        before Dec 6, and their outputs, short of room, failed SharedMemoryFull with nothing kept), is the
+        caller's while no map is open; with one open, some of it waits in the map's window and reorder buffer, which the map frees
         itself as its caller consumes: then 0 (a worker short of room spills).
 
         `room_s`: how long a worker's reservation short of room waits for frees on their way: while a map held
@@ -151,7 +180,7 @@ class HostSegments:
         longer than the spill's time: issue 31's CI beside two CPU burners); else None (by the value's size:
         soma.wire.room)."""
         self.apply_releases()
-        return (0 if self.maps_open else self.received()), (ROOM_WAIT_S if self.held_back else None)
+        return (0 if self.maps_open else self.kept(items)), (ROOM_WAIT_S if self.held_back else None)
 
     def trim_if_idle(self, busy: bool) -> None:
         """The host's side of what each worker does (`SegmentStore.idle`, called by whoever listens): what it

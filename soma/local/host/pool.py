@@ -187,7 +187,7 @@ class WorkerPool:
             for node_id, key in piece.keys.items():
                 if key not in worker.loaded and key not in code:
                     code[key] = self.registry.code(node_id, key)
-        held, room_s = self.segments.for_task()  # (first: its frees are current)
+        held, room_s = self.segments.for_task(items)  # (first: its frees are current)
         frees = self._book.take_frees(worker.pid) if self._book.frees else []
         task = Task(code, pieces, [item.spec for item in items], frees, worker.forget, held, room_s)
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
