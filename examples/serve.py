@@ -31,8 +31,9 @@ What a user meets:
 - A body that is not `{"text": <non-empty string>}` is a 422 from FastAPI's validation,
   with what was wrong; it never reaches the runner.
 - A node that raises is a 500 whose body names the node (`soma.NodeError.node`) and says
-  what failed; a worker that died, a run past TIMEOUT, or a runner closed under a request
-  (shutdown past its grace) is a 503 that says which (the client may try again).
+  what failed; a worker that died, a run past TIMEOUT, or a request still running when the
+  shutdown's grace ran out (uvicorn cancels its handler: its input is cancelled) is a 503
+  that says which (the client may try again).
 """
 
 from __future__ import annotations
@@ -133,7 +134,13 @@ def create_app(graph: Graph | None = None, workers: int = 2) -> FastAPI:
     @app.post("/predict")
     async def predict(body: Text, request: Request):
         run = asyncio.ensure_future(request.app.state.local.arun(graph, body.text, timeout=TIMEOUT))
-        if not await first_of(run, request):  # nobody to answer: a status for the access log only
+        try:
+            answered = await first_of(run, request)
+        except asyncio.CancelledError:  # uvicorn stopping past its grace cancels the handlers (then closes the
+            # runner): the client is told so, not left a bare 500 and the log a traceback per request
+            return JSONResponse({"error": "the server is stopping and did not finish this request in its grace "
+                                          "period: try again"}, status_code=503)
+        if not answered:  # nobody to answer: a status for the access log only
             return JSONResponse({"error": "the client closed the connection first"}, status_code=499)
         try:
             scores = run.result()

@@ -48,7 +48,7 @@ def close_to(got, want) -> bool:
 class Server:
     """uvicorn running tests/serve_app.py on a socket bound here (no free-port race), its log in a file."""
 
-    def __init__(self, folder: Path, http: str):
+    def __init__(self, folder: Path, http: str, grace_s: float = 20):
         self.folder = folder
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -60,7 +60,7 @@ class Server:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "--factory", "tests.serve_app:create_app", "--fd",
-                 str(self.sock.fileno()), "--timeout-graceful-shutdown", "20", *HTTP[http]],
+                 str(self.sock.fileno()), "--timeout-graceful-shutdown", str(grace_s), *HTTP[http]],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=[self.sock.fileno()])
         wait_for(lambda: "Application startup complete" in self.log() or self.proc.poll() is not None, START_S,
                  "uvicorn to start the app")
@@ -175,6 +175,30 @@ def test_the_example_app_behind_uvicorn(server):
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"soma-{server.proc.pid}-")]
     assert list(server.tmp.iterdir()) == []  # Local's socket dir is gone
     assert "Application shutdown complete" in server.log()
+
+
+@pytest.mark.timeout(300)
+def test_a_request_still_running_when_the_shutdowns_grace_runs_out_is_a_503_saying_so(tmp_path):
+    """SIGTERM, and a request held past uvicorn's grace (2 s): uvicorn cancels its handler before the app's
+    shutdown closes the runner. The client gets a 503 that says the server is stopping (it got uvicorn's bare
+    500, and the log a CancelledError traceback, before Dec 6); the input is cancelled; nothing is left."""
+    server = Server(tmp_path, "h11", grace_s=2)
+    try:
+        answer = {}
+        held = threading.Thread(target=lambda: answer.update(got=server.predict("hold3 never released")))
+        held.start()
+        wait_for(lambda: server.files("started.hold3"), 30, "the request to reach `gate`")
+        server.proc.send_signal(signal.SIGTERM)
+        held.join(60)
+        status, body = answer["got"]
+        assert status == 503 and "the server is stopping" in body["error"], (status, body, server.log())
+        assert server.proc.wait(60) in (0, -signal.SIGTERM), server.log()
+        assert "CancelledError" not in server.log() and "Exception in ASGI application" not in server.log(), \
+            server.log()
+        assert list(server.tmp.iterdir()) == []  # Local's socket dir is gone
+        assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"soma-{server.proc.pid}-")]
+    finally:
+        server.stop()
 
 
 @pytest.mark.timeout(630)
