@@ -226,10 +226,8 @@ def _value_pickler():
                         torch is not None and isinstance(obj, torch.Tensor)):  # subclasses arrive as plain tensors
                     self._parts.append(self._enc.ext(obj))
                     return _part, (len(self._parts) - 1,)
-                if kind is memoryview:  # (pickle refuses them): the bytes, out of band when large, format and shape
-                    contiguous = obj.c_contiguous
-                    return _memoryview, (pickle.PickleBuffer(obj) if contiguous else obj.tobytes(), obj.format,
-                                         obj.shape, obj.readonly and not contiguous)
+                if kind is memoryview:  # (pickle refuses them)
+                    return _reduce_memoryview(obj)
                 return super().reducer_override(obj)
 
         _PICKLER = ValuePickler
@@ -282,6 +280,27 @@ def dump_pickle(enc, obj, fast: bool) -> bytes:
     return msgpack.packb([stream, parts, oob], use_bin_type=True)
 
 
+def _reduce_memoryview(obj: memoryview) -> tuple:
+    """A memoryview's reduction: its bytes (out of band when large), format, shape and writability. A writable
+    one that is not contiguous goes as a writable copy (it arrived read-only, as `tobytes()`). One of a format
+    `memoryview.cast` cannot make (a struct's, as a structured numpy array's) goes as the array numpy reads from
+    it, when numpy is loaded (it arrived as bytes, format "B"), and is a view of that array again."""
+    format = obj.format
+    if len(format.lstrip("@")) != 1:
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            try:
+                array = numpy.asarray(obj)
+            except (TypeError, ValueError, NotImplementedError):
+                array = None
+            if array is not None and not array.dtype.hasobject:
+                return memoryview, (array,)
+    if obj.c_contiguous:
+        return _memoryview, (pickle.PickleBuffer(obj), format, obj.shape, False)
+    data = obj.tobytes() if obj.readonly else bytearray(obj.tobytes())
+    return _memoryview, (pickle.PickleBuffer(data), format, obj.shape, obj.readonly)
+
+
 def _memoryview(buffer, format: str, shape, readonly: bool) -> memoryview:
     """A memoryview as it went: over the shared memory its bytes came in when they were large."""
     view = memoryview(buffer)
@@ -289,7 +308,7 @@ def _memoryview(buffer, format: str, shape, readonly: bool) -> memoryview:
         view = view.toreadonly()
     try:
         return view.cast("B").cast(format, shape)
-    except (TypeError, ValueError):  # a format cast cannot make (a struct's): its bytes, as memoryview has them
+    except (TypeError, ValueError):  # a format cast cannot make (numpy was not loaded to send it): its bytes
         return view.cast("B")
 
 

@@ -201,6 +201,25 @@ def test_bytes_like_values_keep_their_type_and_bytes(local, name):
         assert type(held[0]["raw"][0]) is bytearray
 
 
+def test_a_memoryview_keeps_its_format_shape_bytes_and_writability(local):
+    """Strided ones (a writable one arrived read-only) and structured ones (format "T{...}": it arrived as bytes,
+    format "B", its shape in bytes), small and big, read-only or not, on their way in and back."""
+    ro = np.arange(BIG, dtype=np.float64)
+    ro.flags.writeable = False
+    table = np.zeros((BIG // 16, 2), dtype=[("a", "i4"), ("b", "f8")])
+    table["a"] = np.arange(BIG // 16)[:, None]
+    views = {"strided": memoryview(np.arange(BIG, dtype=np.float64))[::2],
+             "strided-small": memoryview(bytearray(99))[::3], "strided-read-only": memoryview(ro)[::-4],
+             "2-d": memoryview(np.ones((64, 64), np.int16)),
+             "structured": memoryview(table), "structured-small": memoryview(table[:3]),
+             "structured-read-only": memoryview(table).toreadonly()}
+    held = {name: local.run(Graph.somatize(Identity()), view) for name, view in views.items()}
+    for name, view in views.items():
+        out = held[name]
+        assert type(out) is memoryview and out.format == view.format and out.shape == view.shape, (name, out)
+        assert out.tobytes() == view.tobytes() and out.readonly == view.readonly, name
+
+
 def test_large_bytes_never_travel_through_the_socket(local, monkeypatch):
     from soma.wire import protocol
 
