@@ -52,7 +52,7 @@ from ..values import Opaque
 from ..wire import nodecode
 from .devices import cuda_index, cuda_visible_devices, machine_gpus
 from .records import StartRecord, remove
-from .values import tensors_out_of_band
+from .values import exact, tensors_out_of_band
 
 FORGOTTEN_KEPT = 10_000  # tokens `forget` keeps at most (each ~100 bytes; one per input given up while queued)
 
@@ -314,7 +314,7 @@ class NodeCopy:
         if carries_autograd(value):
             return Failed(grad_crossing(self.node_id, "it returned"))
         tensors_out_of_band()  # (the node may have imported torch itself)
-        return value
+        return exact(value)
 
     # -- control: called in the "control" group, answered while `call` runs -------------------------
     def hello(self):

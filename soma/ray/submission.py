@@ -39,7 +39,7 @@ from ..plan import Plan, fold
 from ..run.postcondition import check_postcondition
 from .actor import carries_autograd, first_failure, grad_crossing
 from .spreading import HEAVY_S
-from .values import tensors_out_of_band, writable
+from .values import exact, tensors_out_of_band, writable
 
 
 class Out:
@@ -202,6 +202,7 @@ def submit(graph: ActorGraph, xs: list, submissions: list, put) -> None:
     for x in xs:
         if carries_autograd(x):
             raise grad_crossing(entry, "its input is")
+    xs = [exact(x) for x in xs]  # (what Ray's serializer would change: bytearrays, memoryviews, ...)
     if graph.shares_input:
         try:
             first = [Out(put(x), None) for x in xs]

@@ -57,18 +57,97 @@ def tensor_from_store(parts):
     return t.requires_grad_() if grad else t
 
 
-def writable(value):
+def writable(value, memo: dict | None = None):
     """`value` with every read-only numpy array in it (loose, or in tuples, lists and dicts) replaced by a
-    writable copy: what Ray hands back lives in its read-only object store."""
+    writable copy: what Ray hands back lives in its read-only object store. One array twice is one copy."""
     numpy = sys.modules.get("numpy")
     if numpy is None:
         return value
     kind = type(value)
     if kind is numpy.ndarray:
-        return value.copy() if not value.flags.writeable else value
+        if value.flags.writeable:
+            return value
+        memo = {} if memo is None else memo
+        copy = memo.get(id(value))
+        if copy is None:
+            copy = memo[id(value)] = value.copy()
+        return copy
     if kind is tuple or kind is list:
-        items = [writable(item) for item in value]
+        memo = {} if memo is None else memo
+        items = [writable(item, memo) for item in value]
         return value if all(a is b for a, b in zip(items, value)) else kind(items)
     if kind is dict:
-        return {k: writable(v) for k, v in value.items()}
+        memo = {} if memo is None else memo
+        return {k: writable(v, memo) for k, v in value.items()}
     return value
+
+
+_AS_IS = frozenset({int, float, str, bool, type(None), bytes, complex})
+
+
+def exact(value, memo: dict | None = None):
+    """`value` as it goes to Ray, made to arrive as it is (SPEC 5): what Ray's own serializer would change goes
+    in a form it pickles instead. A bytearray or a memoryview (Ray's msgpack makes them bytes) is rebuilt on
+    arrival, writability, format and shape kept; a numpy array of the other byte order that is not contiguous
+    goes as a contiguous copy (Ray made its dtype native). Loose, or in tuples, lists and dicts (as `writable`);
+    one object twice stays one."""
+    kind = type(value)
+    if kind in _AS_IS:
+        return value
+    if kind is tuple or kind is list:
+        memo = {} if memo is None else memo
+        items = [exact(item, memo) for item in value]
+        return value if all(a is b for a, b in zip(items, value)) else kind(items)
+    if kind is dict:
+        memo = {} if memo is None else memo
+        items = {k: exact(v, memo) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    if kind is bytearray or kind is memoryview:
+        memo = {} if memo is None else memo
+        kept = memo.get(id(value))
+        if kept is None:
+            kept = memo[id(value)] = _Exact(value)
+        return kept
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and kind is numpy.ndarray and value.dtype.byteorder not in "=|" \
+            and not (value.flags.c_contiguous or value.flags.f_contiguous):
+        memo = {} if memo is None else memo
+        kept = memo.get(id(value))
+        if kept is None:
+            kept = memo[id(value)] = numpy.ascontiguousarray(value)
+        return kept
+    return value
+
+
+class _Exact:
+    """A bytearray or memoryview on its way through Ray, pickled as itself (see `exact`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        value = self.value
+        if type(value) is bytearray:
+            return bytearray, (bytes(value),)
+        format, shape, readonly = value.format, value.shape, value.readonly
+        numpy = sys.modules.get("numpy")
+        if len(format.lstrip("@")) != 1 and numpy is not None:  # a struct's (a structured array's): as that array
+            return _view_of, (numpy.array(value), readonly)
+        data = value.tobytes()
+        return _memoryview_of, (data if readonly else bytearray(data), format, shape, readonly)
+
+
+def _view_of(array, readonly: bool) -> memoryview:
+    view = memoryview(array if array.flags.writeable or readonly else array.copy())
+    return view.toreadonly() if readonly else view
+
+
+def _memoryview_of(data, format: str, shape, readonly: bool) -> memoryview:
+    view = memoryview(data).cast("B")
+    try:
+        view = view.cast(format, shape)
+    except (TypeError, ValueError):  # (a format cast cannot make, numpy not loaded to send it: its bytes)
+        pass
+    return view.toreadonly() if readonly else view

@@ -73,3 +73,33 @@ def test_an_output_holding_one_array_twice_comes_back_as_its_own_in_maps_runs_an
     runs = in_threads(lambda k: [runner.run(twice, xs[k * 10 + j]) for j in range(10)], 16)
     assert all(first[0] == second[0] == k * 10 + j for k, outs in enumerate(runs)
                for j, (first, second) in enumerate(outs))
+
+
+def test_bytes_like_values_and_arrays_of_either_byte_order_cross_as_they_are(runner):
+    """SPEC 5: a value keeps its type and values exactly, on every runner: a bytearray and a memoryview (Ray's own
+    serializer made them bytes; Local made a strided memoryview read-only and a structured one bytes), a strided
+    numpy array of the other byte order (Ray made its dtype native), in and back, small and big; and one array
+    twice in a result is one object there (Ray's writable copies made it two)."""
+    np = pytest.importorskip("numpy")
+    table = np.zeros(3000, dtype=[("a", "i4"), ("b", "f8")])
+    table["a"] = np.arange(3000)
+    values = {"bytearray": bytearray(b"ab" * 3), "bytearray-big": bytearray(b"xy" * 40_000),
+              "memoryview": memoryview(bytearray(b"mv" * 50)), "strided": memoryview(np.arange(9000.0))[::3],
+              "read-only": memoryview(b"ro" * 20_000), "structured": memoryview(table),
+              "big-endian": np.arange(10, dtype=">i4")[::2], "big-endian-big": np.arange(80_000, dtype=">f8")[::-2],
+              "nested": {"b": [bytearray(b"n")], "m": (memoryview(b"q"),)}}
+    held = {name: runner.run(Graph.somatize(Identity()), value) for name, value in values.items()}
+    for name, value in values.items():
+        out = held[name]
+        if type(value) is np.ndarray:
+            assert out.dtype == value.dtype and np.array_equal(out, value), (name, out.dtype)
+        elif type(value) is memoryview:
+            assert type(out) is memoryview and (out.format, out.shape, out.readonly) == (
+                value.format, value.shape, value.readonly) and out.tobytes() == value.tobytes(), (name, out)
+        elif name == "nested":
+            assert type(out["b"][0]) is bytearray and type(out["m"][0]) is memoryview and out["m"][0] == b"q", out
+        else:
+            assert type(out) is bytearray and out == value, (name, type(out))
+    a = np.arange(50_000.0)
+    first, second = runner.run(Graph.somatize(Twice()), a)
+    assert first is second and np.array_equal(first, a) and first.flags.writeable
