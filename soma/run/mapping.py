@@ -238,6 +238,7 @@ class MapLoop:
         self.consumed = None if ordered else Consumed(self.next_index, self.after_start)
         self.taken = self.yielded = consumed_count(self.next_index, self.after_start)
         self.out = None  # the index of the output the caller holds (a map with a checkpoint), or held when it ended
+        self.unhanded = False  # it ended before `out` was handed to the caller (not consumed, whatever `held` says)
         self.handing = None  # (index, yielded, count, iterator) of the Span being handed out (see _settle)
         self.saved = self.yielded  # how many were consumed in the checkpoint's file (or at the start)
         self.save_at = time.monotonic() + (self.checkpoint.every if self.checkpoint is not None else 0.0)
@@ -285,13 +286,14 @@ class MapLoop:
             self._settle()
         if self._identity is None:
             self._identity = identity(self.graph_print(), self.length, self.ordered)
+        held_out = self.out is not None and (not held or self.unhanded)  # (left out: its input runs again)
         if self.ordered:
             next_index, after = self.next_index, []
-            if not held and self.out is not None:
+            if held_out:
                 next_index = self.out
         else:
             next_index, after = self.consumed.next, self.consumed.runs()
-            if not held and self.out is not None:
+            if held_out:
                 next_index, after = without(next_index, after, self.out)
         return {**self._identity, "next": next_index, "after": after}
 
@@ -377,7 +379,7 @@ class MapLoop:
                     except BaseException:
                         self._settle()
                         self.handing = None
-                        self.out = self.next_index - 1
+                        self.out, self.unhanded = self.next_index - 1, False
                         raise
                     self.handing = None
                     self.next_index, self.yielded = index + count, yielded + count
@@ -396,27 +398,29 @@ class MapLoop:
             consumed, failure, checkpoint = self.consumed, self.failure, self.checkpoint
             report = None if self.report is silent else self.report
             for value in values:
-                if ordered:
-                    self.next_index = index + 1
-                elif failure is not None and index > failure[0]:
-                    index += 1
-                    continue  # after a failure: cancelled with the rest
-                elif index == consumed.next and not consumed.stops:
-                    consumed.next = index + 1  # in order, no run above: Consumed.add's answer, without its call
-                else:
-                    consumed.add(index)
-                self.yielded += 1
-                if report is not None:
-                    report(self.yielded)
-                if checkpoint is not None:
-                    self.out = index  # (held until the caller asks again: a save from outside, save_open, skips it)
+                handed = False
                 try:
+                    if ordered:
+                        self.next_index = index + 1
+                    elif failure is not None and index > failure[0]:
+                        index += 1
+                        continue  # after a failure: cancelled with the rest
+                    elif index == consumed.next and not consumed.stops:
+                        consumed.next = index + 1  # in order, no run above: Consumed.add's answer, without its call
+                    else:
+                        consumed.add(index)
+                    self.yielded += 1
+                    if checkpoint is not None:
+                        self.out = index  # (held until the caller asks again: a save from outside skips it)
+                    handed = True
                     yield value
-                except BaseException:
-                    self.out = index
+                except BaseException:  # the caller's body cut short, or a Ctrl-C before it had the value
+                    self.out, self.unhanded = index, not handed
                     raise
                 if checkpoint is not None:
                     self.out = None
+                if report is not None:  # (after the caller's body: what it consumed; a progress callable that
+                    report(self.yielded)  # raised before the value was handed lost it from a checkpoint)
                 index += 1
                 if checkpoint is not None and time.monotonic() >= self.save_at:
                     self.save()

@@ -6,7 +6,8 @@
     progress=True, stderr not one      a line every LOG_EVERY_S seconds, and one at the end (nohup,
                                        a log file, a CI job: a carriage-return bar would be one
                                        endless line there, and nothing at all would be worse)
-    progress=callable                  progress(done, total) after each output (total None if unknown)
+    progress=callable                  progress(done, total) after each output, once the loop's body ran on it
+                                       (total None if unknown)
 """
 
 from __future__ import annotations

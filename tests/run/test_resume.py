@@ -300,6 +300,31 @@ def test_an_error_and_ctrl_c_save_the_checkpoint(runner, tmp_path):
     assert json.loads(path.read_text())["next"] == 3
 
 
+def test_a_progress_callable_that_raises_loses_no_output_from_the_checkpoint_or_the_state(runner, tmp_path):
+    """`progress=` is told of an output once the loop's body has run on it; one that raises (Ctrl-C while it draws,
+    a broken terminal) ends the map with every output it counted consumed and no other: the checkpoint, and a
+    `state_dict()` taken as it raises, resume at the next. (It was told before the value was handed: the
+    checkpoint said the output was consumed, and the one before the stop was never yielded to anyone: 7 of 12
+    real Ctrl-Cs into a map whose callable wrote a status file.)"""
+    path = tmp_path / "map.ckpt"
+    for ordered in (True, False):
+        seen: list = []
+
+        def progress(done, total):
+            if done == 5:
+                raise KeyboardInterrupt
+
+        outputs = runner.map(add_one(), range(10), checkpoint=path, progress=progress, ordered=ordered, window=1)
+        with pytest.raises(KeyboardInterrupt):
+            for y in outputs:
+                seen.append(y)
+        state = outputs.state_dict()
+        assert sorted(seen) == [1, 2, 3, 4, 5] and consumed(state) == {y - 1 for y in seen}, (ordered, seen, state)
+        assert consumed(json.loads(path.read_text())) == consumed(state), ordered
+        rest = list(runner.map(add_one(), range(10), checkpoint=path, ordered=ordered))
+        assert sorted(seen + rest) == list(range(1, 11)), (ordered, seen, rest)
+
+
 @pytest.mark.parametrize("kind", ["executor", "local", "ray"])
 def test_closing_the_runner_writes_the_checkpoint_of_a_map_its_caller_left_holding_it(kind, tmp_path, request):
     """Ctrl-C in the body of a `for` over a map held in a variable (a script's top level) leaves the iterator
