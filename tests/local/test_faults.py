@@ -361,12 +361,14 @@ def test_a_full_dev_shm_in_a_worker_is_one_error_naming_the_node():
     pytest.importorskip("torch")
     with soma.Local(workers=1) as one:
         with pytest.raises(SharedMemoryFull, match=r"^node `full_shm` failed: shared memory is full: could not "
-                                                   r"reserve 16.0 MiB in /dev/shm for a tensor it made with ctx\.empty\. "
-                                                   r"Free space in /dev/shm"):
+                                                   r"reserve 16.0 MiB in /dev/shm for a tensor it made with ctx\.empty, "
+                                                   r"nor on disk in \S+-spill \(No space left on device\)\. Free space in "
+                                                   r"/dev/shm or on that disk"):
             one.run(Graph.somatize(FullShm(through_ctx=True)), 0)
         assert one.run(Graph.somatize(Pid()), 0) in one.pids()
         with pytest.raises(SharedMemoryFull, match=r"^node `full_shm` failed: shared memory is full: could not "
-                                                   r"reserve 16.0 MiB in /dev/shm for its output\. Free space"):
+                                                   r"reserve 16.0 MiB in /dev/shm for its output, nor on disk in \S+ "
+                                                   r"\(No space left on device\)\. Free space"):
             one.run(Graph.somatize(FullShm(through_ctx=False)), 0)
 
 
