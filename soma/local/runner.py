@@ -19,7 +19,7 @@ from typing import NamedTuple
 from ..device import Device
 from ..errors import DeviceError, SomaError
 from ..run.aio import FutureSink, InputFuture
-from ..run.base import RunnerBase, checked_retries, closed_message
+from ..run.base import RunnerBase, checked_retries, checked_timeout, closed_message
 from ..run.mapping import map_outputs, save_open
 from ..run.registry import NodeRegistry
 from ..run.resuming import DEFAULT_EVERY_S
@@ -170,6 +170,8 @@ class Local(RunnerBase):
         """
         if type(retries) is not int or retries < 0:  # (0 and the like pass without a call: a run's hot path)
             retries = checked_retries(retries)
+        if timeout is not None:
+            timeout = checked_timeout(timeout)
         loop, g, program = self._ready(g, "Local.run")
         trace = self._trace
         start = time.monotonic_ns() if trace is not None else 0
@@ -194,7 +196,7 @@ class Local(RunnerBase):
         a done-callback may start the next input, or wait for one).
         `future.cancel()` cancels the input (dropped if not started; its result dropped if it was).
         """
-        retries = checked_retries(retries)
+        retries, timeout = checked_retries(retries), checked_timeout(timeout)
         loop, g, program = self._ready(g, "Local.submit")
         future = InputFuture()
         flow = loop.start_one(program, x, FutureSink(future), self._trace, retries, g)
@@ -206,7 +208,7 @@ class Local(RunnerBase):
         return future
 
     def _async_inflight(self, g, timeout, retries):
-        retries = checked_retries(retries)
+        retries, timeout = checked_retries(retries), checked_timeout(timeout)
         loop, g, program = self._ready(g, "Local.amap", start=False)
         # A pool not started yet starts as the amap begins, on a thread (LocalInflight.ready), not on the loop.
         return LocalInflight(loop, g, program, self, timeout, retries, asynchronous=True,
@@ -223,7 +225,7 @@ class Local(RunnerBase):
         in flight as workers, each input runs whole on one worker when the graph allows (see
         host/program.compile_program); with fewer, a wave's branches spread over workers as in `run`.
         """
-        retries = checked_retries(retries)
+        retries, timeout = checked_retries(retries), checked_timeout(timeout)
         loop, g, program = self._ready(g, "Local.map", whole=window is None or window >= self.n_workers)
         inflight = LocalInflight(loop, g, program, self, timeout, retries)
         return map_outputs(inflight, xs, graph=g, window=window, ordered=ordered, progress=progress,

@@ -41,7 +41,7 @@ import time
 
 from ..errors import NodeError, SomaError
 from ..run.aio import InputFuture, amap_outputs
-from ..run.base import RunnerBase, checked_retries
+from ..run.base import RunnerBase, checked_retries, checked_timeout
 from ..run.mapping import default_window, map_outputs, save_open
 from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace
@@ -84,7 +84,7 @@ def _over_inputs(outputs, where: str, doc: str):
     def over_inputs(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0,
                     errors="raise", resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
         g = self.accepting(g, where)  # (closed? before anything else, as every runner checks)
-        retries = checked_retries(retries)
+        retries, timeout = checked_retries(retries), checked_timeout(timeout)
         driver, g, graph = self._compiled(g, where)
         batch = batch_size(graph, window or default_window(parallelism(graph, driver.cpus)), timeout)
         inflight = RayInflight(driver, graph, timeout, ordered, batch, retries, tracer=self, source=g, by_cost=True)
@@ -159,7 +159,7 @@ class Ray(RunnerBase):
         actor dies while running it (docs/ray.md, "Retries"); `timeout` counts from its start, tries
         included.
         """
-        retries = checked_retries(retries)
+        retries, timeout = checked_retries(retries), checked_timeout(timeout)
         driver, _, graph = self._compiled(g, "Ray.run")
         trace = self._trace
         timed = timeout is not None
@@ -180,7 +180,7 @@ class Ray(RunnerBase):
         """`run(g, x)` without waiting: a `concurrent.futures.Future` at once, set by the driver's one settler
         thread when Ray says the outputs are ready. `future.cancel()` cancels the input (its calls not
         started never start; its result is dropped)."""
-        retries = checked_retries(retries)
+        retries, timeout = checked_retries(retries), checked_timeout(timeout)
         driver, g, graph = self._compiled(g, "Ray.submit")
         try:
             [submission] = driver.submit(graph, [(None, x)], timeout is not None, self._trace, retries,
@@ -196,7 +196,7 @@ class Ray(RunnerBase):
         no thread waits). Cancelling the awaiting task cancels the input."""
         import asyncio
 
-        retries = checked_retries(retries)
+        retries, timeout = checked_retries(retries), checked_timeout(timeout)
         if self._driver is None:
             await asyncio.to_thread(self.start)  # (connecting to Ray takes seconds: not on the loop)
         driver, _, graph = self._compiled(g, "Ray.arun")

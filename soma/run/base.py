@@ -8,6 +8,8 @@ and `amap` over each runner's `submit` (soma.run.aio), and the checks of what ev
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from collections import OrderedDict
 
@@ -102,6 +104,19 @@ GRAPHS_KEPT = 64
 _graph_type: list = [None]  # soma.graph.Graph, once imported (imported here, not at the top: graph imports node)
 _graphs: OrderedDict = OrderedDict()  # id(node or expression) → (it, its graph), most recently run last
 _graphs_lock = threading.Lock()
+
+
+def checked_timeout(timeout) -> float | None:
+    """`timeout=` of run, map, submit, arun and amap: the seconds each input may take (a number > 0), or None for
+    no limit (so is `math.inf`). Checked before anything starts: a string or NaN raised deep in a run (on Local,
+    with the loop's lock held: every later run hung), and 0 or a negative number meant something else on each
+    runner."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise ValueError(f"timeout must be the seconds each input may take (a number > 0), or None for no limit, "
+                         f"got {timeout!r}")
+    return None if timeout == math.inf else float(timeout)
 
 
 def checked_retries(retries) -> int:

@@ -30,7 +30,7 @@ import time
 import weakref
 
 from ..errors import RunTimeout, SomaError
-from .base import RunnerBase, checked_retries, closed_message
+from .base import RunnerBase, checked_retries, checked_timeout, closed_message
 from .batching import max_batch_of
 from .inprocess import run_plan
 from .interpreter import Interpreter, RunState
@@ -79,12 +79,14 @@ class Executor(RunnerBase):
         `retries` is accepted and changes nothing: there is no worker to lose here.
         """
         checked_retries(retries)
+        timeout = checked_timeout(timeout)
         g = self.accepting(g, "Executor.run")
         return self._run(g, g.devices(), x, timeout, index=None)
 
     def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> cf.Future:
         """`run(g, x)` on one of the Executor's threads: a `concurrent.futures.Future` at once."""
         checked_retries(retries)
+        timeout = checked_timeout(timeout)
         g = self.accepting(g, "Executor.submit")
         devices = g.devices()
         interpreter = self._interpreter(g, devices)
@@ -96,6 +98,7 @@ class Executor(RunnerBase):
         """The outputs for the inputs of `xs`, lazily, up to `window` inputs at once on the Executor's threads
         (docs/design.md, "Many inputs")."""
         checked_retries(retries)
+        timeout = checked_timeout(timeout)
         g = self.accepting(g, "Executor.map")
         return map_outputs(self._inflight(g, timeout), xs, graph=g, window=window, ordered=ordered,
                            progress=progress, timeout=timeout, errors=errors, resume=resume, checkpoint=checkpoint,
@@ -106,6 +109,7 @@ class Executor(RunnerBase):
 
     def _async_inflight(self, g, timeout, retries):
         checked_retries(retries)
+        timeout = checked_timeout(timeout)
         g = self.accepting(g, "Executor.amap")
         return self._inflight(g, timeout), g
 

@@ -89,6 +89,24 @@ def fresh_runner_like(runner):
             "Ray": lambda: soma.Ray()}[type(runner).__name__]()
 
 
+@pytest.mark.parametrize("timeout", ["1", float("nan"), 0, -1, True, [1]])
+def test_a_timeout_that_is_not_a_number_of_seconds_is_refused_before_anything_starts(runner, timeout):
+    """`timeout=` is seconds (a number > 0) or None, on every runner and every way in; anything else is a
+    ValueError before the input starts (on Local a string raised with the loop's lock held, and every later run
+    hung; 0 and negative numbers meant something else on each runner), and the runner works on."""
+    import asyncio
+
+    said = r"^timeout must be the seconds each input may take \(a number > 0\), or None for no limit, got "
+    for call in (lambda: runner.run(AddOne(), 1, timeout=timeout),
+                 lambda: runner.submit(AddOne(), 1, timeout=timeout),
+                 lambda: list(runner.map(AddOne(), [1], timeout=timeout)),
+                 lambda: asyncio.run(runner.arun(AddOne(), 1, timeout=timeout)),
+                 lambda: runner.amap(AddOne(), [1], timeout=timeout)):
+        with pytest.raises(ValueError, match=said):
+            call()
+    assert runner.run(AddOne(), 1, timeout=float("inf")) == runner.run(AddOne(), 1, timeout=60) == 2
+
+
 def test_a_closed_runner_refuses_new_work_the_same_way_on_every_runner(runner):
     """SPEC 7: after close(), run, map, submit, arun and amap raise SomaError saying the runner is closed (as
     concurrent.futures refuses a submit after shutdown); checked before what it is given, as there."""

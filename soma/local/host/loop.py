@@ -117,9 +117,13 @@ class HostLoop(WorkerLife, MapHints):
 
     def _started(self, program, flows: list, lead: float = 0.0) -> None:
         if lead and self.lock.acquire(blocking=False):
-            if self.inbox:
-                self._take_inbox()
-            self.core.start(program, flows)
+            try:
+                if self.inbox:
+                    self._take_inbox()
+                self.core.start(program, flows)
+            except BaseException:  # (never leave the lock held: every later run would wait for it forever)
+                self._release()
+                raise
             self._lead(min(lead, LEAD_S), spin=True)
         else:
             self._post(self.core.start, program, flows)
@@ -258,8 +262,7 @@ class HostLoop(WorkerLife, MapHints):
             self._release()
 
     def _take_inbox(self) -> None:
-        """Hand the posted events to the core, in order; consecutive starts as one (`HostCore.start_all`: one
-        pump for all of them)."""
+        """Hand the posted events to the core, in order; consecutive starts as one (`HostCore.start_all`: one pump)."""
         inbox = self.inbox
         start = self.core.start
         while inbox:
