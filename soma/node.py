@@ -306,6 +306,26 @@ def _takes_ctx(func) -> bool:
     return len(required) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
+MAX_BATCH = 32  # a batching node's default `max_batch`
+BATCH_WAIT = 0.002  # ... and `batch_wait`, in seconds
+
+
+def _check_batching(node_id: str, node, cls: str) -> None:
+    """A batching node's `max_batch` (an int >= 1) and `batch_wait` (seconds >= 0), refused now when they are not
+    (a negative max_batch hung Local; None, 2.5 or "4" raised deep in a run, differently on each runner)."""
+    import math
+    import numbers
+
+    most = getattr(node, "max_batch", MAX_BATCH)
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise GraphError(f"node `{node_id}` ({cls}) has max_batch = {most!r}: it must be an int >= 1, the most inputs "
+                         f"one forward_batch call gets")
+    wait = getattr(node, "batch_wait", BATCH_WAIT)
+    if isinstance(wait, bool) or not isinstance(wait, numbers.Real) or not 0 <= wait < math.inf:
+        raise GraphError(f"node `{node_id}` ({cls}) has batch_wait = {wait!r}: it must be the seconds (a number >= 0) "
+                         f"a batch may wait for more inputs to join it")
+
+
 def copy_limit(node_id: str, node) -> int | None:
     """A node's `copies` (class attribute): None (the runner decides) or a positive int."""
     copies = getattr(node, "copies", None)
@@ -327,6 +347,7 @@ def composed(expr: Expr) -> tuple[dict, Plan, dict]:
     ids = _assign_ids(leaves)
     for leaf in leaves:
         _check_forward(ids[id(leaf)], leaf.node)
+        copy_limit(ids[id(leaf)], leaf.node)  # (its `copies` refused now, on every runner, not by one runner later)
     catalog = {ids[id(leaf)]: leaf.node for leaf in leaves}
     placed = {ids[id(leaf)]: leaf.device for leaf in leaves if leaf.device is not None}
     return catalog, expr.to_plan(ids), placed
@@ -381,6 +402,11 @@ def _check_forward(node_id: str, node: Node) -> None:
     cls = type(node).__name__
     if not callable(forward):
         raise GraphError(f"node `{node_id}` ({cls}) has no callable forward: soma calls forward(x, ctx)")
+    if method == "forward" and getattr(type(node), "forward", None) is Node.forward:
+        raise GraphError(f"node `{node_id}` ({cls}) defines no forward: soma calls forward(x, ctx); define it as "
+                         f"`def forward(self, x, ctx)` (or `forward_batch(self, xs, ctx)` for one that takes batches)")
+    if method == "forward_batch":
+        _check_batching(node_id, node, cls)
     import inspect  # here, not at the top: `import soma` and the workers do not need it
 
     try:

@@ -107,6 +107,37 @@ def test_a_timeout_that_is_not_a_number_of_seconds_is_refused_before_anything_st
     assert runner.run(AddOne(), 1, timeout=float("inf")) == runner.run(AddOne(), 1, timeout=60) == 2
 
 
+class Batches(Node):
+    def forward_batch(self, xs, ctx):
+        return Done([x + 1 for x in xs])
+
+
+class Forgets(Node):
+    """A node that defines no forward at all."""
+
+
+@pytest.mark.parametrize("attribute, value, said", [
+    ("max_batch", -3, r"has max_batch = -3: it must be an int >= 1"), ("max_batch", 0, "has max_batch = 0"),
+    ("max_batch", None, "has max_batch = None"), ("max_batch", 2.5, "has max_batch = 2.5"),
+    ("max_batch", "4", "has max_batch = '4'"), ("batch_wait", -1, r"has batch_wait = -1: it must be the seconds"),
+    ("batch_wait", "0.1", "has batch_wait = '0.1'"), ("copies", 0, r"has copies = 0: it must be None"),
+    ("copies", "2", "has copies = '2'"), ("copies", True, "has copies = True")])
+def test_a_nodes_settings_that_cannot_work_are_a_graph_error_when_the_graph_is_made_on_every_runner(
+        runner, attribute, value, said):
+    """`max_batch`, `batch_wait` and `copies` are checked as the graph is made, on every runner: a negative
+    max_batch hung Local; None, 2.5 or "4" raised deep in a run, each runner its own way; `copies` was refused by
+    Local alone, so code written on the Executor broke on Local."""
+    node = Batches()
+    setattr(node, attribute, value)
+    with pytest.raises(GraphError, match=f"^node `batches` \\(Batches\\) {said}"):
+        Graph.somatize(node)
+    with pytest.raises(GraphError, match=f"^node `batches` \\(Batches\\) {said}"):
+        runner.run(node, 1)
+    with pytest.raises(GraphError, match=r"^node `forgets` \(Forgets\) defines no forward: soma calls forward"):
+        runner.run(Forgets(), 1)
+    assert runner.run(Batches(), 1) == 2
+
+
 def test_a_closed_runner_refuses_new_work_the_same_way_on_every_runner(runner):
     """SPEC 7: after close(), run, map, submit, arun and amap raise SomaError saying the runner is closed (as
     concurrent.futures refuses a submit after shutdown); checked before what it is given, as there."""
