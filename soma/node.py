@@ -306,21 +306,17 @@ def _takes_ctx(func) -> bool:
     return len(required) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-MAX_BATCH = 32  # a batching node's default `max_batch`
-BATCH_WAIT = 0.002  # ... and `batch_wait`, in seconds
-
-
 def _check_batching(node_id: str, node, cls: str) -> None:
     """A batching node's `max_batch` (an int >= 1) and `batch_wait` (seconds >= 0), refused now when they are not
     (a negative max_batch hung Local; None, 2.5 or "4" raised deep in a run, differently on each runner)."""
     import math
     import numbers
 
-    most = getattr(node, "max_batch", MAX_BATCH)
+    most = getattr(node, "max_batch", 1)  # (unset: soma.run.batching's default)
     if isinstance(most, bool) or not isinstance(most, int) or most < 1:
         raise GraphError(f"node `{node_id}` ({cls}) has max_batch = {most!r}: it must be an int >= 1, the most inputs "
                          f"one forward_batch call gets")
-    wait = getattr(node, "batch_wait", BATCH_WAIT)
+    wait = getattr(node, "batch_wait", 0)
     if isinstance(wait, bool) or not isinstance(wait, numbers.Real) or not 0 <= wait < math.inf:
         raise GraphError(f"node `{node_id}` ({cls}) has batch_wait = {wait!r}: it must be the seconds (a number >= 0) "
                          f"a batch may wait for more inputs to join it")

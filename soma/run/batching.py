@@ -26,9 +26,11 @@ import threading
 import time
 
 from ..errors import NodeError
-from ..node import BATCH_WAIT, MAX_BATCH
 from ..values import Done, unwrap
 from .postcondition import check_postcondition
+
+MAX_BATCH = 32  # a batching node's default `max_batch`
+BATCH_WAIT = 0.002  # ... and `batch_wait`, in seconds
 
 
 def is_batching(node) -> bool:
