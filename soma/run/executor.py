@@ -252,6 +252,8 @@ class ExecutorInflight(Inflight):
     def _outcomes(self, future) -> list:
         indices, _, given_up = self.running.pop(future)
         exc = future.exception()
+        if exc is not None and not isinstance(exc, Exception):  # a node's KeyboardInterrupt or SystemExit: it
+            raise exc  # passes through in-process, as in `run` (errors="yield" yielded it, and the map went on)
         if given_up is not None:  # a batch's
             if exc is not None:  # (soma's own mistake, not a node's: every input of the batch says so)
                 return [(index, False, exc) for index in indices]

@@ -382,3 +382,29 @@ def test_inputs_waiting_for_a_busy_thread_do_not_hold_a_batch_back():
         assert time.monotonic() - start < 1.5, out
     finally:
         executor.close()
+
+
+class Stops(Node):
+    """Raises KeyboardInterrupt at input 1, SystemExit at input 3."""
+
+    def forward(self, x, ctx):
+        if x == 1:
+            raise KeyboardInterrupt
+        if x == 3:
+            raise SystemExit(2)
+        return Done(x)
+
+
+def test_a_nodes_keyboard_interrupt_or_system_exit_passes_through_a_map_as_through_run():
+    """In-process a node's KeyboardInterrupt and SystemExit pass through untouched (docs/api.md), in `map` with
+    errors="yield" too: the map ends with it (they were yielded as outputs, and the map went on)."""
+    with Executor() as ex:
+        for errors in ("yield", "raise"):
+            seen = []
+            with pytest.raises(KeyboardInterrupt):
+                for y in ex.map(Stops(), range(5), errors=errors, window=1):
+                    seen.append(y)
+            assert seen == [0], seen
+            with pytest.raises(SystemExit):
+                list(ex.map(Stops(), [0, 3, 4], errors=errors, window=1))
+        assert list(ex.map(Stops(), [0, 2, 4])) == [0, 2, 4]
