@@ -105,6 +105,12 @@ class Executor(RunnerBase):
                            checkpoint_every=checkpoint_every, owner=self)
 
     def _inflight(self, g, timeout) -> "ExecutorInflight":
+        owner = getattr(_own, "executor", None)
+        if owner is not None and owner() is self:
+            raise SomaError(f"a map on this soma.Executor was started inside a node it runs (on its thread "
+                            f"{threading.current_thread().name}): the map's inputs need the Executor's threads, "
+                            f"which the outer inputs hold, so it would wait forever; run the inner graph with "
+                            f"`run` (on this thread), or map it on another soma.Executor")
         return ExecutorInflight(self, g, g.devices(), timeout)
 
     def _async_inflight(self, g, timeout, retries):
@@ -118,7 +124,8 @@ class Executor(RunnerBase):
             if self._closed:  # (closed since its caller was accepted: as a pool refuses a submit after shutdown)
                 raise SomaError(closed_message("Executor"))
             if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input")
+                self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="input", initializer=_mark,
+                                                   initargs=(weakref.ref(self),))
             return self._pool
 
     def _submit_inputs(self, interpreter: Interpreter, calls: list) -> list:
@@ -181,6 +188,14 @@ class Executor(RunnerBase):
 
     def _trace_started(self, trace: Trace) -> None:
         trace.process(os.getpid(), f"host (soma.Executor, pid {os.getpid()})")
+
+
+_own = threading.local()  # on an Executor's own threads, `executor`: a weak reference to it
+
+
+def _mark(executor_ref) -> None:
+    """Each of an Executor's threads knows whose it is: a map started on one (inside a node) is refused."""
+    _own.executor = executor_ref
 
 
 def _record(trace: Trace, spans: list, devices: dict, index, start: int) -> None:

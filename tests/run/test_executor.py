@@ -408,3 +408,27 @@ def test_a_nodes_keyboard_interrupt_or_system_exit_passes_through_a_map_as_throu
             with pytest.raises(SystemExit):
                 list(ex.map(Stops(), [0, 3, 4], errors=errors, window=1))
         assert list(ex.map(Stops(), [0, 2, 4])) == [0, 2, 4]
+
+
+class MapsOn(Node):
+    """Maps AddOne over `x` on the Executor `runner` from inside its forward."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def forward(self, x, ctx):
+        from tests.nodes import AddOne
+
+        return Done(list(self.runner.map(AddOne(), range(x))))
+
+
+def test_a_map_started_inside_a_node_on_the_same_executors_thread_is_refused_not_a_hang():
+    """A node that maps on the Executor running it, from one of its threads: the inner inputs need threads the
+    outer inputs hold (they wait for the node's lock), so it hung once the outer window reached `threads`.
+    Refused, saying why and what to do; `run` inside a node, and a map from a node run by `run` (the caller's
+    thread), work."""
+    with Executor(threads=2) as ex:
+        with pytest.raises(NodeError, match=r"a map on this soma.Executor was started inside a node it runs \(on its "
+                                             r"thread input_\d+\): .* run the inner graph with `run`"):
+            list(ex.map(MapsOn(ex), [2, 2, 2], window=2))
+        assert ex.run(MapsOn(ex), 3) == [1, 2, 3]  # (run: on the caller's thread)
