@@ -261,10 +261,11 @@ class FnNode(Node):
     def __init__(self, func, name: str):
         self.func = func
         self.name = name
-        self.takes_ctx = _takes_ctx(func)
+        self.takes_ctx = _takes_ctx(func)  # False, True (second positional), or "keyword" (keyword-only ctx)
 
     def forward(self, x, ctx):
-        out = self.func(x, ctx) if self.takes_ctx else self.func(x)
+        takes = self.takes_ctx
+        out = self.func(x) if not takes else self.func(x, ctx) if takes is True else self.func(x, ctx=ctx)
         return out if type(out) is Done else Done(out)
 
     def _default_id(self) -> str:
@@ -283,6 +284,7 @@ def fn(func, name: str | None = None) -> FnNode:
     """
     if not callable(func):
         raise TypeError(f"soma.fn needs a callable, got {type(func).__name__} {func!r}")
+    _check_plain(func)
     if name is None:
         name = getattr(func, "__name__", None)
         if name is None:
@@ -292,15 +294,31 @@ def fn(func, name: str | None = None) -> FnNode:
     return FnNode(func, check_id(name, "soma.fn's name"))
 
 
-def _takes_ctx(func) -> bool:
+def _check_plain(func) -> None:
+    """A TypeError for a function soma cannot call as a node: an `async def` (soma calls nodes and uses what they
+    return: a coroutine object was the Executor's output, and Local's "cannot pickle 'coroutine'") or a
+    generator function (a generator object, the same)."""
+    import inspect
+
+    kind = ("an async def function" if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func)
+            else "a generator function" if inspect.isgeneratorfunction(func) else None)
+    if kind is not None:
+        name = getattr(func, "__qualname__", repr(func))
+        raise TypeError(f"soma.fn({name}): it is {kind}, and soma calls a node's function and takes what it returns "
+                        f"as its output; make it a plain def that returns the output (a list for what it would yield; "
+                        f"asyncio.run(...) inside it for what it would await)")
+
+
+def _takes_ctx(func) -> bool | str:
     import inspect  # here, not at the top: a worker starting up does not need it
 
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
         return False  # builtins without a signature take just x
-    if any(p.name == "ctx" for p in params):
-        return True
+    named = next((p for p in params if p.name == "ctx"), None)
+    if named is not None:
+        return "keyword" if named.kind is named.KEYWORD_ONLY else True
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     return len(required) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)

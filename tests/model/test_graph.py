@@ -234,6 +234,29 @@ def test_fn_that_returns_done_is_not_wrapped_twice():
     assert g.run(1) == 2
 
 
+def test_fn_refuses_async_and_generator_functions_and_passes_a_keyword_only_ctx_by_name():
+    """An `async def` or a generator function as a node: a TypeError at soma.fn, saying what to write instead (the
+    Executor returned the coroutine or generator object as the output; Local said it could not pickle it). A
+    keyword-only `ctx` is passed by name (it was passed second, positionally: a TypeError at run time)."""
+    async def embed(x):
+        return x
+
+    def lines(x):
+        yield x
+
+    async def stream(x):
+        yield x
+
+    for func, kind in ((embed, "an async def function"), (lines, "a generator function"), (stream, "an async def")):
+        with pytest.raises(TypeError, match=f"^soma.fn\\(.*{func.__name__}\\): it is {kind}.* make it a plain def"):
+            soma.fn(func)
+
+    def device_of(x, *, ctx):
+        return (x, ctx.node)
+
+    assert soma.Executor().run(soma.fn(device_of), 1) == (1, "device_of")
+
+
 def test_fn_of_a_builtin_without_signature():
     g = Graph.somatize(soma.fn(len))
     assert g.nodes() == ["len"]
