@@ -105,6 +105,7 @@ class Local(RunnerBase):
             if self._closed:
                 raise SomaError(closed_message("Local"))
             if self._pool is None:
+                _check_cuda(self.worker_devices)
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
                                   preload_torch=self.preload_torch, registry=self._registry,
                                   max_memory=self.max_memory)
@@ -290,9 +291,8 @@ class Local(RunnerBase):
 
 class _Deadline:
     """A submitted input's `timeout=`, called on the listener thread when its time is up: its RunTimeout, unless
-    its outcome came first. Disarmed as its future is done: the listener's timers keep it until its time, and
-    with the flow and the future it kept the input and the result alive that long after the caller dropped
-    them (a server's 30 s timeout kept every response's /dev/shm for 30 s)."""
+    its outcome came first. Disarmed as its future is done: the listener's timers keep it until its time (with
+    the flow and future, it kept the input and the result alive that long: a server's every response's /dev/shm)."""
 
     __slots__ = ("loop", "flow", "future", "timeout")
 
@@ -316,6 +316,21 @@ def _shut_down(loop: HostLoop, error: SomaError) -> None:
     go of its socket, then the rest (processes, segments, the socket directory)."""
     loop.close(error)
     loop.pool.close()
+
+
+def _check_cuda(worker_devices: list[str]) -> None:
+    """A DeviceError before any worker starts when one is pinned to a CUDA device torch cannot see here (each
+    such worker failed its first input with torch's AttributeError `_cuda_setDevice`, its traceback on stderr)."""
+    wanted = [(slot, Device.parse(d)) for slot, d in enumerate(worker_devices) if d.startswith("cuda")]
+    if not wanted:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for slot, device in wanted:
+        if (device.index or 0) >= count:
+            raise DeviceError(f"worker w{slot} is pinned to {device}, but torch sees {count} CUDA device(s) on this "
+                              f"machine: pin it to one of those, to cpu, or pass devices=\"auto\" (every GPU, or cpu)")
 
 
 def _pinning(devices, n: int) -> list[str]:

@@ -321,6 +321,20 @@ def test_bad_pool_arguments():
         soma.Local(workers=1, devices=["meta"])
 
 
+def test_a_worker_pinned_to_a_cuda_device_torch_cannot_see_is_refused_at_start():
+    """Pinning is checked against the machine as the pool starts (building it works anywhere): a worker pinned to
+    a CUDA device torch does not see is a DeviceError naming it before any process starts (each such worker
+    failed its inputs with torch's `_cuda_setDevice` AttributeError, its traceback on stderr)."""
+    torch = pytest.importorskip("torch")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    pool = soma.Local(workers=2, devices=["cpu", f"cuda:{count}"])
+    with pytest.raises(soma.DeviceError, match=rf"^worker w1 is pinned to cuda:{count}, but torch sees {count} CUDA "
+                                                r"device\(s\) on this machine: pin it to one of those, to cpu"):
+        pool.start()
+    assert pool.pids() == []
+    pool.close()
+
+
 def test_pinning_spreads_devices_over_workers():
     pool = soma.Local(workers=3, devices=["cpu", "cuda:0"])
     assert pool.worker_devices == ["cpu", "cuda:0", "cpu"]
