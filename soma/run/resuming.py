@@ -22,6 +22,7 @@ beside it, fsync, rename, fsync of the folder), removed once the map has yielded
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -263,6 +264,9 @@ class Checkpoint:
         self.folder = os.path.dirname(self.path)
         self.every = float(every)
         self.failed = False
+        if os.path.isdir(self.path):
+            raise SomaError(f"map's checkpoint={os.fspath(path)!r} is a folder: name a file in it (its map's state "
+                            f"is written there), e.g. {os.path.join(self.path, 'map.ckpt')!r}")
         if not os.path.isdir(self.folder):
             raise SomaError(f"map's checkpoint={os.fspath(path)!r}: the folder {self.folder} does not exist")
         if not os.access(self.folder, os.W_OK | os.X_OK):
@@ -312,5 +316,8 @@ class Checkpoint:
         fd = os.open(self.folder, os.O_RDONLY)
         try:
             os.fsync(fd)
+        except OSError as err:  # a file system that cannot sync a folder (EINVAL: /proc, some FUSE): the rename
+            if err.errno not in (errno.EINVAL, errno.ENOTSUP):  # stands as it is, as rename's own promise says
+                raise
         finally:
             os.close(fd)

@@ -164,3 +164,17 @@ def test_a_workers_loading_of_node_code_and_its_start_are_spans_and_threads_are_
     threads = {e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert {"w0 lane 0", "w1 lane 0"} <= threads
     assert not any("thread " in name for name in threads), threads  # named by what they do, not by their tid
+
+
+def test_a_trace_path_that_cannot_be_written_is_refused_as_the_block_opens(runner, tmp_path):
+    """A trace's file is written when its block ends: a missing or unwritable folder, or a folder for a path, is
+    a SomaError as the block opens, not after it ran with everything it recorded lost (a raw FileNotFoundError
+    or IsADirectoryError at its end)."""
+    for path, why in ((tmp_path / "missing" / "t.json", "its folder .*missing does not exist"),
+                      (tmp_path, "is a folder: name a file in it")):
+        with pytest.raises(SomaError, match=f"^trace\\(.*\\): {why}"):
+            with runner.trace(path):
+                pytest.fail("the block ran")
+    with runner.trace(tmp_path / "t.json"):  # (and the runner traces on)
+        runner.run(Graph.somatize(AddOne()), 1)
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
