@@ -1,10 +1,6 @@
-"""`soma.Local`: runs graphs on worker processes. See `soma.local` for the drawing.
-
-This module is the public face: it compiles programs (host/program.py), starts
-inputs and waits for their outcomes through the host's loop (host/loop.py, the
-one owner of the host's state), and owns the life of the loop and the pool
-(host/pool.py).
-"""
+"""`soma.Local`, the public face of running graphs on worker processes (`soma.local` draws it): it compiles
+programs (host/program.py), starts inputs and waits for their outcomes through the host's loop (host/loop.py,
+the one owner of the host's state), and owns the life of the loop and the pool (host/pool.py)."""
 
 from __future__ import annotations
 
@@ -73,9 +69,12 @@ class Local(RunnerBase):
     def __init__(self, workers: int | None = None, devices=None, *, threads: int | None = None,
                  arena: int | None = None, preload_torch: bool = False, start_timeout: float = 60.0,
                  max_memory=None):
-        self.n_workers = int(workers) if workers is not None else (os.cpu_count() or 1)
-        if self.n_workers < 1:
-            raise ValueError(f"soma.Local needs at least one worker, got workers={workers}")
+        self.n_workers = workers if workers is not None else (os.cpu_count() or 1)
+        if isinstance(workers, bool) or not isinstance(self.n_workers, int) or self.n_workers < 1:
+            raise ValueError(f"soma.Local needs at least one worker (workers= an int >= 1), got workers={workers!r}")
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+            raise ValueError(f"soma.Local's start_timeout= is the seconds start() waits for the workers (> 0); got "
+                             f"{start_timeout!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"soma.Local's threads= is the torch threads per worker, a positive int; got {threads!r}")
         self.worker_devices = _pinning(devices, self.n_workers)

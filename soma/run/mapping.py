@@ -220,6 +220,8 @@ class MapLoop:
         self.owner = owner  # the runner it runs on (its close() writes this map's checkpoint: `save_open`)
         self.stepping = None  # with a checkpoint: held while its caller steps it (`save_open`)
         self.window = _checked_window(window)
+        if type(ordered) is not bool:
+            raise TypeError(f"map's ordered must be True or False, got {ordered!r}")
         self.ordered = ordered
         self.timeout = timeout
         self.yield_errors = errors == "yield"

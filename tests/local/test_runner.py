@@ -313,8 +313,12 @@ def test_context_manager_and_lazy_start():
 
 
 def test_bad_pool_arguments():
-    with pytest.raises(ValueError, match="at least one worker"):
-        soma.Local(workers=0)
+    for workers in (0, "2", 2.0, True):
+        with pytest.raises(ValueError, match=r"at least one worker \(workers= an int >= 1\)"):
+            soma.Local(workers=workers)
+    for seconds in (0, -1, "5", True):
+        with pytest.raises(ValueError, match="start_timeout= is the seconds start"):
+            soma.Local(workers=1, start_timeout=seconds)
     with pytest.raises(soma.DeviceError, match="unknown kind `gpu`"):
         soma.Local(workers=1, devices=["gpu:0"])
     with pytest.raises(soma.DeviceError, match="cannot be pinned to `meta`"):

@@ -167,6 +167,9 @@ def test_map_arguments_are_checked(runner):
         runner.map(Graph.somatize(AddOne()), [1], window=0)
     with pytest.raises(TypeError):
         runner.map(Graph.somatize(AddOne()), 5)
+    for ordered in (None, "no", 0):
+        with pytest.raises(TypeError, match=f"map's ordered must be True or False, got {ordered!r}"):
+            runner.map(Graph.somatize(AddOne()), [1], ordered=ordered)
 
 
 def test_a_slow_input_times_out_with_its_index(runner):
