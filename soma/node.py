@@ -297,11 +297,14 @@ def fn(func, name: str | None = None) -> FnNode:
 def _check_plain(func) -> None:
     """A TypeError for a function soma cannot call as a node: an `async def` (soma calls nodes and uses what they
     return: a coroutine object was the Executor's output, and Local's "cannot pickle 'coroutine'") or a
-    generator function (a generator object, the same)."""
+    generator function (a generator object, the same), or a callable object whose `__call__` is one."""
+    import functools
     import inspect
 
-    kind = ("an async def function" if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func)
-            else "a generator function" if inspect.isgeneratorfunction(func) else None)
+    plain = inspect.isroutine(func) or isinstance(func, functools.partial)
+    called = func if plain else getattr(func, "__call__", func)
+    kind = ("an async def function" if inspect.iscoroutinefunction(called) or inspect.isasyncgenfunction(called)
+            else "a generator function" if inspect.isgeneratorfunction(called) else None)
     if kind is not None:
         name = getattr(func, "__qualname__", repr(func))
         raise TypeError(f"soma.fn({name}): it is {kind}, and soma calls a node's function and takes what it returns "

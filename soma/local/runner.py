@@ -15,7 +15,8 @@ from typing import NamedTuple
 from ..device import Device
 from ..errors import DeviceError, SomaError
 from ..run.aio import FutureSink, InputFuture
-from ..run.base import RunnerBase, checked_retries, checked_timeout, closed_message
+from ..run.arguments import checked_retries, checked_timeout
+from ..run.base import RunnerBase, closed_message
 from ..run.mapping import map_outputs, save_open
 from ..run.registry import NodeRegistry
 from ..run.resuming import DEFAULT_EVERY_S

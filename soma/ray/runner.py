@@ -41,7 +41,8 @@ import time
 
 from ..errors import NodeError, SomaError
 from ..run.aio import InputFuture, amap_outputs
-from ..run.base import RunnerBase, checked_retries, checked_timeout
+from ..run.arguments import checked_retries, checked_timeout
+from ..run.base import RunnerBase
 from ..run.mapping import default_window, map_outputs, save_open
 from ..run.resuming import DEFAULT_EVERY_S
 from ..run.trace import Trace

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+from ..wire.buffers import castable
+
 _shared_out_of_band = False
 
 
@@ -133,7 +135,7 @@ class _Exact:
             return bytearray, (bytes(value),)
         format, shape, readonly = value.format, value.shape, value.readonly
         numpy = sys.modules.get("numpy")
-        if len(format.lstrip("@")) != 1 and numpy is not None:  # a struct's (a structured array's): as that array
+        if not castable(value) and numpy is not None:  # (a struct's, float16's, ...: as the array it views)
             return _view_of, (numpy.array(value), readonly)
         data = value.tobytes()
         return _memoryview_of, (data if readonly else bytearray(data), format, shape, readonly)

@@ -1,5 +1,6 @@
 """What every runner (Executor, Local, Ray) shares: a context manager (async too), `trace(path)`, `arun`
-and `amap` over each runner's `submit` (soma.run.aio), and the checks of what every `run` and `map` is given.
+and `amap` over each runner's `submit` (soma.run.aio), and the check of the graph every `run` and `map` is
+given (its `timeout=` and `retries=`: soma.run.arguments).
 
     with soma.Local(workers=2) as local:    __enter__ → start(), __exit__ → close()
         y = local.run(g, x)                 accepting(g, "Local.run"): closed? SomaError; g a Graph, or a Node
@@ -8,8 +9,6 @@ and `amap` over each runner's `submit` (soma.run.aio), and the checks of what ev
 
 from __future__ import annotations
 
-import math
-import numbers
 import threading
 from collections import OrderedDict
 
@@ -106,21 +105,3 @@ _graphs: OrderedDict = OrderedDict()  # id(node or expression) → (it, its grap
 _graphs_lock = threading.Lock()
 
 
-def checked_timeout(timeout) -> float | None:
-    """`timeout=` of run, map, submit, arun and amap: the seconds each input may take (a number > 0), or None for
-    no limit (so is `math.inf`). Checked before anything starts: a string or NaN raised deep in a run (on Local,
-    with the loop's lock held: every later run hung), and 0 or a negative number meant something else on each
-    runner."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
-        raise ValueError(f"timeout must be the seconds each input may take (a number > 0), or None for no limit, "
-                         f"got {timeout!r}")
-    return None if timeout == math.inf else float(timeout)
-
-
-def checked_retries(retries) -> int:
-    """`retries=` of run and map: how many more tries an input gets when its worker dies (default 0)."""
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"retries must be a number of tries beyond the first (an int >= 0), got {retries!r}")
-    return retries

@@ -30,7 +30,8 @@ import time
 import weakref
 
 from ..errors import RunTimeout, SomaError
-from .base import RunnerBase, checked_retries, checked_timeout, closed_message
+from .arguments import checked_retries, checked_timeout
+from .base import RunnerBase, closed_message
 from .batching import max_batch_of
 from .inprocess import run_plan
 from .interpreter import Interpreter, RunState

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 
 from ..errors import RunTimeout
+from .arguments import checked_timeout
 from .interpreter import Interpreter, RunState
 from .threads import thread_modes
 
@@ -24,7 +25,7 @@ from .threads import thread_modes
 def run_here(nodes: dict, devices: dict, plan, x, timeout: float | None = None):
     """`plan` run on `x` over the node objects `nodes` (id → Node) placed on `devices` (id → device): its
     output, or the node's error; a RunTimeout once `timeout` seconds have passed."""
-    return run_plan(Interpreter(nodes, devices), plan, x, RunState(index=None), None, timeout)
+    return run_plan(Interpreter(nodes, devices), plan, x, RunState(index=None), None, checked_timeout(timeout))
 
 
 def run_plan(interpreter: Interpreter, plan, x, state: RunState, spans, timeout: float | None):

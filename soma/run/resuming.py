@@ -264,6 +264,8 @@ class Checkpoint:
         self.folder = os.path.dirname(self.path)
         self.every = float(every)
         self.failed = False
+        if not os.fspath(path):
+            raise SomaError("map's checkpoint='' names no file: give the path of the file its state is written to")
         if os.path.isdir(self.path):
             raise SomaError(f"map's checkpoint={os.fspath(path)!r} is a folder: name a file in it (its map's state "
                             f"is written there), e.g. {os.path.join(self.path, 'map.ckpt')!r}")

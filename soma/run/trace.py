@@ -36,8 +36,10 @@ class Trace:
     def __init__(self, path):
         self.path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(self.path))
-        if os.path.isdir(self.path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-            why = ("is a folder: name a file in it" if os.path.isdir(self.path) else
+        writable = os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+        if not self.path or os.path.isdir(self.path) or not writable:
+            why = ("names no file" if not self.path else
+                   "is a folder: name a file in it" if os.path.isdir(self.path) else
                    f"its folder {folder} does not exist" if not os.path.isdir(folder) else
                    f"its folder {folder} is not writable")
             raise SomaError(f"trace({self.path!r}): {why} (the trace is written there when the block ends; said now, "

@@ -284,9 +284,10 @@ def _reduce_memoryview(obj: memoryview) -> tuple:
     """A memoryview's reduction: its bytes (out of band when large), format, shape and writability. A writable
     one that is not contiguous goes as a writable copy (it arrived read-only, as `tobytes()`). One of a format
     `memoryview.cast` cannot make (a struct's, as a structured numpy array's) goes as the array numpy reads from
-    it, when numpy is loaded (it arrived as bytes, format "B"), and is a view of that array again."""
+    it, when numpy is loaded (it arrived as bytes, format "B"), and is a view of that array again; so does one of
+    a format or shape cast cannot make (float16's "e", complex, "2s", a 0 in its shape: `castable`)."""
     format = obj.format
-    if len(format.lstrip("@")) != 1:
+    if not castable(obj):
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             try:
@@ -299,6 +300,15 @@ def _reduce_memoryview(obj: memoryview) -> tuple:
         return _memoryview, (pickle.PickleBuffer(obj), format, obj.shape, False)
     data = obj.tobytes() if obj.readonly else bytearray(obj.tobytes())
     return _memoryview, (pickle.PickleBuffer(data), format, obj.shape, obj.readonly)
+
+
+_CASTS = frozenset("bBchHiIlLqQnNfd?P")  # the formats memoryview.cast makes (not "e", "Zd", "2s", "T{...}")
+
+
+def castable(view: memoryview) -> bool:
+    """Whether `view` can be made again from its bytes by `memoryview.cast` (its format one of those cast makes, no
+    0 in its shape); else it goes as the numpy array it views (`_reduce_memoryview`, soma.ray.values)."""
+    return view.format.lstrip("@") in _CASTS and 0 not in view.shape
 
 
 def _memoryview(buffer, format: str, shape, readonly: bool) -> memoryview:

@@ -212,7 +212,9 @@ def test_a_memoryview_keeps_its_format_shape_bytes_and_writability(local):
              "strided-small": memoryview(bytearray(99))[::3], "strided-read-only": memoryview(ro)[::-4],
              "2-d": memoryview(np.ones((64, 64), np.int16)),
              "structured": memoryview(table), "structured-small": memoryview(table[:3]),
-             "structured-read-only": memoryview(table).toreadonly()}
+             "structured-read-only": memoryview(table).toreadonly(),
+             "float16": memoryview(np.arange(3, dtype=np.float16)), "complex": memoryview(np.ones(5, np.complex128)),
+             "empty-rows": memoryview(np.zeros((0, 3)))}
     held = {name: local.run(Graph.somatize(Identity()), view) for name, view in views.items()}
     for name, view in views.items():
         out = held[name]

@@ -247,8 +247,13 @@ def test_fn_refuses_async_and_generator_functions_and_passes_a_keyword_only_ctx_
     async def stream(x):
         yield x
 
-    for func, kind in ((embed, "an async def function"), (lines, "a generator function"), (stream, "an async def")):
-        with pytest.raises(TypeError, match=f"^soma.fn\\(.*{func.__name__}\\): it is {kind}.* make it a plain def"):
+    class Awaits:
+        async def __call__(self, x):
+            return x
+
+    for func, kind in ((embed, "an async def function"), (lines, "a generator function"), (stream, "an async def"),
+                       (Awaits(), "an async def")):
+        with pytest.raises(TypeError, match=f"^soma.fn\\(.*\\): it is {kind}.* make it a plain def"):
             soma.fn(func)
 
     def device_of(x, *, ctx):

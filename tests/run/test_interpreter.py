@@ -87,6 +87,7 @@ def test_bytes_like_values_and_arrays_of_either_byte_order_cross_as_they_are(run
               "memoryview": memoryview(bytearray(b"mv" * 50)), "strided": memoryview(np.arange(9000.0))[::3],
               "read-only": memoryview(b"ro" * 20_000), "structured": memoryview(table),
               "big-endian": np.arange(10, dtype=">i4")[::2], "big-endian-big": np.arange(80_000, dtype=">f8")[::-2],
+              "float16": memoryview(np.arange(3, dtype=np.float16)), "empty-rows": memoryview(np.zeros((0, 3))),
               "nested": {"b": [bytearray(b"n")], "m": (memoryview(b"q"),)}}
     held = {name: runner.run(Graph.somatize(Identity()), value) for name, value in values.items()}
     for name, value in values.items():

@@ -247,6 +247,8 @@ def test_resume_and_checkpoint_together_and_bad_checkpoints_are_refused(tmp_path
         executor.map(add_one(), range(10), checkpoint=tmp_path / "no" / "c")
     with pytest.raises(SomaError, match=r"^map's checkpoint=.* is a folder: name a file in it"):
         executor.map(add_one(), range(10), checkpoint=tmp_path)  # (it was a raw IsADirectoryError)
+    with pytest.raises(SomaError, match=r"^map's checkpoint='' names no file"):
+        executor.map(add_one(), range(10), checkpoint="")
     with pytest.raises(ValueError, match="checkpoint_every must be a number of seconds >= 0, got -1"):
         executor.map(add_one(), range(10), checkpoint=tmp_path / "c", checkpoint_every=-1)
     (tmp_path / "c").write_text("{half a")

@@ -171,7 +171,7 @@ def test_a_trace_path_that_cannot_be_written_is_refused_as_the_block_opens(runne
     a SomaError as the block opens, not after it ran with everything it recorded lost (a raw FileNotFoundError
     or IsADirectoryError at its end)."""
     for path, why in ((tmp_path / "missing" / "t.json", "its folder .*missing does not exist"),
-                      (tmp_path, "is a folder: name a file in it")):
+                      (tmp_path, "is a folder: name a file in it"), ("", "names no file")):
         with pytest.raises(SomaError, match=f"^trace\\(.*\\): {why}"):
             with runner.trace(path):
                 pytest.fail("the block ran")

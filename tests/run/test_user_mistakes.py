@@ -104,7 +104,10 @@ def test_a_timeout_that_is_not_a_number_of_seconds_is_refused_before_anything_st
                  lambda: runner.amap(AddOne(), [1], timeout=timeout)):
         with pytest.raises(ValueError, match=said):
             call()
+    with pytest.raises(ValueError, match=said):  # (the in-process shorthand too)
+        Graph.somatize(AddOne()).run(1, timeout=timeout)
     assert runner.run(AddOne(), 1, timeout=float("inf")) == runner.run(AddOne(), 1, timeout=60) == 2
+    assert runner.run(AddOne(), 1, timeout=1e308) == Graph.somatize(AddOne()).run(1, timeout=1e308) == 2  # (no limit)
 
 
 class Batches(Node):
