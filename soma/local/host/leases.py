@@ -84,7 +84,10 @@ class LeaseBook:
 
     def passing(self) -> list[str]:
         """Segments the host has received and a worker holds too: values on their way through the host."""
-        return list(self._passing) if self._passing else []
+        if not self._passing:
+            return []
+        with self._lock:
+            return list(self._passing)
 
     def _still_passing(self, name: str, entry: _Entry) -> None:
         # lock held
