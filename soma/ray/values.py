@@ -59,66 +59,61 @@ def tensor_from_store(parts):
     return t.requires_grad_() if grad else t
 
 
-def writable(value, memo: dict | None = None):
-    """`value` with every read-only numpy array in it (loose, or in tuples, lists and dicts) replaced by a
-    writable copy: what Ray hands back lives in its read-only object store. One array twice is one copy."""
-    numpy = sys.modules.get("numpy")
-    if numpy is None:
-        return value
-    kind = type(value)
-    if kind is numpy.ndarray:
-        if value.flags.writeable:
-            return value
-        memo = {} if memo is None else memo
-        copy = memo.get(id(value))
-        if copy is None:
-            copy = memo[id(value)] = value.copy()
-        return copy
-    if kind is tuple or kind is list:
-        memo = {} if memo is None else memo
-        items = [writable(item, memo) for item in value]
-        return value if all(a is b for a, b in zip(items, value)) else kind(items)
-    if kind is dict:
-        memo = {} if memo is None else memo
-        return {k: writable(v, memo) for k, v in value.items()}
-    return value
-
-
-_AS_IS = frozenset({int, float, str, bool, type(None), bytes, complex})
-
-
-def exact(value, memo: dict | None = None):
-    """`value` as it goes to Ray, made to arrive as it is (SPEC 5): what Ray's own serializer would change goes
-    in a form it pickles instead. A bytearray or a memoryview (Ray's msgpack makes them bytes) is rebuilt on
-    arrival, writability, format and shape kept; a numpy array of the other byte order that is not contiguous
-    goes as a contiguous copy (Ray made its dtype native). Loose, or in tuples, lists and dicts (as `writable`);
-    one object twice stays one."""
+def _each(value, replace, memo: dict | None = None):
+    """`value` with each leaf (loose, or in tuples, lists and dicts) that `replace(leaf)` replaces (it returns None
+    for the ones it keeps) replaced, one replacement per object (one object twice stays one); a container none of
+    whose leaves changed is kept as it is (a dict is rebuilt). What `writable` and `exact` share."""
     kind = type(value)
     if kind in _AS_IS:
         return value
     if kind is tuple or kind is list:
         memo = {} if memo is None else memo
-        items = [exact(item, memo) for item in value]
+        items = [_each(item, replace, memo) for item in value]
         return value if all(a is b for a, b in zip(items, value)) else kind(items)
     if kind is dict:
         memo = {} if memo is None else memo
-        items = {k: exact(v, memo) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else items
-    if kind is bytearray or kind is memoryview:
-        memo = {} if memo is None else memo
-        kept = memo.get(id(value))
-        if kept is None:
-            kept = memo[id(value)] = _Exact(value)
-        return kept
+        return {k: _each(v, replace, memo) for k, v in value.items()}
+    memo = {} if memo is None else memo
+    found = memo.get(id(value))
+    if found is None:
+        found = replace(value)
+        if found is None:
+            return value
+        memo[id(value)] = found
+    return found
+
+
+_AS_IS = frozenset({int, float, str, bool, type(None), bytes, complex})
+
+
+def writable(value):
+    """`value` with every read-only numpy array in it (loose, or in tuples, lists and dicts) replaced by a
+    writable copy: what Ray hands back lives in its read-only object store. One array twice is one copy."""
     numpy = sys.modules.get("numpy")
-    if numpy is not None and kind is numpy.ndarray and value.dtype.byteorder not in "=|" \
-            and not (value.flags.c_contiguous or value.flags.f_contiguous):
-        memo = {} if memo is None else memo
-        kept = memo.get(id(value))
-        if kept is None:
-            kept = memo[id(value)] = numpy.ascontiguousarray(value)
-        return kept
-    return value
+    if numpy is None:
+        return value
+    ndarray = numpy.ndarray
+    return _each(value, lambda leaf: leaf.copy() if type(leaf) is ndarray and not leaf.flags.writeable else None)
+
+
+def exact(value):
+    """`value` as it goes to Ray, made to arrive as it is (SPEC 5): what Ray's own serializer would change goes
+    in a form it pickles instead. A bytearray or a memoryview (Ray's msgpack makes them bytes) is rebuilt on
+    arrival, writability, format and shape kept; a numpy array of the other byte order that is not contiguous
+    goes as a contiguous copy (Ray made its dtype native). Loose, or in tuples, lists and dicts (as `writable`);
+    one object twice stays one."""
+    return _each(value, _exact_leaf)
+
+
+def _exact_leaf(leaf):
+    kind = type(leaf)
+    if kind is bytearray or kind is memoryview:
+        return _Exact(leaf)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and kind is numpy.ndarray and leaf.dtype.byteorder not in "=|" \
+            and not (leaf.flags.c_contiguous or leaf.flags.f_contiguous):
+        return numpy.ascontiguousarray(leaf)
+    return None
 
 
 class _Exact:
