@@ -170,12 +170,13 @@ class HostSegments:
         """`(held, room_s)`, what a Task tells its worker of the host's memory, once the host's own dead receipts
         are applied (`apply_releases`: so the frees the Task carries are current). One call for a Task's way.
 
-        `items`: what the Task carries (each `.shared`: the segments it lends). `held`: bytes of /dev/shm the caller's results hold (a worker short of that room raises SharedMemoryFull
-        saying so, rather than spill). What the host's store received and still maps, less what it lends to a
-        worker now (an output on its way into a later piece: a wave's branches' input, counted as the caller's
-        before Dec 6, and their outputs, short of room, failed SharedMemoryFull with nothing kept), is the
-        caller's while no map is open; with one open, some of it waits in the map's window and reorder buffer, which the map frees
-        itself as its caller consumes: then 0 (a worker short of room spills).
+        `items`: what the Task carries (each `.shared`: the segments it lends). `held`: bytes of /dev/shm the
+        caller's results hold (a worker short of that room raises SharedMemoryFull saying so, rather than spill).
+        What the host's store received and still maps, less what it lends to a worker now (an output on its way
+        into a later piece: a wave's branches' input, counted as the caller's before Dec 6, and their outputs,
+        short of room, failed SharedMemoryFull with nothing kept), is the caller's while no map is open; with one
+        open, some of it waits in the map's window and reorder buffer, which the map frees itself as its caller
+        consumes: then 0 (a worker short of room spills).
 
         `room_s`: how long a worker's reservation short of room waits for frees on their way: while a map held
         back by memory is open, ROOM_WAIT_S, for its window counted room for each output it started and the room
