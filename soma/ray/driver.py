@@ -291,8 +291,11 @@ class Driver:
         return expire(self.ray, submission, timeout, self.book)
 
     def abandon(self, submission: Submission, how: str = "cancelled") -> None:
-        """Nobody waits for it any more (or its input goes on in another try): cancel what has not started."""
-        abandon(self.ray, submission, self.book, how)
+        """Nobody waits for it any more (or its input goes on in another try): cancel what has not started.
+        Nothing once the driver is closed: its actors are gone (a map held past its runner's close, collected
+        later, asked a Ray that was shut down about its refs: an error at exit)."""
+        if not self.closed:
+            abandon(self.ray, submission, self.book, how)
 
     def submitted(self, graph: ActorGraph, submission: Submission, timeout, source=None) -> InputFuture:
         """The future of a submitted input, set by the settler thread (soma.ray.settler); `source`: what must

@@ -232,7 +232,6 @@ class MapLoop:
         self.checkpoint = Checkpoint(checkpoint, checkpoint_every) if checkpoint is not None else None
         if self.checkpoint is not None:
             self.stepping = threading.Lock()
-            _OPEN.add(self)
         # next_index: where the map starts; with ordered=True, the index to hand out next.
         self.next_index, self.after_start = self._starting_point(resume)
         # Inputs are numbered by their position in xs: on resuming, only those not consumed are taken.
@@ -256,6 +255,8 @@ class MapLoop:
         self._default = 0  # the default window, as last looked at (`_limit`)
         self._look_at = 0.0  # when to look again
         self._eager_until = time.monotonic() + WINDOW_LOOK_S  # looked at on every turn until then (`_limit`)
+        if self.checkpoint is not None:  # (last: one refused above, its checkpoint another map's, is never open)
+            _OPEN.add(self)
 
     # -- 0. where it starts, and what was consumed ------------------------------------------------------------
     def _starting_point(self, resume) -> tuple[int, list]:
@@ -529,10 +530,15 @@ def save_open(owner) -> None:
     as one that ends early does. Its caller may never step it again, and a generator's `finally` runs only when
     it is collected: Ctrl-C in a loop body, out of `with soma.Local()`, left the map's iterator held by the
     traceback's frame, and its checkpoint was not written, not even at exit (resuming redid up to
-    `checkpoint_every` of outputs). One being stepped by another thread now is left to write its own."""
+    `checkpoint_every` of outputs). One being stepped by another thread now is left to write its own.
+    One that cannot be written is warned about, not raised: the runner's close goes on to stop what it runs."""
     for loop in list(_OPEN):
         if loop.owner is owner:
-            loop.save_unless_stepped()
+            try:
+                loop.save_unless_stepped()
+            except Exception as err:  # (a full disk: its caller learns it here, and the workers still stop)
+                warn("soma.map", "%s closed before its map with checkpoint=%r wrote it: %s", type(owner).__name__,
+                     loop.checkpoint.path, err)
 
 
 def default_window(parallelism: int) -> int:

@@ -15,6 +15,7 @@ tests/nodes.py by name.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -779,7 +780,17 @@ def main(out_path: str, only: list) -> None:
             for check in (traced, trace_blocks):
                 if not only or check.__name__ in only:
                     results[check.__name__] = _recorded(check.__name__, lambda: check(cluster, folder))
-        results["session_shut_down"] = {"ok": True, "value": {"initialized_after_close": ray.is_initialized()}}
+            held = cluster.map(Graph.somatize(AddOne()), range(20), window=4)  # its caller holds it past the close
+            first = next(held)
+        unraisable = []  # (held, collected after Ray was shut down, asked Ray about its refs: an error at exit)
+        sys.unraisablehook, hook = (lambda u: unraisable.append(repr(u.exc_value))), sys.unraisablehook
+        try:
+            del held
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+        results["session_shut_down"] = {"ok": True, "value": {"initialized_after_close": ray.is_initialized(),
+                                                             "held_map": [first, unraisable]}}
         results["records_left"] = {"ok": True, "value": {"session": sorted(start_records() - before)}}
         if not only or "two_machines" in only:
             results["two_machines"] = _recorded("two_machines", lambda: two_machines(folder))

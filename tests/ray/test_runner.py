@@ -328,8 +328,8 @@ def test_ray_a_trace_block_has_no_spans_of_an_input_an_earlier_block_left_runnin
         assert all(0 <= e["ts"] <= e["end"] <= seen[f"{block}_us"] for e in seen[block]), (block, seen)
 
 
-def test_ray_a_session_soma_started_is_shut_down_at_close(observed):
-    assert check(observed, "session_shut_down") == {"initialized_after_close": False}
+def test_ray_a_session_soma_started_is_shut_down_at_close_and_a_map_held_past_it_goes_quietly(observed):
+    assert check(observed, "session_shut_down") == {"initialized_after_close": False, "held_map": [1, []]}
 
 
 # -- two machines -------------------------------------------------------------------------------------------
