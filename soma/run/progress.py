@@ -1,11 +1,10 @@
-"""`map(..., progress=...)`: how far a map has come, on a terminal, in a log, or to a callable.
+"""`map(..., progress=...)`: how far a map has come, on a terminal or to a callable.
 
     progress=True, stderr a terminal   one line redrawn in place (at most 10 times a second):
                                        soma map: 1200/5000 done, 310.2/s, 3.9 s, 12.3 s left
                                        (the rate since the first output, shown once a few have come)
-    progress=True, stderr not one      a line every LOG_EVERY_S seconds, and one at the end (nohup,
-                                       a log file, a CI job: a carriage-return bar would be one
-                                       endless line there, and nothing at all would be worse)
+    progress=True, stderr not one      nothing (SPEC 7.4: "only when stderr is a terminal"; a log file, nohup
+                                       or CI that wants lines passes a callable that writes them)
     progress=callable                  progress(done, total) after each output, once the loop's body ran on it
                                        (total None if unknown)
 """
@@ -22,7 +21,7 @@ def reporter(progress, total, label: str, start: int = 0):
     if progress is False or progress is None:
         return silent
     if progress is True:
-        return _Line(total, label, terminal=_isatty(sys.stderr), start=start)
+        return _Line(total, label, start=start) if _isatty(sys.stderr) else silent
     if callable(progress):
         return lambda done: None if done is None else progress(done, total)
     raise TypeError(f"map's progress must be True, False or a callable progress(done, total), got {progress!r}")
@@ -41,8 +40,7 @@ def _isatty(stream) -> bool:
 
 
 class _Line:
-    """Done (of total), rate, elapsed, and time left when the total is known: redrawn on a terminal,
-    appended every few seconds to a log.
+    """Done (of total), rate, elapsed, and time left when the total is known: redrawn on a terminal.
 
     The rate counts from the first output: the wait before it (workers starting, a model loading, torch
     importing) is no rate, and dividing by it said "321.5 s left" for a map nearly done. Until RATE_AFTER
@@ -51,17 +49,14 @@ class _Line:
     """
 
     DRAW_EVERY_S = 0.1
-    LOG_EVERY_S = 5.0
     RATE_AFTER = 3  # outputs after the first before a rate is shown (one interval alone says little)
 
-    def __init__(self, total, label: str, terminal: bool, start: int = 0):
+    def __init__(self, total, label: str, start: int = 0):
         self.total = total
         self.start_done = start
         self.label = label
-        self.terminal = terminal
-        self.every = self.DRAW_EVERY_S if terminal else self.LOG_EVERY_S
         self.start = time.monotonic()
-        self.last = self.start if not terminal else 0.0  # a log's first line comes after LOG_EVERY_S
+        self.last = 0.0
         self.done = start
         self.first = None  # (time, done) at the first output: the rate counts from there
         self.drawn = None  # `done` on the last line drawn
@@ -73,20 +68,16 @@ class _Line:
             if self.first is None and done > 0:
                 self.first = (now, done)
             self.done = done
-            if now - self.last < self.every and (done != self.total or not self.terminal):
+            if now - self.last < self.DRAW_EVERY_S and done != self.total:
                 return
         elif self.drawn is not None and self.drawn == self.done:  # the map is over, its last line is drawn
-            if self.terminal:
-                stream.write("\n")
-                stream.flush()
+            stream.write("\n")
+            stream.flush()
             return
         self.last = now
         self.drawn = self.done
         text = self._text(now)
-        if self.terminal:
-            stream.write("\r" + text + "\x1b[K" + ("\n" if done is None else ""))
-        else:
-            stream.write(text + "\n")
+        stream.write("\r" + text + "\x1b[K" + ("\n" if done is None else ""))
         stream.flush()
 
     def _text(self, now: float) -> str:

@@ -65,13 +65,12 @@ def test_the_last_line_is_drawn_once_and_ended(clock, monkeypatch):
     assert drawn(term)[-1] == "soma map: 300/300 done, 100.0/s, 3.0 s\n"
 
 
-def test_a_log_writes_the_last_line_once_too(clock, monkeypatch):
+def test_not_a_terminal_gets_nothing(clock, monkeypatch):
     log = Terminal(tty=False)
     monkeypatch.setattr("sys.stderr", log)
     report = progress.reporter(True, 10, "soma map")
     for done in range(1, 11):
-        clock[0] += 1.0  # a line every 5 s: at the 5th output, and at the 10th, the last
+        clock[0] += 1.0
         report(done)
     report(None)
-    assert log.text.splitlines() == ["soma map: 5/10 done, 1.0/s, 5.0 s, 5.0 s left",
-                                     "soma map: 10/10 done, 1.0/s, 10.0 s"]
+    assert log.text == ""
