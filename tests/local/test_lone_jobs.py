@@ -22,6 +22,7 @@ from soma.wire import codec, failures, nodecode, protocol
 from soma.wire.protocol import JobSpec
 from soma.wire.shm import pool_prefix
 from soma.wire.status import StatusPage
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -190,3 +191,28 @@ def test_lone_jobs_run_while_another_lane_of_their_worker_is_busy(tmp):
             open(go, "w").close()
             holder.join(60)
         assert held["out"] == 42
+
+
+def test_a_job_cancelled_right_after_it_reached_a_busy_worker_never_runs(tmp_path):
+    """SPEC 7.6: `future.cancel()` cancels an input not yet started. Both workers busy with another input, the
+    next input's Task and its Cancel arrive together; the worker's new receiver took the Task and ran it at
+    once, in a lane of its own, before reading the Cancel behind it (3 of 3 tries): it reads that first now."""
+    from tests.local.nodes import MarksThenWaits, TouchFile
+
+    folder = str(tmp_path)
+    busy = Graph.somatize(MarksThenWaits(folder))
+    with soma.Local(workers=2) as local:
+        for attempt in range(3):
+            gate = f"gate{attempt}"
+            held = [local.submit(busy, (f"busy{attempt}-{k}", gate)) for k in range(2)]
+            wait_for(lambda: all(os.path.exists(os.path.join(folder, f"busy{attempt}-{k}")) for k in range(2)),
+                     30, "both workers busy")
+            touched = os.path.join(folder, f"ran{attempt}")
+            future = local.submit(Graph.somatize(TouchFile(touched)), attempt)
+            assert future.cancel() and future.cancelled()
+            open(os.path.join(folder, gate), "w").close()
+            assert sorted(f.result(timeout=60) for f in held) == [f"busy{attempt}-0", f"busy{attempt}-1"]
+            # Each worker's queue is behind us now: had the cancelled input run, its file would be there.
+            for k in range(4):
+                assert local.run(busy, (f"after{attempt}-{k}", None), timeout=60) == f"after{attempt}-{k}"
+            assert not os.path.exists(touched), f"try {attempt}: the cancelled input ran"

@@ -65,6 +65,7 @@ class Worker:
         self.inbox.connect(args.tasks)
         self.receiver = transport.Receiver(self.inbox)
         self.spins = False  # the receiving thread looks for the next Task before it sleeps (see `receive`)
+        self.behind = None  # a Task `read_behind` found, for the next `receive`
         # Who does what (all under `cv`): one thread receives; threads take runnable lanes.
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)  # (taken as `with self.lock`: one call, not three)
@@ -160,6 +161,8 @@ class Worker:
                 self.trim_if_idle()
             elif type(message) is Task:
                 lane = self.accept(message)
+                if self.running > (lane is not None):  # (another lane runs: this Task may have waited)
+                    self.read_behind()
                 if lane is not None:
                     self.run_lane(lane, receiver=me)
                     with self.lock:
@@ -205,6 +208,9 @@ class Worker:
         # While chunks are here, look at least every PART_S whether one holds outputs behind a long input.
         # (spinning while Tasks come quickly and the machine has a core to spare: a run after run keeps this
         # vCPU awake, see transport.Receiver.wait; asked as a Task arrives, when this side's threads are calm)
+        message, self.behind = self.behind, None
+        if message is not None:
+            return message
         frame = self.receiver.wait(PART_MS if self.lanes.chunks else POLL_MS, self.spins)
         if frame is None:
             return None
@@ -212,6 +218,20 @@ class Worker:
         if type(message) is Task:
             self.spins = not transport.cores_wanted()
         return message
+
+    def read_behind(self) -> None:
+        """Handle what is queued behind a Task before its jobs start, up to the next Task (kept for `receive`).
+        Why: a Task that waited while this worker ran another input has its Cancel right behind it, and run at
+        once it started first: `future.cancel()` of an input not started returned True, and the node ran."""
+        while self.behind is None:
+            frame = self.receiver.queued()
+            if frame is None:
+                return
+            message = protocol.parse(self.secret, frame, "the host")
+            if type(message) is Task:
+                self.behind = message
+            else:
+                self.handle(message)
 
     def handle(self, message) -> None:
         """Act on a message other than a Task (`accept`'s)."""
