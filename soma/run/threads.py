@@ -141,17 +141,35 @@ def thread_modes():
     """What a branch thread must inherit from the thread that started the wave.
 
     torch keeps grad and inference mode per thread: without this, `with torch.no_grad(): g.run(x)`
-    would still build autograd graphs inside every wave.
+    would still build autograd graphs inside every wave. So are autocast (`with torch.autocast("cpu",
+    dtype=torch.bfloat16)`) and `torch.set_default_device`: an Executor's map and a wave's branches ran in
+    float32, on the CPU, where its `run` gave bfloat16 on the device set (SPEC 7.4: the same answers).
     """
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "is_inference_mode_enabled"):  # absent, or still importing
         return contextlib.nullcontext
     grad = torch.is_grad_enabled()
     inference = torch.is_inference_mode_enabled()
+    casts = [(kind, torch.get_autocast_dtype(kind)) for kind in _AUTOCAST if torch.is_autocast_enabled(kind)]
+    # (a default device is a mode on torch's function-mode stack: asked only when that is not empty, 4 µs)
+    device = torch.get_default_device() if torch._C._len_torch_function_stack() else None
+    if device is not None and device.type == "cpu":
+        device = None
 
     @contextlib.contextmanager
     def inherit():
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            yield
+            if not casts and device is None:
+                yield
+                return
+            with contextlib.ExitStack() as modes:
+                for kind, dtype in casts:
+                    modes.enter_context(torch.autocast(kind, dtype=dtype))
+                if device is not None:
+                    modes.enter_context(torch.device(device))
+                yield
 
     return inherit
+
+
+_AUTOCAST = ("cpu", "cuda")  # the device types whose autocast a thread inherits

@@ -335,3 +335,34 @@ def test_a_result_can_be_handed_on_after_its_pool_closed():
     assert nbytes >= LARGE * 4 and os.fstat(fd).st_nlink == 0  # the unlinked segment itself
     assert os.pread(fd, 8, 40) == torch.full((2,), 4.0).numpy().tobytes()
     assert t.share_memory_().data_ptr() == ptr and t.is_shared()
+
+
+class _Tied(torch.nn.Module):
+    """Two layers sharing one weight (an embedding tied to its output layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(300, 128)  # 150 KiB: through shared memory
+        self.out = torch.nn.Linear(128, 300, bias=False)
+        self.out.weight = self.embed.weight
+
+
+def test_a_parameter_and_a_modules_parameters_arrive_as_parameters_and_tied_ones_stay_tied(local):
+    """SPEC 5: what crosses keeps its type. An nn.Parameter arrived as a plain tensor, alone or in a module
+    (whose `.to()` then failed: "param must be a Parameter"); tied weights must stay one Parameter."""
+    g = Graph.somatize(Identity())
+    small, frozen = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    tied = _Tied()
+    values = local.run(g, {"small": small, "frozen": frozen, "linear": torch.nn.Linear(256, 256), "tied": tied})
+    for name, sent in (("small", small), ("frozen", frozen)):
+        got = values[name]
+        assert type(got) is torch.nn.Parameter and got.requires_grad == sent.requires_grad, name
+        assert torch.equal(got.detach(), sent.detach()), name
+    linear = values["linear"]
+    assert [type(p) for p in linear.parameters()] == [torch.nn.Parameter] * 2
+    assert linear.to("meta").weight.is_meta  # (a module of plain tensors refused: "param must be a Parameter")
+    back = values["tied"]
+    assert back.out.weight is back.embed.weight and torch.equal(back.embed.weight, tied.embed.weight)
+    assert len(list(back.parameters())) == 1
+    alone = local.run(g, small)  # a Parameter as the whole value
+    assert type(alone) is torch.nn.Parameter and torch.equal(alone.detach(), small.detach())

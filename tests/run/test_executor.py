@@ -432,3 +432,29 @@ def test_a_map_started_inside_a_node_on_the_same_executors_thread_is_refused_not
                                              r"thread input_\d+\): .* run the inner graph with `run`"):
             list(ex.map(MapsOn(ex), [2, 2, 2], window=2))
         assert ex.run(MapsOn(ex), 3) == [1, 2, 3]  # (run: on the caller's thread)
+
+
+def test_a_maps_inputs_and_a_waves_branches_run_under_the_callers_autocast_and_default_device():
+    """torch keeps autocast and the default device per thread: the Executor's map and a wave's branches (on
+    threads of their own) ran in float32 on the CPU where `run` (on the caller's thread) gave bfloat16 on the
+    device set (SPEC 7.4: map gives run's answers)."""
+    torch = pytest.importorskip("torch")
+    import soma.torch as st
+
+    linear = st.Module(torch.nn.Linear(8, 8), name="linear")
+    wave = Graph.somatize(st.Module(torch.nn.Identity(), name="a") >> (
+        linear | soma.fn(lambda t: torch.zeros(2), name="made")))
+    x = torch.randn(3, 8)
+    with soma.Executor() as ex:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ran = ex.run(wave, x)
+            mapped = list(ex.map(wave, [x, x]))
+        assert ran[0].dtype == torch.bfloat16, ran[0].dtype
+        assert all(out[0].dtype == torch.bfloat16 and torch.equal(out[0], ran[0]) for out in mapped)
+        torch.set_default_device("meta")
+        try:
+            made = [ex.run(wave, x)[1], *(out[1] for out in ex.map(wave, [x, x]))]
+        finally:
+            torch.set_default_device(None)
+        assert [t.device.type for t in made] == ["meta"] * 3
+        assert ex.run(wave, x)[1].device.type == "cpu"  # (and nothing of it stays behind)
