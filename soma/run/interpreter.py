@@ -161,14 +161,18 @@ def _seq(_: Seq, items: list):
 def wave_outcome(outcomes: list) -> tuple:
     """A wave's `(ok, value)` from its branches' `(ok, value)`, once every branch is over.
 
-    The tuple of outputs; or the first failure in branch order, the others attached
-    as notes (a branch that only stopped because its run was abandoned is no failure
-    of its own).
+    The tuple of outputs; or the first failure in branch order (a SystemExit or
+    KeyboardInterrupt first), the others attached as notes (a branch that only stopped
+    because its run was abandoned is no failure of its own).
     """
     errors = [value for ok, value in outcomes if not ok]
     if not errors:
         return True, tuple(value for _, value in outcomes)
-    first = next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
+    # A branch's SystemExit or KeyboardInterrupt (in-process: the user's own exit and Ctrl-C) passes through,
+    # whatever branch it came from: it was a note on an earlier branch's error, or raised, by branch order.
+    first = next((e for e in errors if not isinstance(e, Exception)), None)
+    if first is None:
+        first = next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
     for other in errors:
         if other is not first and not isinstance(other, Cancelled):
             first.add_note(f"another branch of the same wave also failed: {other}")

@@ -26,6 +26,9 @@ def error_body(err: NodeError) -> dict:
     if isinstance(err, Cancelled):
         return {"kind": "cancelled"}
     body = {"node": err.node, "message": err.args[0], "traceback": err.remote_traceback, "kind": "node"}
+    notes = getattr(err, "__notes__", None)
+    if notes:  # (a wave's other failed branches: "another branch of the same wave also failed: ...")
+        body["notes"] = [str(note) for note in notes]
     if isinstance(err, PostconditionError):
         body.update(kind="postcondition", declared=err.declared, actual=err.actual)
         return body
@@ -41,16 +44,19 @@ def error_from(body: dict) -> NodeError:
     if kind == "cancelled":
         return Cancelled()
     if kind == "postcondition":
-        return PostconditionError(body["node"], body["declared"], body["actual"])
-    cls = SharedMemoryFull if kind == "shm" else NodeError
-    err = cls(body["node"], body["message"], remote_traceback=body.get("traceback"))
+        err = PostconditionError(body["node"], body["declared"], body["actual"])
+    else:
+        err = (SharedMemoryFull if kind == "shm" else NodeError)(body["node"], body["message"],
+                                                                 remote_traceback=body.get("traceback"))
+    for note in body.get("notes", ()):
+        err.add_note(note)
+    if kind == "postcondition":
+        return err
     remote = RemoteTraceback(body["traceback"]) if body.get("traceback") else None
     cause = None
     if body.get("cause"):
-        import pickle
-
         try:
-            cause = pickle.loads(body["cause"])
+            cause = exception_from(body["cause"])
         except Exception:
             cause = None
     if cause is not None:
@@ -64,17 +70,43 @@ def error_from(body: dict) -> NodeError:
 
 
 def pickled_exception(exc: BaseException) -> bytes | None:
-    """The exception, cloudpickled, or None when it cannot travel (its text always does)."""
-    import pickle
-
+    """The exception, cloudpickled, or None when it cannot travel (its text always does): as pickle reduces it
+    (its class called with its args: what built-in exceptions need), or, when that rebuilds another exception,
+    as its class, args and attributes, rebuilt without calling its __init__. Why: an exception whose __init__
+    takes other arguments than its args ("custom code 7" from code 7) came back as "custom code custom code 7",
+    and one whose __init__ takes two arguments did not come back at all."""
     import cloudpickle
 
-    try:
-        data = cloudpickle.dumps(exc)
-        pickle.loads(data)  # an exception that pickles but cannot be rebuilt is as good as none
-        return data
-    except Exception:
-        return None
+    for data in _pickled_ways(exc, cloudpickle):
+        try:
+            rebuilt = exception_from(data)
+            if type(rebuilt) is type(exc) and str(rebuilt) == str(exc):
+                return data
+        except Exception:  # (unpicklable args or attributes; a __str__ that needs what did not travel)
+            pass
+    return None
+
+
+def _pickled_ways(exc: BaseException, cloudpickle):
+    for way in (lambda: exc, lambda: (type(exc), exc.args, getattr(exc, "__dict__", None) or {})):
+        try:
+            yield cloudpickle.dumps(way())
+        except Exception:
+            continue
+
+
+def exception_from(data: bytes) -> BaseException:
+    """The exception `pickled_exception` made `data` of."""
+    import pickle
+
+    made = pickle.loads(data)
+    if isinstance(made, BaseException):
+        return made
+    cls, args, attributes = made
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    return exc
 
 
 def frames_only(text: str) -> str:

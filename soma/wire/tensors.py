@@ -240,7 +240,8 @@ def _torch_pickler(torch):
                         return None  # the tensor being reduced, or a part torch must reduce itself
                     self._parts.append(encode_tensor(self._enc, obj, torch))
                     return len(self._parts) - 1
-                if isinstance(obj, torch.TypedStorage) and obj.device.type == "cpu":
+                # (a TypedStorage's own properties warn "TypedStorage is deprecated" to the caller: its bytes')
+                if isinstance(obj, torch.TypedStorage) and obj._untyped_storage.device.type == "cpu":
                     self._parts.append(["storage", str(obj.dtype).rpartition(".")[2],
                                         encode_tensor(self._enc, _bytes_of(torch, obj._untyped_storage), torch)])
                     return len(self._parts) - 1

@@ -366,3 +366,13 @@ def test_a_parameter_and_a_modules_parameters_arrive_as_parameters_and_tied_ones
     assert len(list(back.parameters())) == 1
     alone = local.run(g, small)  # a Parameter as the whole value
     assert type(alone) is torch.nn.Parameter and torch.equal(alone.detach(), small.detach())
+
+
+def test_a_sparse_tensor_crosses_without_torchs_typed_storage_warning_from_soma(local):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = local.run(Graph.somatize(Identity()), torch.eye(3).to_sparse())
+    assert torch.equal(out.to_dense(), torch.eye(3))
+    assert not [w for w in caught if "TypedStorage" in str(w.message)], [str(w.message) for w in caught]

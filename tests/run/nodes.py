@@ -132,3 +132,32 @@ class Twice(Node):
 
     def forward(self, x, ctx):
         return Done((x, x) if self.tag is None else (self.tag, x))
+
+
+class CodeError(Exception):
+    """An exception whose __init__ takes another argument than its args (a code, its message made of it)."""
+
+    def __init__(self, code):
+        super().__init__(f"custom code {code}")
+        self.code = code
+
+
+class PlaceError(Exception):
+    """An exception whose __init__ takes two arguments, and whose text is made of its attributes."""
+
+    def __init__(self, code, where):
+        super().__init__(code)
+        self.code, self.where = code, where
+
+    def __str__(self):
+        return f"code {self.code} at {self.where}"
+
+
+class RaisesOwn(Node):
+    """Raises CodeError(x) or PlaceError(x, "here") (`kind`: "code" or "place")."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def forward(self, x, ctx):
+        raise CodeError(x) if self.kind == "code" else PlaceError(x, "here")

@@ -458,3 +458,17 @@ def test_a_maps_inputs_and_a_waves_branches_run_under_the_callers_autocast_and_d
             torch.set_default_device(None)
         assert [t.device.type for t in made] == ["meta"] * 3
         assert ex.run(wave, x)[1].device.type == "cpu"  # (and nothing of it stays behind)
+
+
+@pytest.mark.parametrize("exit_first", [True, False])
+def test_a_branchs_system_exit_passes_through_whatever_branch_failed_before_it(exit_first):
+    """In-process a node's SystemExit passes through untouched (docs/api.md): in a wave whose earlier branch
+    failed too, it was a note on that branch's NodeError ("another branch ... also failed: 3")."""
+    from tests.local.nodes import Raises
+
+    branches = [Raises(SystemExit(3)).named("leaves"), Raises(ValueError("bad")).named("fails")]
+    if not exit_first:
+        branches.reverse()
+    with pytest.raises(SystemExit) as info:
+        Executor().run(Graph.somatize(branches[0] | branches[1]), 0)
+    assert info.value.code == 3

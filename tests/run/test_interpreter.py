@@ -5,7 +5,7 @@ import pytest
 
 from soma import Executor, Graph, NodeError
 from tests.nodes import AddOne, Boom, Count, Double, Identity, Tokenize, Upper
-from tests.run.nodes import ReturnsList, Twice
+from tests.run.nodes import CodeError, PlaceError, RaisesOwn, ReturnsList, Twice
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,3 +104,27 @@ def test_bytes_like_values_and_arrays_of_either_byte_order_cross_as_they_are(run
     a = np.arange(50_000.0)
     first, second = runner.run(Graph.somatize(Twice()), a)
     assert first is second and np.array_equal(first, a) and first.flags.writeable
+
+
+@pytest.mark.parametrize("kind", ["code", "place"])
+def test_a_nodes_own_exception_is_the_cause_as_raised_whatever_its_init_takes(runner, kind):
+    """The cause crossed by pickle's rule (its class called with its args): CodeError(7) came back from a
+    worker as "custom code custom code 7", and PlaceError (two arguments) not at all (a RemoteTraceback)."""
+    with pytest.raises(NodeError) as info:
+        runner.run(Graph.somatize(RaisesOwn(kind)), 7)
+    cause = info.value.__cause__
+    assert type(cause) is (CodeError if kind == "code" else PlaceError), repr(cause)
+    assert str(cause) == ("custom code 7" if kind == "code" else "code 7 at here")
+    assert cause.code == 7
+
+
+def test_a_waves_other_failures_are_notes_on_the_error_through_run_and_map(runner):
+    """The first failure in branch order, with the others as notes: a worker's error body dropped them."""
+    inner = Boom().named("first") | Boom().named("second")
+    for g in (Graph.somatize(inner), Graph.somatize((Identity() >> inner) | Identity().named("other"))):
+        for how in ("run", "map"):
+            with pytest.raises(NodeError) as info:
+                runner.run(g, 3) if how == "run" else list(runner.map(g, [3]))
+            assert info.value.node == "first", (how, info.value)
+            notes = getattr(info.value, "__notes__", [])
+            assert any("`second`" in note for note in notes), (how, str(g.plan), notes)
