@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-import soma
 from soma import Graph, NodeError, RunTimeout, WorkerDied
 from tests.conftest import in_threads, wait_for
 from tests.nodes import AddOne, Double, Identity, OneCopyCounter, Sleep
