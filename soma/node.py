@@ -16,6 +16,7 @@ depends on the whole graph: `linear`, `linear_2`), while the plan holds ids only
 from __future__ import annotations
 
 import re
+import sys
 
 from .device import Device
 from .errors import DeviceError, GraphError, NotANodeError
@@ -67,6 +68,12 @@ def not_a_node(value, said: str) -> NotANodeError:
     if isinstance(value, type) and issubclass(value, Node):
         return NotANodeError(f"{said} (`{value.__name__}` is a Node class, not a node: did you mean "
                              f"`{value.__name__}()`?)")
+    torch = sys.modules.get("torch")
+    module = getattr(getattr(torch, "nn", None), "Module", None)
+    if module is not None and isinstance(value, module):  # (callable too: not a function to wrap with soma.fn)
+        return NotANodeError(f"{said} (a torch module is a node through soma.torch: "
+                             f"`soma.torch.Module({type(value).__name__}(...))`, or `soma.torch.Batched(...)` "
+                             f"to run the inputs that meet at it as one batch)")
     if callable(value):
         name = getattr(value, "__name__", None)
         example = f"soma.fn({name})" if isinstance(name, str) and name.isidentifier() else 'soma.fn(f, name="...")'

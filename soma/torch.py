@@ -111,6 +111,8 @@ class Batched(Module):
         super().__init__(module, name)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"soma.torch.Batched's max_batch is a positive int, got {max_batch!r}")
+        if isinstance(batch_wait, bool) or not isinstance(batch_wait, (int, float)) or not batch_wait >= 0:
+            raise ValueError(f"soma.torch.Batched's batch_wait is a number of seconds >= 0, got {batch_wait!r}")
         self.max_batch, self.batch_wait = max_batch, float(batch_wait)
 
     def forward_batch(self, xs, ctx):
@@ -120,8 +122,26 @@ class Batched(Module):
                 self.module.to(device)
             xs = [move_to(x, device) for x in xs]
         with _recording(ctx):
-            out = self.module(torch.stack(list(xs)))
+            out = self.module(_stacked(xs, ctx.node))
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"soma.torch.Batched `{ctx.node}`'s module returned {type(out).__name__}, not a tensor: "
+                            f"each input's output is a row of one tensor. Return one tensor from the module (wrap "
+                            f"it), or use soma.torch.Module, which runs the inputs one at a time")
         return Done([Opaque(row) for row in out.unbind(0)])
+
+
+def _stacked(xs, node: str):
+    """The inputs as one batch (`torch.stack`), or a TypeError that says what Batched takes: `run` of one
+    input of another shape worked, and `map` of several failed in torch's own words."""
+    kinds = {(type(x), tuple(x.shape) if isinstance(x, torch.Tensor) else None) for x in xs}
+    if len(kinds) == 1 and next(iter(kinds))[1] is not None:
+        return torch.stack(list(xs))
+    seen = ", ".join(sorted(f"{kind.__name__}{' of shape ' + str(list(shape)) if shape is not None else ''}"
+                            for kind, shape in kinds)[:4])
+    raise TypeError(f"soma.torch.Batched `{node}` stacks the inputs that meet at it into one tensor: they must be "
+                    f"tensors of one shape, and it got {seen}. Pad them to one shape before it, or use "
+                    f"soma.torch.Module, which runs them one at a time (or write a Node with a forward_batch of "
+                    f"your own)")
 
 
 def _recording(ctx):

@@ -181,3 +181,41 @@ def test_soma_torch_is_loaded_on_demand_as_this_module():
     import soma
 
     assert soma.torch is importlib.import_module("soma.torch") and soma.torch.Module is Module
+
+
+class _TwoOutputs(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def test_batched_says_what_it_takes_when_inputs_differ_in_shape_or_the_module_returns_a_tuple():
+    """One input of its own shape runs (a batch of one); several of different shapes failed in torch's words
+    ("stack expects each tensor to be equal size"), and a tuple output as "'tuple' object has no attribute
+    'unbind'": each is now a TypeError naming the node, what it got, and what to do instead."""
+    import soma
+    from soma import NodeError
+    from soma.torch import Batched
+
+    with soma.Executor() as ex:
+        embed = Graph.somatize(Batched(nn.Identity(), name="embed", max_batch=8))
+        assert ex.run(embed, torch.ones(3, 2)).shape == (3, 2)
+        with pytest.raises(TypeError) as info:  # (the call a map's two inputs meeting at the node make)
+            embed.node("embed").forward_batch([torch.ones(1, 2), torch.ones(2, 2)], Ctx("embed"))
+        cause = info.value
+        assert "`embed`" in str(cause) and "[1, 2]" in str(cause), cause
+        assert "[2, 2]" in str(cause) and "Pad them" in str(cause) and "soma.torch.Module" in str(cause)
+        with pytest.raises(NodeError, match="returned tuple, not a tensor"):
+            ex.run(Graph.somatize(Batched(_TwoOutputs(), name="pair")), torch.ones(2))
+    for wait in (-1, "0.1", True, float("nan")):
+        with pytest.raises(ValueError, match="batch_wait is a number of seconds >= 0"):
+            Batched(nn.Identity(), batch_wait=wait)
+
+
+def test_an_nn_module_given_as_a_node_is_told_to_go_through_soma_torch():
+    import soma
+    from soma.errors import NotANodeError
+
+    for attempt in (lambda: Graph.somatize(MyMLP()), lambda: fn(lambda x: x, name="first") >> MyMLP(),
+                    lambda: soma.Executor().run(MyMLP(), torch.ones(4))):
+        with pytest.raises(NotANodeError, match=r"soma\.torch\.Module\(MyMLP\(\.\.\.\)\)"):
+            attempt()
