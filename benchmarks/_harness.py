@@ -48,13 +48,33 @@ def parse_args(argv, description: str, plot: bool = False) -> argparse.Namespace
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and inputs (under a minute)")
     parser.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path (tests)")
-    parser.add_argument("--json", metavar="FILE", help="write one record per measurement to FILE")
+    parser.add_argument("--json", metavar="FILE", nargs="?", const="-",
+                        help="write one record per measurement to FILE (no FILE: to stdout, the tables to stderr)")
     parser.add_argument("--ray", action="store_true",
                         help="add Ray rows (a fresh local Ray instance, never an existing cluster; also "
                              "SOMA_BENCH_RAY=1)")
     if plot:
         parser.add_argument("--plot", metavar="FILE.png", help="draw the figures into FILE.png (needs matplotlib)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.json == "-":  # for machines: stdout is the JSON alone, everything printed goes to stderr
+        global _JSON_OUT
+        _JSON_OUT, sys.stdout = sys.stdout, sys.stderr
+    return args
+
+
+_JSON_OUT = None  # the real stdout, when --json writes there
+
+
+def write_json(path: str, data, what: str) -> None:
+    """`data` as JSON into `path`, or onto stdout for `-` (`--json` given no FILE)."""
+    if path == "-":
+        json.dump(data, _JSON_OUT, indent=1)
+        _JSON_OUT.write("\n")
+        _JSON_OUT.flush()
+        return
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"\nwrote {what} to {path}")
 
 
 # -- running contenders --------------------------------------------------------------------------
@@ -340,9 +360,7 @@ class Suite:
               f"(of {CORES} cores: {CORES * 100}%)")
         out = [r.to_json() for r in self.records]
         if self.args.json:
-            with open(self.args.json, "w") as f:
-                json.dump(out, f, indent=1)
-            print(f"\nwrote {len(out)} records to {self.args.json}")
+            write_json(self.args.json, out, f"{len(out)} records")
         print(f"\n{self.name} ({self.mode}) took {time.perf_counter() - self.started:.1f} s")
         return out
 

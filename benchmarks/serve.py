@@ -315,9 +315,7 @@ def main(argv) -> None:
         out = {workload: {c: by_contender[c][64] for c in by_contender} for workload, by_contender in figures.items()}
         for workload in out:
             out[workload].setdefault("ray_serve", {"skipped": ray_skipped or "not measured"})
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote the figures at 64 clients to {json_path}")
+        h.write_json(json_path, out, "the figures at 64 clients")
     if getattr(args, "plot", None):
         others, _ = machine.others()
         plot(figures, args.plot, f"soma bench serve ({suite.mode}), {h.versions()}; other programs used "

@@ -64,8 +64,8 @@ def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None
               f"checkout)", file=sys.stderr)
         return 2
     flags = (["--quick"] if quick else []) + (["--smoke"] if smoke else [])
-    given = " ".join(flags + (["--json", json_path] if json_path else []) +
-                     (["--plot", plot_path] if plot_path else []))
+    json_flag = [] if not json_path else ["--json"] if json_path == "-" else ["--json", json_path]
+    given = " ".join(flags + json_flag + (["--plot", plot_path] if plot_path else []))
     if name is None and given:
         # A flag is an order to run something: never ignore it by listing (docs/design.md says why not run all).
         print(f"soma: `soma bench {given}` names no benchmark: write `soma bench NAME {given}` or "
@@ -79,11 +79,10 @@ def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None
         width = max(map(len, names))
         for each in names:
             print(f"  {each:{width}}  {_benchmark_summary(each)}", file=out)
-        print("usage: soma bench NAME [--quick] [--smoke] [--json FILE] [--plot FILE.png]", file=out)
+        print("usage: soma bench NAME [--quick] [--smoke] [--json [FILE]] [--plot FILE.png]", file=out)
         return 0 if name is None else 2
     if name != "all":
-        return _run_one_benchmark(name, flags + (["--json", json_path] if json_path else []) +
-                                  (["--plot", plot_path] if plot_path else []))
+        return _run_one_benchmark(name, flags + json_flag + (["--plot", plot_path] if plot_path else []))
     if plot_path:
         print("soma: --plot draws one benchmark's figures: name it (`soma bench serve --plot serve.png`)",
               file=sys.stderr)
@@ -91,22 +90,25 @@ def _run_bench(name: str | None, quick: bool, smoke: bool, json_path: str | None
     return _run_all_benchmarks(names, flags, json_path)
 
 
-def _run_one_benchmark(name: str, argv: list[str]) -> int:
+def _run_one_benchmark(name: str, argv: list[str], stdout=None) -> int:
     # Its own process, exactly as `python benchmarks/NAME.py` runs it: a process pool's spawned
     # children re-import the main script by path, and one benchmark's imports (torch) and pools
     # must not colour the next one's figures.
     script = _beside_package("benchmarks") / f"{name}.py"
-    return subprocess.call([sys.executable, str(script), *argv])
+    sys.stdout.flush()
+    return subprocess.call([sys.executable, str(script), *argv], stdout=stdout)
 
 
 def _run_all_benchmarks(names: list[str], flags: list[str], json_path: str | None) -> int:
     records, took, failed = [], {}, []
+    machines = json_path == "-"  # (stdout is the JSON alone: the benchmarks' tables go to stderr)
+    say = sys.stderr if machines else sys.stdout
     with tempfile.TemporaryDirectory(prefix="soma-bench-") as tmp:
         for name in names:
-            print(f"\n== soma bench {name} {' '.join(flags)}".rstrip(), flush=True)
+            print(f"\n== soma bench {name} {' '.join(flags)}".rstrip(), file=say, flush=True)
             part = os.path.join(tmp, f"{name}.json")
             start = time.perf_counter()
-            code = _run_one_benchmark(name, flags + ["--json", part])
+            code = _run_one_benchmark(name, flags + ["--json", part], stdout=sys.stderr if machines else None)
             took[name] = time.perf_counter() - start
             if code != 0 or not os.path.exists(part):
                 failed.append(name)
@@ -116,8 +118,12 @@ def _run_all_benchmarks(names: list[str], flags: list[str], json_path: str | Non
             # (a benchmark whose --json is a summary of its own, such as serve's, joins as one entry)
             records.extend(part_records if isinstance(part_records, list) else [{"benchmark": name,
                                                                                  "summary": part_records}])
-    print("\n" + ", ".join(f"{n} {s:.0f} s" for n, s in took.items()) + f"; all {sum(took.values()):.0f} s")
-    if json_path:
+    print("\n" + ", ".join(f"{n} {s:.0f} s" for n, s in took.items()) + f"; all {sum(took.values()):.0f} s",
+          file=say)
+    if machines:
+        json.dump(records, sys.stdout, indent=1)
+        print()
+    elif json_path:
         with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
         print(f"wrote {len(records)} records to {json_path}")
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("name", nargs="?", help="the benchmark to run, or all")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute each)")
     bench.add_argument("--smoke", action="store_true", help="the smallest run that exercises every path")
-    bench.add_argument("--json", metavar="FILE", help="write one record per measurement to FILE")
+    bench.add_argument("--json", metavar="FILE", nargs="?", const="-",
+                       help="write one record per measurement to FILE (no FILE: to stdout, for machines)")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the benchmark's figures (serve, map, batching; needs "
                                                              "matplotlib)")
     args = parser.parse_args(argv)

@@ -1,5 +1,6 @@
 """The `soma` command as a newcomer types it (issue 13): it does what it says or says what it expects."""
 
+import json
 import subprocess
 import sys
 
@@ -40,7 +41,7 @@ def test_soma_bench_with_a_flag_and_no_name_says_what_it_expects():
     lines = done.stdout.splitlines()[1:-1]
     assert [line.split()[0] for line in lines] == BENCHMARKS.split(", ")
     assert all(len(line.split(None, 1)[1]) > 20 for line in lines), lines  # a sentence each, not just the name
-    assert done.stdout.endswith("usage: soma bench NAME [--quick] [--smoke] [--json FILE] [--plot FILE.png]\n")
+    assert done.stdout.endswith("usage: soma bench NAME [--quick] [--smoke] [--json [FILE]] [--plot FILE.png]\n")
 
 
 def test_soma_example_without_torch_says_it_needs_torch():
@@ -129,3 +130,14 @@ def test_the_image_example_without_pillow_names_the_extra_that_installs_it_as_th
                            f"{install} (soma's bench extra is Pillow)\n")
     readme = (ROOT / "README.md").read_text()
     assert "examples/image_pipeline.py" in readme and install in readme
+
+
+def test_soma_bench_json_without_a_file_is_for_machines_json_alone_on_stdout():
+    """SPEC 10: "prints a table, `--json` for machines": with no FILE the records go to stdout, alone (the
+    tables to stderr); `--json` used to need a FILE ("expected one argument")."""
+    done = soma_command("bench", "gil_wave", "--smoke", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = json.loads(done.stdout)
+    assert records and {r["benchmark"] for r in records} == {"gil_wave"}
+    assert {"executor", "local"} <= {r["contender"] for r in records}, records
+    assert "every measurement" in done.stderr  # the table, for people, beside it
