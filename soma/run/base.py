@@ -45,7 +45,7 @@ class RunnerBase(AsyncRunner, Traced):
             raise SomaError(closed_message(type(self).__name__))
         graph = as_graph(g, where)
         if self.copies_nodes:  # a node's copies keep what its code read when it was sent: say when that changed
-            warn_if_changed(graph)
+            warn_if_changed(graph, thorough=where.endswith("map"))  # (a map's start looks at weights too)
         return graph
 
     async def arun(self, g, x, *, timeout: float | None = None, retries: int = 0):

@@ -34,6 +34,7 @@ import weakref
 from collections import deque
 
 from ..errors import NodeError
+from .weights import Weights
 
 
 class NodeRegistry:
@@ -110,7 +111,7 @@ class Reads:
     itself for numbers, strings and None, else the object's id (no reference kept: a tensor is not held alive).
     Found once, when the node is pickled; `changed()` only reads each name again (~1 µs for a few)."""
 
-    __slots__ = ("names", "sources", "then")
+    __slots__ = ("names", "sources", "then", "weights")
 
     def __init__(self, node):
         names, sources = [], []
@@ -125,6 +126,8 @@ class Reads:
                 sources.append((cell, None))
         self.names, self.sources = tuple(names), tuple(sources)
         self.then = self._now()
+        # the torch modules it holds or reads, whose weights its copies keep (soma.run.weights)
+        self.weights = Weights.of(node, [_read(source, name) for source, name in sources])
 
     def _now(self) -> tuple:
         return tuple(_bound(_read(source, name)) for source, name in self.sources)
@@ -163,6 +166,8 @@ def note_sent(node) -> None:
         _sent[node] = Reads(node)
     else:  # pickled again (another pool): the graphs that hold it keep this one Reads
         reads.then = reads._now()
+        if reads.weights is not None:
+            reads.weights.noted()
         _warned.discard(node)
 
 
@@ -170,10 +175,12 @@ _last_read: tuple = (lambda: None, [])  # (a weak reference to the graph looked 
 _by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → [(node id, node's Reads)] that read
 
 
-def warn_if_changed(graph) -> None:
+def warn_if_changed(graph, thorough: bool = False) -> None:
     """Warn, once per node, when something a node's code reads from outside it names another object than when
-    the node was sent to its copies (the copies still see the old one). A graph's list of what to look at is
-    made once all its nodes have been sent: a graph whose nodes read nothing costs one lookup a call."""
+    the node was sent to its copies (the copies still see the old one), or the weights of a torch module it
+    holds or reads changed in place (`soma.run.weights`: looked at every second or so, and at each map's start,
+    `thorough`). A graph's list of what to look at is made once all its nodes have been sent: a graph whose
+    nodes read nothing and hold no module costs one lookup a call."""
     global _last_read
     last_graph, reading = _last_read  # (one tuple: read whole, never half of two threads' writes)
     if last_graph() is not graph:  # (the graph run last is looked up without a new weak reference)
@@ -183,17 +190,24 @@ def warn_if_changed(graph) -> None:
         if reading is _by_graph.get(graph):  # (made for good: every node has been sent)
             _last_read = (weakref.ref(graph), reading)
     for node_id, reads in reading:
-        if reads._now() == reads.then:
+        rebound = reads._now() != reads.then
+        if not rebound and (reads.weights is None or not reads.weights.changed(thorough)):
             continue
         node = graph.node(node_id)
         if node in _warned:
             continue
         _warned.add(node)
-        names = ", ".join(f"`{name}`" for name in reads.changed())
-        warnings.warn(f"node `{node_id}` reads {names}, which now names another value than when the node was sent "
-                      f"to its copies on worker processes: they still see the old one, where the in-process "
-                      f"Executor sees the new (docs/api.md, \"Copies\"); to use the new value, give it to a new node "
-                      f"as its attribute, or pass it in the input", UserWarning, stacklevel=_outside_soma())
+        if rebound:
+            names = ", ".join(f"`{name}`" for name in reads.changed())
+            said = (f"reads {names}, which now names another value than when the node was sent to its copies on "
+                    f"worker processes: they still see the old one")
+            fix = "the new value, give it to a new node as its attribute, or pass it in the input"
+        else:
+            said = ("holds a torch module whose weights changed in place (an optimizer step, load_state_dict) "
+                    "since the node was sent to its copies on worker processes: they still run the old weights")
+            fix = "the new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool"
+        warnings.warn(f"node `{node_id}` {said}, where the in-process Executor sees the new (docs/api.md, "
+                      f"\"Copies\"); to use {fix}", UserWarning, stacklevel=_outside_soma())
 
 
 _SOMA = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # soma's own files start so
@@ -218,7 +232,7 @@ def _reading(graph) -> list:
             continue
         if reads is None:
             complete = False
-        elif reads.names:
+        elif reads.names or reads.weights is not None:
             reading.append((node_id, reads))
     if complete:
         _by_graph[graph] = reading

@@ -405,3 +405,35 @@ def test_node_code_a_copy_cannot_load_says_why_and_what_to_do_on_every_runner(ru
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop(module, None)
+
+
+def test_a_modules_weights_changed_in_place_after_its_node_was_sent_are_warned_about_once(runner):
+    """An optimizer step on the host after the node was sent: Local's and Ray's copies go on with the old
+    weights (SPEC 2, "Copies"), silently; an evaluation on a warm pool after each epoch measured the first
+    epoch's model. A map's start looks at the weights; a run looks every second or so."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    import soma.torch as st
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    node = st.Module(model, name="model")
+    x = torch.ones(2)
+    assert runner.run(node, x).item() == 2.0
+    with torch.no_grad():
+        model.weight.add_(1.0)  # what an optimizer's step does: in place
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [y.item() for y in runner.map(node, [x, x])] + [y.item() for y in runner.map(node, [x])]
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if isinstance(runner, soma.Executor):
+        assert got == [4.0, 4.0, 4.0] and said == []
+        return
+    assert got == [2.0, 2.0, 2.0]  # the copies' weights, as sent
+    assert said == ["node `model` holds a torch module whose weights changed in place (an optimizer step, "
+                    "load_state_dict) since the node was sent to its copies on worker processes: they still run the "
+                    "old weights, where the in-process Executor sees the new (docs/api.md, \"Copies\"); to use the "
+                    "new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool"]
+    assert runner.run(st.Module(model, name="model"), x).item() == 4.0  # a new node: sent with the new weights
