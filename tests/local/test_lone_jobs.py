@@ -195,8 +195,12 @@ def test_lone_jobs_run_while_another_lane_of_their_worker_is_busy(tmp):
 
 def test_a_job_cancelled_right_after_it_reached_a_busy_worker_never_runs(tmp_path):
     """SPEC 7.6: `future.cancel()` cancels an input not yet started. Both workers busy with another input, the
-    next input's Task and its Cancel arrive together; the worker's new receiver took the Task and ran it at
-    once, in a lane of its own, before reading the Cancel behind it (3 of 3 tries): it reads that first now."""
+    next input's Task and its Cancel wait in the worker's socket together (the workers are stopped meanwhile,
+    SIGSTOP, so that they come in together every time: what a loaded machine does now and then); the worker's
+    new receiver took the Task and ran it at once, in a lane of its own, before reading the Cancel behind it
+    (3 of 3 tries): it reads what is queued behind a Task first now."""
+    import signal
+
     from tests.local.nodes import MarksThenWaits, TouchFile
 
     folder = str(tmp_path)
@@ -208,11 +212,37 @@ def test_a_job_cancelled_right_after_it_reached_a_busy_worker_never_runs(tmp_pat
             wait_for(lambda: all(os.path.exists(os.path.join(folder, f"busy{attempt}-{k}")) for k in range(2)),
                      30, "both workers busy")
             touched = os.path.join(folder, f"ran{attempt}")
-            future = local.submit(Graph.somatize(TouchFile(touched)), attempt)
-            assert future.cancel() and future.cancelled()
+            pids = local.pids()
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: all(_stopped(pid) for pid in pids), 30, "the workers stopped, every thread")
+                future = local.submit(Graph.somatize(TouchFile(touched)), attempt)
+                seen = local.snapshot()  # (taken by the host's loop: what was posted before it has been sent)
+                assert sum(seen.jobs) == 3 and seen.waiting == 0, seen  # the Task went to a busy worker
+                assert future.cancel() and future.cancelled()
+                local.snapshot()  # (and its Cancel too, to ZeroMQ: its I/O thread writes it to the socket next)
+                time.sleep(0.3)  # (nothing to wait on for that write: the workers are stopped, nothing else moves)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
             open(os.path.join(folder, gate), "w").close()
             assert sorted(f.result(timeout=60) for f in held) == [f"busy{attempt}-0", f"busy{attempt}-1"]
             # Each worker's queue is behind us now: had the cancelled input run, its file would be there.
             for k in range(4):
                 assert local.run(busy, (f"after{attempt}-{k}", None), timeout=60) == f"after{attempt}-{k}"
             assert not os.path.exists(touched), f"try {attempt}: the cancelled input ran"
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of process `pid` is stopped (a SIGSTOP reaches each thread on its own, soon after kill)."""
+    folder = f"/proc/{pid}/task"
+    for tid in os.listdir(folder):
+        try:
+            with open(f"{folder}/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
