@@ -146,19 +146,25 @@ def abandon(ray, submission: Submission, book: ActorBook, how: str = "cancelled"
     """Nobody waits for this try any more (a map that ended early, a cancelled future, or its input goes on in
     another try: `how` is "again"): cancel what has not started."""
     done = _finished(ray, submission)
+    # Calls it shares with other inputs still wanted (a map's batch, concurrent runs gathered at a batching node)
+    # are one Ray task with a return each: Ray's cancel of one return cancels the task, and the others failed
+    # with TaskCancelledError. Those calls run on; only its own outcome is dropped.
+    shared = any(other is not submission and not other.over for other in submission.batch)
     for call in submission.calls:
         if call.ref not in done:
-            _cancel(ray, submission, call, forget=how != "again")
+            _cancel(ray, submission, call, forget=how != "again", task=not shared)
     book.release(submission, how)
 
 
-def _cancel(ray, submission: Submission, call, forget: bool = True) -> None:
+def _cancel(ray, submission: Submission, call, forget: bool = True, task: bool = True) -> None:
     """Its call at an actor will not start: Ray's cancel and, for an input whose calls carry its token, the
     actor told to skip it (NodeCopy.forget): Ray's cancel of a call on its way to the actor is retried after
     seconds, and the call may start meanwhile (CI saw a cancelled future's input start 2 s later). Not when
-    the input goes on in another try (`forget` False): its next calls carry the same token."""
-    with contextlib.suppress(Exception):
-        ray.cancel(call.ref)
+    the input goes on in another try (`forget` False): its next calls carry the same token. Not Ray's cancel
+    when the call carries other inputs too (`task` False)."""
+    if task:
+        with contextlib.suppress(Exception):
+            ray.cancel(call.ref)
     if forget and submission.tokened and not call.actor.dead:
         with contextlib.suppress(Exception):
             control(call.actor.handle, "forget", submission.token)  # (not awaited: the actor decides)

@@ -219,6 +219,46 @@ def cancel_without_ray_cancel(cluster):
             "probe": probe, "started": _started(folder)}
 
 
+class OneCopyGathers(Node):
+    """One copy, batching: waits for the file `gate` in `folder` when its batch is the input "block"; else
+    returns `out-<x>` for each input."""
+
+    copies = 1
+    max_batch = 4
+    batch_wait = 0.5
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def forward_batch(self, xs, ctx):
+        if xs == ["block"]:
+            deadline = time.monotonic() + DEADLINE_S
+            while not Path(self.folder, "gate").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return Done([f"out-{x}" for x in xs])
+
+
+def cancel_in_a_group(cluster):
+    """Cancelling one of the runs gathered into one call of a batching node: the others still get their
+    outputs (Ray's cancel of one return of the group's task cancelled the task: TaskCancelledError in all)."""
+    folder = tempfile.mkdtemp(prefix="soma-gcancel-")
+    g = Graph.somatize(OneCopyGathers(folder))
+    cluster.run(g, "warm")
+
+    async def go():
+        blocker = asyncio.create_task(cluster.arun(g, "block"))  # the one copy, busy until the gate opens
+        await asyncio.sleep(0.3)
+        tasks = [asyncio.create_task(cluster.arun(g, i)) for i in range(4)]  # one group: max_batch 4
+        await asyncio.sleep(0.8)  # (its call sent by then, queued behind the blocker's; before, the same holds)
+        tasks[0].cancel()
+        Path(folder, "gate").touch()
+        got = await asyncio.gather(*tasks, return_exceptions=True)
+        return [type(got[0]).__name__, *got[1:]], await blocker
+
+    got, blocked = asyncio.run(asyncio.wait_for(go(), DEADLINE_S))
+    return {"got": got, "blocked": blocked, "next": cluster.run(g, 9)}
+
+
 def async_with(_cluster):
     """`async with soma.Ray()` starts and closes off the loop (here in the session already up, which it
     leaves running)."""
@@ -238,4 +278,5 @@ def async_with(_cluster):
     return {"value": value, "closed": closed, "session_up": ray.is_initialized()}
 
 
-ASYNC_CHECKS = [futures, asyncio_faces, cancelled_task, cancel_without_ray_cancel, async_with]
+ASYNC_CHECKS = [futures, asyncio_faces, cancelled_task, cancel_without_ray_cancel, cancel_in_a_group,
+                async_with]

@@ -457,6 +457,11 @@ def test_ray_cancelling_the_task_that_awaits_arun_cancels_its_input(observed):
     assert seen["results"] == ["CancelledError"] * 6 and seen["probe"] == "probe" and seen["started"] == [0]
 
 
+def test_ray_cancelling_one_run_gathered_at_a_batching_node_leaves_the_others_their_outputs(observed):
+    seen = check(observed, "cancel_in_a_group")
+    assert seen == {"got": ["CancelledError", "out-1", "out-2", "out-3"], "blocked": "out-block", "next": "out-9"}
+
+
 def test_ray_async_with_starts_and_closes_the_runner_off_the_loop(observed):
     seen = check(observed, "async_with")
     assert seen["value"] == 2 and seen["closed"] == "this soma.Ray is closed; make a new one"
