@@ -40,12 +40,16 @@ def batch_size(graph: ActorGraph, window: int, timeout) -> int:
     two inputs), at most MAX_BATCH. A call costs Ray ~400 µs of the actor's CPU and ~350 µs of the
     driver's whatever it carries, so fewer calls are the cheapest inputs; a batch's outputs come back
     together, so the cap bounds how long its first output waits for the others. Inputs with a timeout
-    go one per call: stopping or cancelling one must not touch another's call.
+    go one per call: stopping or cancelling one must not touch another's call. Where a node batches, a call
+    carries at most its `max_batch` (the smallest of them): the actor counts every input of a call as started
+    once its one `forward_batch` begins, and a call of 8 at a node of max_batch 2 had its 6 later inputs fail
+    with WorkerDied, never started, when the actor died in its first batch.
     """
     if timeout is not None:
         return 1
     spread = max(node_actors.limit for node_actors in graph.actors.values())
-    cap = max([MAX_BATCH] + [a.max_batch for a in graph.actors.values() if a.max_batch])
+    batching = [a.max_batch for a in graph.actors.values() if a.max_batch]
+    cap = min(batching) if batching else MAX_BATCH
     return max(1, min(cap, -(-window // spread)))
 
 

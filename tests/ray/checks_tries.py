@@ -137,6 +137,41 @@ def innocents(cluster):
     return out
 
 
+class OneCopyBatchDiesOnce(Node):
+    """One copy, batching two at a time: writes `batch-<first input>` listing its inputs, and SIGKILLs its own
+    process in the first batch it runs (a file says it did); returns ten times each input."""
+
+    copies = 1
+    max_batch = 2
+    batch_wait = 1.0  # (a call's inputs, announced, meet in one batch)
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def forward_batch(self, xs, ctx):
+        Path(self.folder, f"batch-{xs[0]}").write_text(" ".join(map(str, xs)))
+        mark = Path(self.folder, "died")
+        if not mark.exists():
+            mark.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return Done([x * 10 for x in xs])
+
+
+def batch_innocents(cluster):
+    """A batching node's actor killed in its first batch: the inputs of that batch fail (they started), the
+    others it had been sent go elsewhere with no error (a call carried 8 inputs, and its actor counted all 8
+    started as its first batch of 2 began: the 6 others failed too)."""
+    folder = tempfile.mkdtemp(prefix="soma-batch-innocents-")
+    g = Graph.somatize(OneCopyBatchDiesOnce(folder))
+    Path(folder, "died").touch()
+    cluster.run(g, 100)  # the copy is up (not killed: the mark is there)
+    os.unlink(Path(folder, "died"))
+    got = list(cluster.map(g, range(8), errors="yield"))
+    first = [int(x) for x in Path(folder, "batch-0").read_text().split()] if Path(folder, "batch-0").exists() else []
+    return {"failed": sorted(y.index for y in got if isinstance(y, Exception)), "first_batch": first,
+            "values": [y for y in got if not isinstance(y, Exception)]}
+
+
 def _measured_cheap(cluster, g, x) -> None:
     """Two runs (of inputs the check does not count): the second one alone on the copies that are up measures
     the graph cheap, so a map's window goes in calls of several inputs, queued at the one actor (a heavy or
@@ -173,4 +208,4 @@ def graph_expected(cluster):
     return out
 
 
-TRIES_CHECKS = [retries, innocents, errors_yield, graph_expected]
+TRIES_CHECKS = [retries, innocents, batch_innocents, errors_yield, graph_expected]

@@ -395,6 +395,12 @@ def test_ray_inputs_a_dead_actor_had_not_started_go_elsewhere_with_no_error_and_
     assert seen["chain_up_runs"] == [1] * 8 and seen["chain_runs"] == [1] * 8  # upstream calls were kept
 
 
+def test_ray_a_batching_nodes_actor_killed_in_a_batch_fails_that_batchs_inputs_alone(observed):
+    seen = check(observed, "batch_innocents")
+    assert seen["failed"] == seen["first_batch"] == [0, 1], seen
+    assert seen["values"] == [10 * x for x in range(8) if x not in seen["failed"]], seen
+
+
 def test_ray_map_errors_yield_puts_each_failure_in_its_place(observed):
     seen = check(observed, "errors_yield")
     for ordered in (True, False):
