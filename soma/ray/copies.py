@@ -45,7 +45,7 @@ class CopyActor:
     """One Ray actor holding one copy of a node; `load` counts the inputs routed to it and not yet finished."""
 
     __slots__ = ("handle", "actor_id", "hello", "pid", "ray_node", "load", "ready", "offset_ns", "owner", "stopped",
-                 "methods", "death", "dead", "started_at", "up_at")
+                 "methods", "death", "dead", "started_at", "up_at", "abandoned")
 
     def __init__(self, handle, hello_ref, owner: "NodeActors"):
         self.handle = handle  # the Ray actor handle
@@ -58,6 +58,7 @@ class CopyActor:
         self.pid: int | None = None
         self.ray_node: str | None = None
         self.load = 0
+        self.abandoned = 0  # of `load`: calls of inputs nobody waits for, which may run on for any time
         self.ready = False
         self.offset_ns: int | None = None  # the driver's clock minus this actor's (traces); None: not measured
         self.owner = owner
@@ -113,7 +114,9 @@ class NodeActors:
             ready = [a for a in live if a.ready or self.has_said_hello(a)]
             best = min(ready or (live if held else live[:1]), key=_load)
             if not held and best.load > 0 and len(live) < self.limit and len(ready) == len(live):
-                self.start_actor()  # every actor is busy: one more, for the inputs after this one
+                fresh = self.start_actor()  # every actor is busy: one more, for the inputs after this one
+                if best.abandoned:  # (and not behind a call nobody waits for: it may run on for any time)
+                    best = fresh
         best.load += inputs
         return best
 
@@ -221,16 +224,30 @@ class ActorBook:
                     self.release(submission)  # (an RLock: taken again here)
                 raise
 
-    def release(self, submission, how: str = "ok") -> None:
+    def release(self, submission, how: str = "ok", unfinished=()) -> None:
         """The try is over (done, failed, expired, abandoned, or "again": the input goes on in another try): its
-        actors may take other inputs; once only (`submission.over`), however many paths end it."""
+        actors may take other inputs; once only (`submission.over`), however many paths end it. `unfinished`:
+        its calls that may still run (an abandoned input's: Ray cannot stop an actor's call that has begun),
+        whose actors take other inputs only once each call's ref is ready (given back then, a cancelled run's
+        copy looked free while its node still ran, and the next run queued behind it until its timeout)."""
         with self._lock:
             if submission.over:
                 return
             submission.over = True
             for call in submission.calls:
-                call.actor.load -= 1
+                if call in unfinished:
+                    call.actor.abandoned += 1
+                else:
+                    call.actor.load -= 1
+        for call in unfinished:
+            call.ref.future().add_done_callback(lambda _, actor=call.actor: self._unload(actor))
         submission.ended(how)
+
+    def _unload(self, actor) -> None:
+        """An abandoned call's ref is ready: it ran to its end, was cancelled in time, or its actor died."""
+        with self._lock:
+            actor.load -= 1
+            actor.abandoned -= 1
 
     def up_now(self, actors: list) -> list:
         """Those of `actors` that are up (their hello came; never waits)."""

@@ -150,10 +150,11 @@ def abandon(ray, submission: Submission, book: ActorBook, how: str = "cancelled"
     # are one Ray task with a return each: Ray's cancel of one return cancels the task, and the others failed
     # with TaskCancelledError. Those calls run on; only its own outcome is dropped.
     shared = any(other is not submission and not other.over for other in submission.batch)
-    for call in submission.calls:
-        if call.ref not in done:
-            _cancel(ray, submission, call, forget=how != "again", task=not shared)
-    book.release(submission, how)
+    unfinished = [call for call in submission.calls if call.ref not in done]
+    for call in unfinished:
+        _cancel(ray, submission, call, forget=how != "again", task=not shared)
+    # (its calls still running keep their copies busy until they end; one cancelled in time ends at once)
+    book.release(submission, how, unfinished if how != "again" else ())
 
 
 def _cancel(ray, submission: Submission, call, forget: bool = True, task: bool = True) -> None:

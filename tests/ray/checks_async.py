@@ -259,6 +259,46 @@ def cancel_in_a_group(cluster):
     return {"got": got, "blocked": blocked, "next": cluster.run(g, 9)}
 
 
+class SlowUntilGate(Node):
+    """Writes `started-<x>`; for the input "slow", then waits for the file `gate` in `folder`."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def forward(self, x, ctx):
+        Path(self.folder, f"started-{x}").touch()
+        deadline = time.monotonic() + DEADLINE_S
+        while x == "slow" and not Path(self.folder, "gate").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return Done(x)
+
+
+def cancel_while_running(cluster):
+    """An arun cancelled while its node runs: Ray cannot stop the call, so its copy stays busy until it ends;
+    the next run goes to another copy, not behind it (it waited for its timeout: the book gave the cancelled
+    run's load back at once)."""
+    folder = tempfile.mkdtemp(prefix="soma-crun-")
+    g = Graph.somatize(SlowUntilGate(folder))
+    cluster.run(g, "warm")
+
+    async def go():
+        task = asyncio.create_task(cluster.arun(g, "slow"))
+        deadline = time.monotonic() + DEADLINE_S
+        while not Path(folder, "started-slow").exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        return type((await asyncio.gather(task, return_exceptions=True))[0]).__name__
+
+    cancelled = asyncio.run(go())
+    try:
+        after = cluster.run(g, "next", timeout=DEADLINE_S / 2)
+    except soma.RunTimeout as err:
+        after = f"RunTimeout: {err}"
+    still_running = not Path(folder, "gate").exists()  # (the slow one is still in its node: it was not waited for)
+    Path(folder, "gate").touch()
+    return {"cancelled": cancelled, "after": after, "while_slow_ran": still_running}
+
+
 def async_with(_cluster):
     """`async with soma.Ray()` starts and closes off the loop (here in the session already up, which it
     leaves running)."""
@@ -279,4 +319,4 @@ def async_with(_cluster):
 
 
 ASYNC_CHECKS = [futures, asyncio_faces, cancelled_task, cancel_without_ray_cancel, cancel_in_a_group,
-                async_with]
+                cancel_while_running, async_with]

@@ -468,6 +468,11 @@ def test_ray_cancelling_one_run_gathered_at_a_batching_node_leaves_the_others_th
     assert seen == {"got": ["CancelledError", "out-1", "out-2", "out-3"], "blocked": "out-block", "next": "out-9"}
 
 
+def test_ray_a_run_cancelled_while_its_node_runs_keeps_its_copy_busy_and_the_next_run_goes_elsewhere(observed):
+    seen = check(observed, "cancel_while_running")
+    assert seen == {"cancelled": "CancelledError", "after": "next", "while_slow_ran": True}, seen
+
+
 def test_ray_async_with_starts_and_closes_the_runner_off_the_loop(observed):
     seen = check(observed, "async_with")
     assert seen["value"] == 2 and seen["closed"] == "this soma.Ray is closed; make a new one"
