@@ -177,10 +177,14 @@ def model_map(n: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--json", metavar="FILE", nargs="?", const="-",
+                        help="write the figures to FILE (no FILE: to stdout, the rest to stderr)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds and inputs")
     parser.add_argument("--smoke", action="store_true", help="(the same as --quick here)")
     args = parser.parse_args(argv)
+    out = sys.stdout
+    if args.json == "-":  # (for machines: stdout is the JSON alone)
+        sys.stdout = sys.stderr
     try:
         import torch
     except ImportError:
@@ -190,8 +194,7 @@ def main(argv=None) -> int:
         print("gpu: skipped: this machine has no CUDA device (torch.cuda.is_available() is False); every figure "
               "of this benchmark needs one")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump([{"benchmark": "gpu", "skipped": "no CUDA device"}], f)
+            _write(args.json, [{"benchmark": "gpu", "skipped": "no CUDA device"}], out)
         return 0
     quick = args.quick or args.smoke
     record = {"benchmark": "gpu", "machine": facts()}
@@ -201,9 +204,17 @@ def main(argv=None) -> int:
     record["model_map"] = model_map(1024 if quick else 4096)
     print("model map:", json.dumps(record["model_map"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([record], f, indent=1)
+        _write(args.json, [record], out)
     return 0
+
+
+def _write(path: str, records: list, stdout) -> None:
+    if path == "-":
+        json.dump(records, stdout, indent=1)
+        stdout.write("\n")
+        return
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -223,10 +223,8 @@ def _value_pickler():
                 kind = type(obj)
                 torch = self._torch
                 if (kind is self._ndarray and not obj.dtype.hasobject) or (
-                        torch is not None and isinstance(obj, torch.Tensor)):  # subclasses arrive as plain tensors,
-                    self._parts.append(self._enc.ext(obj, pickled=True))  # but an nn.Parameter as a Parameter
-                    if torch is not None and kind is torch.nn.Parameter:
-                        return _parameter, (len(self._parts) - 1, obj.requires_grad)
+                        torch is not None and isinstance(obj, torch.Tensor)):  # subclasses arrive as plain tensors
+                    self._parts.append(self._enc.ext(obj))  # (but an nn.Parameter as one: its handle says so)
                     return _part, (len(self._parts) - 1,)
                 if kind is memoryview:  # (pickle refuses them)
                     return _reduce_memoryview(obj)
@@ -332,19 +330,6 @@ def _part(i: int):
     return _loading.parts[-1][i]
 
 
-def _parameter(i: int, requires_grad: bool):
-    """What a pickle calls to get back an nn.Parameter (a module's weight) that travelled as a tensor beside it:
-    one Parameter per tensor of the value, so weights tied in a module (one Parameter in two places) stay tied."""
-    tensor = _loading.parts[-1][i]
-    made = _loading.decoders[-1].parameters
-    found = made.get(id(tensor))
-    if found is None:
-        import torch
-
-        found = made[id(tensor)] = (torch.nn.Parameter(tensor.detach(), requires_grad=requires_grad), tensor)
-    return found[0]
-
-
 def load_pickle(dec, body: bytes):
     stream, parts, oob = msgpack.unpackb(body, ext_hook=dec.ext_hook, raw=False, use_list=True)
     buffers = [dec.buffer(handle) for handle in oob]
@@ -352,11 +337,8 @@ def load_pickle(dec, body: bytes):
     stack = getattr(_loading, "parts", None)
     if stack is None:
         stack = _loading.parts = []
-        _loading.decoders = []
     stack.append(parts)
-    _loading.decoders.append(dec)  # (its `parameters`: `_parameter`)
     try:
         return pickle.loads(source, buffers=buffers)
     finally:
         stack.pop()
-        _loading.decoders.pop()

@@ -271,9 +271,8 @@ class Encoder:
             return [_TUPLE_MARK, *obj]
         return self.ext(obj)
 
-    def ext(self, obj, pickled: bool = False) -> msgpack.ExtType:
-        """The extension for a value msgpack does not know: a tensor, an array, a REF to one, or a PICKLE.
-        `pickled`: asked by the pickle of a larger value (an nn.Parameter in it is a tensor here)."""
+    def ext(self, obj) -> msgpack.ExtType:
+        """The extension for a value msgpack does not know: a tensor, an array, a REF to one, or a PICKLE."""
         number = self._numbered.get(id(obj))
         if number is not None:
             self._tied = True
@@ -281,9 +280,6 @@ class Encoder:
         torch = loaded_torch()
         try:
             if torch is not None and isinstance(obj, torch.Tensor):
-                if type(obj) is torch.nn.Parameter and not pickled:  # (a Parameter: through the pickle, whose
-                    #                                                    `_parameter` makes one of the tensor)
-                    return self._pickled(obj, fast=False)
                 code, body = EXT_TENSOR, _handles.pack(encode_tensor(self, obj, torch))
             elif type(obj) is _ndarray() and not obj.dtype.hasobject:
                 code, body = EXT_ARRAY, _handles.pack(encode_array(self, obj))
@@ -468,7 +464,6 @@ class Decoder:
         self._get_store = get_store
         self.received: list[str] = []  # segment names, one per handle, for the host's lease book
         self._objects: list = []  # the tensors and arrays of the body being decoded, in order (REF names them)
-        self.parameters: dict = {}  # id of one of them → (the nn.Parameter made of it, it): buffers._parameter
         # What the values decoded so far take of /dev/shm (a map's back-pressure by memory measures it; a spilled
         # segment's file takes none): bytes of the distinct segments in /dev/shm, and how many were spilled.
         self._shm_bytes = self._spilled = 0
@@ -479,7 +474,7 @@ class Decoder:
         body alone, from 0, as its Encoder did: a Decoder that decodes several bodies (a Result's outcomes, each
         encoded by an Encoder of its own) starts the numbering again with each, or a REF of one would name
         another's object (an output holding one array twice came back with another input's array)."""
-        self._objects, self.parameters = [], {}
+        self._objects = []
         return msgpack.unpackb(data, ext_hook=self.ext_hook, list_hook=_tuple_if_marked, raw=False,
                                strict_map_key=False, use_list=True)
 

@@ -12,6 +12,8 @@ outcome on every side.
 
 from __future__ import annotations
 
+import re
+
 from ..errors import (
     Cancelled,
     NodeError,
@@ -77,14 +79,21 @@ def pickled_exception(exc: BaseException) -> bytes | None:
     and one whose __init__ takes two arguments did not come back at all."""
     import cloudpickle
 
+    said = _without_addresses(str(exc))
     for data in _pickled_ways(exc, cloudpickle):
         try:
             rebuilt = exception_from(data)
-            if type(rebuilt) is type(exc) and str(rebuilt) == str(exc):
+            if type(rebuilt) is type(exc) and _without_addresses(str(rebuilt)) == said:
                 return data
         except Exception:  # (unpicklable args or attributes; a __str__ that needs what did not travel)
             pass
     return None
+
+
+def _without_addresses(text: str) -> str:
+    """`text` with the addresses in default reprs (`<Thing object at 0x7f...>`) left out: a rebuilt object has
+    another (KeyError(Thing()) lost its cause over it)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", " at 0x", text)
 
 
 def _pickled_ways(exc: BaseException, cloudpickle):

@@ -66,6 +66,8 @@ def encode_tensor(enc, t, torch) -> list:
     grad = t.requires_grad
     if grad and not t.is_leaf:
         raise GradCrossing()
+    if type(t) is torch.nn.Parameter:  # (its handle's grad field says so too: PARAMETER | requires_grad)
+        grad = PARAMETER | grad
     dtype, itemsize, is_complex = _kind(t.dtype)
     if not t.is_cpu or t.layout != torch.strided or t.is_quantized:
         if t.is_meta:
@@ -186,7 +188,7 @@ def decode_tensor(dec, handle: list):
             t = torch.frombuffer(bytearray(data), dtype=dtype)
             if offset or len(shape) != 1 or stride[0] != 1 or shape[0] != t.shape[0]:
                 t = t.as_strided(shape, stride, offset)
-        return t.requires_grad_() if grad else t
+        return _autograd(t, grad, torch) if grad else t
     if kind == T_META:
         _, _, shape, stride, offset, grad = handle
         t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
@@ -199,7 +201,19 @@ def decode_tensor(dec, handle: list):
         t = torch.empty(0, dtype=dtype).set_(dec.storage(name, seg_bytes), offset, shape, stride)
     else:
         raise ValueError(f"unknown tensor handle kind {kind}")
-    return t.requires_grad_() if grad else t
+    return _autograd(t, grad, torch) if grad else t
+
+
+PARAMETER = 2  # in a handle's grad field (with requires_grad as bit 1): the tensor was an nn.Parameter
+
+
+def _autograd(t, grad: int, torch):
+    """`t` as its handle's grad field says: requiring grad, and an nn.Parameter (a module's weight) again. The
+    handle makes one tensor whichever way it is reached (twice in a value: a REF to it), so weights tied in a
+    module, or one Parameter twice in a tuple, stay one Parameter."""
+    if grad & PARAMETER:
+        return torch.nn.Parameter(t, requires_grad=bool(grad & 1))
+    return t.requires_grad_()
 
 
 # -- what soma's handles do not describe: torch's own reductions ---------------------------------------

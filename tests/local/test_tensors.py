@@ -366,6 +366,8 @@ def test_a_parameter_and_a_modules_parameters_arrive_as_parameters_and_tied_ones
     assert len(list(back.parameters())) == 1
     alone = local.run(g, small)  # a Parameter as the whole value
     assert type(alone) is torch.nn.Parameter and torch.equal(alone.detach(), small.detach())
+    twice = local.run(g, (small, small, [small]))  # one Parameter three times: one object, a Parameter
+    assert type(twice[0]) is torch.nn.Parameter and twice[0] is twice[1] is twice[2][0]
 
 
 def test_a_sparse_tensor_crosses_without_torchs_typed_storage_warning_from_soma(local):

@@ -153,11 +153,17 @@ class PlaceError(Exception):
         return f"code {self.code} at {self.where}"
 
 
+class Thing:
+    """An object with the default repr (its address in it)."""
+
+
 class RaisesOwn(Node):
-    """Raises CodeError(x) or PlaceError(x, "here") (`kind`: "code" or "place")."""
+    """Raises CodeError(x), PlaceError(x, "here") or KeyError(Thing()) (`kind`: "code", "place", "address")."""
 
     def __init__(self, kind):
         self.kind = kind
 
     def forward(self, x, ctx):
+        if self.kind == "address":
+            raise KeyError(Thing())
         raise CodeError(x) if self.kind == "code" else PlaceError(x, "here")

@@ -106,13 +106,17 @@ def test_bytes_like_values_and_arrays_of_either_byte_order_cross_as_they_are(run
     assert first is second and np.array_equal(first, a) and first.flags.writeable
 
 
-@pytest.mark.parametrize("kind", ["code", "place"])
+@pytest.mark.parametrize("kind", ["code", "place", "address"])
 def test_a_nodes_own_exception_is_the_cause_as_raised_whatever_its_init_takes(runner, kind):
     """The cause crossed by pickle's rule (its class called with its args): CodeError(7) came back from a
-    worker as "custom code custom code 7", and PlaceError (two arguments) not at all (a RemoteTraceback)."""
+    worker as "custom code custom code 7", and PlaceError (two arguments) not at all (a RemoteTraceback);
+    KeyError(Thing()) is one whose text holds an address, another once rebuilt."""
     with pytest.raises(NodeError) as info:
         runner.run(Graph.somatize(RaisesOwn(kind)), 7)
     cause = info.value.__cause__
+    if kind == "address":
+        assert type(cause) is KeyError and "Thing object at 0x" in str(cause), repr(cause)
+        return
     assert type(cause) is (CodeError if kind == "code" else PlaceError), repr(cause)
     assert str(cause) == ("custom code 7" if kind == "code" else "code 7 at here")
     assert cause.code == 7

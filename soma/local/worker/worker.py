@@ -164,6 +164,9 @@ class Worker:
                 if self.running > (lane is not None):  # (another lane runs: this Task may have waited)
                     self.read_behind()
                 if lane is not None:
+                    # From now on a follower may take the receiving over (after PROMOTE_S): not before, while
+                    # this thread still reads the socket in read_behind (one socket, one thread at a time).
+                    self.receiver_busy_since = time.monotonic()
                     self.run_lane(lane, receiver=me)
                     with self.lock:
                         self.running -= 1
@@ -278,7 +281,6 @@ class Worker:
             if not runnable:
                 return None
             mine = runnable.popleft()
-            self.receiver_busy_since = now
             waking = now >= self.active_until
             self.active_until = now + ACTIVE_S
             # Someone must receive while this thread runs jobs, and every other runnable lane needs a thread.

@@ -1,0 +1,48 @@
+"""soma.run.weights: what a node's copies were made with, seen changing on the host (unit-tested here; the
+warning itself, on every runner: tests/run/test_user_mistakes.py)."""
+
+import pytest
+
+from soma import Done, Node
+from soma.run.weights import Weights
+
+torch = pytest.importorskip("torch")
+
+
+class Holds(Node):
+    """A node holding modules the ways nodes do: an attribute, and a list of layers."""
+
+    def __init__(self):
+        self.head = torch.nn.Linear(2, 2)
+        self.layers = [torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)]
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
+def test_weights_see_in_place_changes_replacements_and_modules_in_a_list_not_a_look_in_between():
+    node = Holds()
+    weights = Weights.of(node, [])
+    assert weights is not None and not weights.changed(now=True)  # nothing happened
+    node.layers[0].eval()
+    assert not weights.changed(now=True)  # a mode is no weight
+    with torch.no_grad():
+        node.layers[0].weight.add_(1.0)  # an optimizer step's way: in place
+    assert not weights.changed()  # (looked at a moment ago: not again before LOOK_EVERY_S)
+    assert weights.changed(now=True)
+    weights.noted()  # sent again (another pool): as it is now
+    assert not weights.changed(now=True)
+    node.head.weight = torch.nn.Parameter(torch.zeros(2, 2))  # replaced: the old one is gone
+    assert weights.changed(now=True)
+    node.layers[1].running_mean.add_(1.0)  # a buffer too
+    weights.noted()
+    node.layers[1].running_mean.add_(1.0)
+    assert weights.changed(now=True)
+
+
+def test_a_node_holding_no_module_has_no_weights():
+    class Plain(Node):
+        def forward(self, x, ctx):
+            return Done(x)
+
+    assert Weights.of(Plain(), [1, "a", [2]]) is None
