@@ -62,8 +62,13 @@ def translate(ray, submission: Submission, err, book: ActorBook) -> SomaError:
     node_id = (call or submission.calls[0]).node_id
     cause = getattr(err, "cause", None)
     cause = cause if isinstance(cause, BaseException) else err
-    failed = NodeError.failed(node_id, f"Ray could not carry its input or output: {type(cause).__name__}: "
-                                       f"{first_line(cause)}", remote_traceback=str(err))
+    said = f"{type(cause).__name__}: {first_line(cause)}"
+    if "pickl" in said.lower():  # (an input Ray cannot pickle is refused as it is sent: this is what a node returned)
+        said = (f"its output cannot be sent back to the driver: {said} (return plain data, tensors, or picklable "
+                f"objects)")  # (Local's words)
+    else:
+        said = f"Ray could not carry its input or output: {said}"
+    failed = NodeError.failed(node_id, said, remote_traceback=str(err))
     if cause is not err:
         failed.__cause__ = cause
     return failed

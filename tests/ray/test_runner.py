@@ -170,8 +170,9 @@ def test_ray_node_error_carries_the_remote_traceback_and_cause(observed):
         assert ray_error["notes"] == executor_error["notes"] == [], name
     unpicklable = seen["unpicklable"]
     assert unpicklable["type"] == "NodeError" and unpicklable["node"] == "returns_unpicklable"
-    assert unpicklable["message"] == ("node `returns_unpicklable` failed: Ray could not carry its input or output: "
-                                      "TypeError: Unpicklable refuses to be pickled")
+    assert unpicklable["message"] == ("node `returns_unpicklable` failed: its output cannot be sent back to the "
+                                      "driver: TypeError: Unpicklable refuses to be pickled (return plain data, "
+                                      "tensors, or picklable objects)")  # (Local's words, "host" aside)
     assert seen["next_run"] == 2
 
 
