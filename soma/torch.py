@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import math
+import numbers
 
 import torch
 from torch import nn
@@ -111,7 +113,7 @@ class Batched(Module):
         super().__init__(module, name)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"soma.torch.Batched's max_batch is a positive int, got {max_batch!r}")
-        if isinstance(batch_wait, bool) or not isinstance(batch_wait, (int, float)) or not batch_wait >= 0:
+        if isinstance(batch_wait, bool) or not isinstance(batch_wait, numbers.Real) or not 0 <= batch_wait < math.inf:
             raise ValueError(f"soma.torch.Batched's batch_wait is a number of seconds >= 0, got {batch_wait!r}")
         self.max_batch, self.batch_wait = max_batch, float(batch_wait)
 

@@ -206,9 +206,12 @@ def test_batched_says_what_it_takes_when_inputs_differ_in_shape_or_the_module_re
         assert "[2, 2]" in str(cause) and "Pad them" in str(cause) and "soma.torch.Module" in str(cause)
         with pytest.raises(NodeError, match="returned tuple, not a tensor"):
             ex.run(Graph.somatize(Batched(_TwoOutputs(), name="pair")), torch.ones(2))
-    for wait in (-1, "0.1", True, float("nan")):
+    for wait in (-1, "0.1", True, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="batch_wait is a number of seconds >= 0"):
             Batched(nn.Identity(), batch_wait=wait)
+    import numpy
+
+    assert Batched(nn.Identity(), batch_wait=numpy.float32(0.01)).batch_wait == pytest.approx(0.01)
 
 
 def test_an_nn_module_given_as_a_node_is_told_to_go_through_soma_torch():
