@@ -334,18 +334,28 @@ def _takes_ctx(func) -> bool | str:
     return len(required) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
-def _check_batching(node_id: str, node, cls: str) -> None:
-    """A batching node's `max_batch` (an int >= 1) and `batch_wait` (seconds >= 0), refused now when they are not
-    (a negative max_batch hung Local; None, 2.5 or "4" raised deep in a run, differently on each runner)."""
+def is_max_batch(value) -> bool:
+    """A batching node's `max_batch`: an int >= 1 (the one rule: node checks and soma.torch.Batched use it)."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def is_batch_wait(value) -> bool:
+    """A batching node's `batch_wait`: a finite real number of seconds >= 0."""
     import math
     import numbers
 
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 <= value < math.inf
+
+
+def _check_batching(node_id: str, node, cls: str) -> None:
+    """A batching node's `max_batch` (an int >= 1) and `batch_wait` (seconds >= 0), refused now when they are not
+    (a negative max_batch hung Local; None, 2.5 or "4" raised deep in a run, differently on each runner)."""
     most = getattr(node, "max_batch", 1)  # (unset: soma.run.batching's default)
-    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+    if not is_max_batch(most):
         raise GraphError(f"node `{node_id}` ({cls}) has max_batch = {most!r}: it must be an int >= 1, the most inputs "
                          f"one forward_batch call gets")
     wait = getattr(node, "batch_wait", 0)
-    if isinstance(wait, bool) or not isinstance(wait, numbers.Real) or not 0 <= wait < math.inf:
+    if not is_batch_wait(wait):
         raise GraphError(f"node `{node_id}` ({cls}) has batch_wait = {wait!r}: it must be the seconds (a number >= 0) "
                          f"a batch may wait for more inputs to join it")
 

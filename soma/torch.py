@@ -22,13 +22,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import math
-import numbers
 
 import torch
 from torch import nn
 
-from .node import Node, check_id, snake_case
+from .node import Node, check_id, is_batch_wait, is_max_batch, snake_case
 from .values import Done, Opaque
 
 __all__ = ["Batched", "Module", "move_to"]
@@ -111,9 +109,9 @@ class Batched(Module):
 
     def __init__(self, module, name: str | None = None, *, max_batch: int = 32, batch_wait: float = 0.002):
         super().__init__(module, name)
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        if not is_max_batch(max_batch):
             raise ValueError(f"soma.torch.Batched's max_batch is a positive int, got {max_batch!r}")
-        if isinstance(batch_wait, bool) or not isinstance(batch_wait, numbers.Real) or not 0 <= batch_wait < math.inf:
+        if not is_batch_wait(batch_wait):
             raise ValueError(f"soma.torch.Batched's batch_wait is a number of seconds >= 0, got {batch_wait!r}")
         self.max_batch, self.batch_wait = max_batch, float(batch_wait)
 

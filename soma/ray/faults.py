@@ -63,7 +63,8 @@ def translate(ray, submission: Submission, err, book: ActorBook) -> SomaError:
     cause = getattr(err, "cause", None)
     cause = cause if isinstance(cause, BaseException) else err
     said = f"{type(cause).__name__}: {first_line(cause)}"
-    if "pickl" in said.lower():  # (an input Ray cannot pickle is refused as it is sent: this is what a node returned)
+    # (an input Ray cannot pickle is refused as it is sent: this is what a node returned; "unpickling" is not)
+    if re.search(r"\bpickl", said, re.IGNORECASE):
         said = (f"its output cannot be sent back to the driver: {said} (return plain data, tensors, or picklable "
                 f"objects)")  # (Local's words)
     else:

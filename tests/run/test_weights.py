@@ -20,7 +20,10 @@ class Holds(Node):
         return Done(x)
 
 
-def test_weights_see_in_place_changes_replacements_and_modules_in_a_list_not_a_look_in_between():
+def test_weights_see_in_place_changes_replacements_and_modules_in_a_list_not_a_look_in_between(monkeypatch):
+    from soma.run import weights as module
+
+    monkeypatch.setattr(module, "LOOK_EVERY_S", 3600.0)  # (a loaded machine may pause a second between lines)
     node = Holds()
     weights = Weights.of(node, [])
     assert weights is not None and not weights.changed(now=True)  # nothing happened
