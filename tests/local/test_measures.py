@@ -4,7 +4,7 @@ import itertools
 
 from soma import Graph
 from soma.local.host.flows import Flow, Job
-from soma.local.host.measures import MAX_DEPTH, Measures
+from soma.local.host.measures import DEPTH_SHM, MAX_DEPTH, Measures
 from soma.local.host.program import compile_program
 from tests.nodes import AddOne
 
@@ -98,3 +98,25 @@ def test_a_pieces_depth_follows_its_pace_once_measured():
         measures.learn(job, 0.1, 0.1 + 1e-4)  # 100 ms in the worker, 0.1 ms there and back
     assert measures.depths[piece.id] == 2
     assert measures.parallelism([piece], 2) == 4
+
+
+def test_jobs_out_at_a_worker_hold_at_most_depth_shm_of_dev_shm_beyond_two():
+    """A large value's way is mostly the host copying it: measured as latency, it made a deep piece of a node of
+    microseconds, and a map's window took 137 arrays of 20 MiB (2.7 GB of /dev/shm) ahead of a slow caller."""
+    measures, piece = Measures(), piece_of(AddOne())
+    job = Job(1, Flow(None, None, None, piece, None), piece, None, None, {})
+    measures.weigh(piece, 20 << 20, inputs=True)  # the host copied its input into 20 MiB, its output took 20
+    measures.learn(job, 1e-5, 1e-2, shm=20 << 20)  # (a first job: not its pace)
+    measures.learn(job, 1e-5, 1e-2, shm=20 << 20)  # 10 µs in the worker, ~10 ms there and back (the copies)
+    assert measures.depths[piece.id] == 2  # (64 MiB holds one such job: two out, one running, one waiting)
+    assert measures.parallelism([piece], 2) == 4
+    small = piece_of(AddOne())
+    small_job = Job(2, Flow(None, None, None, small, None), small, None, None, {})
+    measures.weigh(small, 1 << 20, inputs=True)
+    for _ in range(2):
+        measures.learn(small_job, 1e-5, 1e-2, shm=1 << 20)
+    assert measures.depths[small.id] == DEPTH_SHM // (2 << 20) == 32
+    measures.weigh(small, 0, inputs=True)  # (values in the message from now on: the cap eases as they shrink)
+    for _ in range(200):
+        measures.learn(small_job, 1e-5, 1e-2, shm=0)
+    assert measures.depths[small.id] == MAX_DEPTH

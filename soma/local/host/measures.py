@@ -17,6 +17,12 @@ from .chunks import CHUNK_BYTES, CHUNK_SHM, UNWEIGHED_FILL
 from .chunks import size as chunk_size
 
 MAX_DEPTH = 64  # at most this many jobs per worker in flight when inputs are tiny (see depths)
+# and, beyond two, no more than take this much /dev/shm between them (their inputs' copies and outputs, as measured).
+# A large value's way there and back is mostly the host copying it, so it measured as a deep piece: a map of 20 MiB
+# arrays through a node of microseconds had a depth of 64, and a map's window (twice the parallelism) took 137
+# inputs, 2.7 GB of /dev/shm, ahead of a slow caller, at half the pace of `window=4`. A cap of 4 MiB (a chunk's,
+# CHUNK_SHM) cost a map of 1-4 MiB arrays a third of its pace; 64 MiB kept it (alternated, on a loaded machine).
+DEPTH_SHM = 64 << 20
 EMA = 0.2
 
 
@@ -60,9 +66,14 @@ class Measures:
             self.latency_s[piece.id] = latency if known is None else known + EMA * (latency - known)
         latency = self.latency_s.get(piece.id)
         if latency is not None:
+            depth = min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1)
+            # Beyond two, the jobs out at a worker hold no more than DEPTH_SHM of /dev/shm between them.
+            shm = self.output_shm.get(piece.id, 0) + self.input_shm.get(piece.id, 0)
+            if shm:
+                depth = min(depth, DEPTH_SHM // shm)
             # A piece with a batching node keeps two batches' worth at each worker: one running, the next one
             # queuing behind it (with one batch's worth, the worker waited while outcomes went and inputs came).
-            self.depths[piece.id] = max(2, 2 * piece.batch, min(MAX_DEPTH, int(latency / max(service, 1e-6)) + 1))
+            self.depths[piece.id] = max(2, 2 * piece.batch, depth)
 
     def weigh(self, piece, shm: int | None, inputs: bool = False) -> None:
         """Learn what `piece`'s outputs take of /dev/shm (an output that arrived ok: its bytes there, or None
