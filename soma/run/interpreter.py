@@ -400,6 +400,9 @@ class Interpreter:
                 state.waits(node_id)
                 lock.acquire()
                 state.holds(node_id)
+            if state.cancelled:  # (cancelled since `enter`, while it waited for the copy: it never starts it)
+                lock.release()
+                raise Cancelled(node_id)
             state.began = True
             try:
                 if spans is not None and not guard.ready:

@@ -7,6 +7,8 @@ import pytest
 
 import soma
 from soma import Done, Executor, Graph, Node, NodeError, Opaque, RunTimeout
+from soma.errors import Cancelled
+from soma.run.interpreter import Interpreter, RunState
 from tests.conftest import in_threads
 from tests.nodes import (
     AddOne,
@@ -270,6 +272,81 @@ def test_a_map_left_early_never_calls_the_batches_waiting_for_the_node():
             time.sleep(0.01)
     finally:
         executor.close()
+
+
+class NotesThenWaitsForGate(Node):
+    """Notes every input it runs; each after the first waits for `gate` to be set."""
+
+    def __init__(self, gate: threading.Event):
+        self.gate, self.ran = gate, []
+
+    def forward(self, x, ctx):
+        first = not self.ran
+        self.ran.append(x)
+        if not first:
+            assert self.gate.wait(30), "the test never opened the gate"
+        return Done(x)
+
+
+def test_a_map_left_early_never_calls_the_node_for_inputs_waiting_for_its_copy():
+    # Each input on a thread of its own: the first runs, the next holds the node at the gate, and the others
+    # wait on their threads for the node's copy. Left early, those must not call it once it is free (they all
+    # did, each a Cancelled nobody saw: the cancel was looked at only before the wait for the node's lock).
+    gate = threading.Event()
+    node = NotesThenWaitsForGate(gate)
+    executor = Executor()
+    try:
+        outputs = executor.map(node, range(64), window=4)
+        assert next(outputs) == 0
+        outputs.close()
+        gate.set()  # the input holding the node now (if any) ends now
+        assert executor.run(node, 99) == 99  # the node's lock, after whatever was let in before
+        ran = [x for x in node.ran if x != 99]
+        assert ran[0] == 0 and len(ran) <= 2, ran  # the first, and the one that held the node at the gate
+        # ... and none of the others later (they all ran within milliseconds of the gate before): a bound on
+        # how long to look for what must not happen, never a reason to fail when it does not
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert len([x for x in node.ran if x != 99]) == len(ran), node.ran
+            time.sleep(0.01)
+    finally:
+        executor.close()
+
+
+def test_a_run_cancelled_while_it_waits_for_a_nodes_copy_never_calls_it_and_lets_the_copy_go():
+    # The one owner of the check (Interpreter.invoke), for every path that cancels a RunState: a map left
+    # early, a timed-out run's next node, a wave's branches.
+    gate = threading.Event()
+    node = NotesThenWaitsForGate(gate)
+    interpreter = Interpreter({"n": node}, {})
+    plan = Graph.somatize(node.named("n")).plan()
+    assert interpreter.run(plan, 0) == 0  # (the first input does not wait at the gate)
+    holder = threading.Thread(target=interpreter.run, args=(plan, 1), daemon=True)
+    holder.start()
+    waiter, outcome = RunState(), {}
+
+    def wait_for_the_copy():
+        try:
+            outcome["value"] = interpreter.run(plan, 2, waiter)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=wait_for_the_copy, daemon=True)
+    deadline = time.monotonic() + 10
+    while node.ran != [0, 1]:  # input 1 holds the copy, at the gate
+        assert time.monotonic() < deadline, node.ran
+        time.sleep(0.001)
+    thread.start()
+    while "n" not in waiter.running_now():  # input 2 entered the node: next, it waits for the copy
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    waiter.cancelled = True
+    gate.set()
+    thread.join(10)
+    holder.join(10)
+    assert isinstance(outcome.get("error"), Cancelled) and node.ran == [0, 1], (outcome, node.ran)
+    assert waiter.running_now() == ()
+    assert interpreter.run(plan, 3) == 3  # the copy was let go
 
 
 # -- a batching node's inputs meet at one place per node object, whoever runs it (issue 32, item 2) -----------
