@@ -16,7 +16,7 @@ object each name is bound to); `warn_if_changed`, called by a copying runner (Lo
 Ray) as it accepts each run or map, warns once per node when one of those names
 now names another object:
 
-    code(node) ─ pickled ─▶ _sent[node] = Reads(node)        the names its code reads, and the id (or the
+    code(node) ─ pickled ─▶ _sent.put(node, Reads(node))     the names its code reads, and the id (or the
                                                              small value) each is bound to
     Local.run(g, x) ─ accepting ─▶ warn_if_changed(g)        reads.changed(): warnings.warn, once per node,
                                                              naming it and what changed
@@ -95,8 +95,35 @@ class NodeRegistry:
 
 # -- what a node's code reads from outside it --------------------------------------------------------------
 
-_sent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node → its Reads when it was last pickled
-_warned: weakref.WeakSet = weakref.WeakSet()  # nodes already warned about: once each
+class ByNode:
+    """A dict keyed by the node object itself (its identity), held weakly: an entry goes with its node.
+
+    Not a WeakKeyDictionary: that hashes its keys, and a node need not be hashable (a @dataclass node's
+    `__hash__` is None, as is any class's that defines `__eq__` alone), nor is a node equal to another one
+    the same node (it is another copy, with its own state). A node without `__weakref__` (`__slots__`) is
+    not kept (`put` raises TypeError): it would be held, and its id never freed, as long as the process."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}  # id(node) → (a weak reference to it, its value)
+
+    def get(self, node, default=None):
+        entry = self._entries.get(id(node))
+        # (an id may be a dead node's until its weak reference's callback has run: the reference says whose)
+        return entry[1] if entry is not None and entry[0]() is node else default
+
+    def put(self, node, value) -> None:
+        key, entries = id(node), self._entries
+
+        def gone(ref) -> None:  # (run as the node is freed, before its id can be another object's)
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(node, gone), value)
+
+
+_sent = ByNode()  # node → its Reads when it was last pickled
 _CALLED = ("forward", "forward_batch", "setup")  # a Node class's methods whose reads are noted
 _KEPT = (int, float, complex, str, bytes, bool, type(None))  # compared by value (an equal int rebound is no change)
 # Not followed: modules, classes and builtins (`torch`, `Done`, `len`) are not rebound in practice, and leaving
@@ -111,7 +138,7 @@ class Reads:
     itself for numbers, strings and None, else the object's id (no reference kept: a tensor is not held alive).
     Found once, when the node is pickled; `changed()` only reads each name again (~1 µs for a few)."""
 
-    __slots__ = ("names", "sources", "then", "weights")
+    __slots__ = ("names", "sources", "then", "weights", "warned")
 
     def __init__(self, node):
         names, sources = [], []
@@ -128,6 +155,7 @@ class Reads:
         self.then = self._now()
         # the torch modules it holds or reads, whose weights its copies keep (soma.run.weights)
         self.weights = Weights.of(node, [_read(source, name) for source, name in sources])
+        self.warned = False  # its node was warned about (once each, until it is sent again)
 
     def _now(self) -> tuple:
         return tuple(_bound(_read(source, name)) for source, name in self.sources)
@@ -158,17 +186,17 @@ def _bound(value):
 
 def note_sent(node) -> None:
     """`node` is being pickled for its copies: what its code reads now is what they see."""
-    try:
-        reads = _sent.get(node)
-    except TypeError:  # a node without __weakref__: not followed
-        return
+    reads = _sent.get(node)
     if reads is None:
-        _sent[node] = Reads(node)
+        try:
+            _sent.put(node, Reads(node))
+        except TypeError:  # a node without __weakref__: not followed
+            pass
     else:  # pickled again (another pool): the graphs that hold it keep this one Reads
         reads.then = reads._now()
         if reads.weights is not None:
             reads.weights.noted()
-        _warned.discard(node)
+        reads.warned = False
 
 
 _last_read: tuple = (lambda: None, [])  # (a weak reference to the graph looked at last, its list from _by_graph)
@@ -193,10 +221,9 @@ def warn_if_changed(graph, thorough: bool = False) -> None:
         rebound = reads._now() != reads.then
         if not rebound and (reads.weights is None or not reads.weights.changed(thorough)):
             continue
-        node = graph.node(node_id)
-        if node in _warned:
+        if reads.warned:
             continue
-        _warned.add(node)
+        reads.warned = True
         if rebound:
             names = ", ".join(f"`{name}`" for name in reads.changed())
             said = (f"reads {names}, which now names another value than when the node was sent to its copies on "
@@ -226,11 +253,13 @@ def _reading(graph) -> list:
     """`[(node id, Reads)]` of the graph's nodes that read something; kept once every node has been sent."""
     reading, complete = [], True
     for node_id in graph.nodes():
-        try:
-            reads = _sent.get(graph.node(node_id))
-        except TypeError:  # (not followed)
-            continue
+        node = graph.node(node_id)
+        reads = _sent.get(node)
         if reads is None:
+            try:
+                weakref.ref(node)
+            except TypeError:  # a node without __weakref__ is never followed: nothing to wait for
+                continue
             complete = False
         elif reads.names or reads.weights is not None:
             reading.append((node_id, reads))

@@ -1,5 +1,6 @@
 """What a user trips over once the README works: each mistake gets a clear answer, or just works."""
 
+import dataclasses
 import traceback
 
 import pytest
@@ -336,6 +337,67 @@ def test_a_value_a_node_reads_rebound_after_it_was_sent_is_warned_about_once(run
             "the new value, give it to a new node as its attribute, or pass it in the input")
     assert said == [f"node `add_offset` reads `OFFSET`{tail}", f"node `add_k` reads `k`{tail}"]  # once each
     assert {w.filename for w in caught} == {__file__}  # pointing at the run or map that was given the node
+
+
+SCALE = 10  # read by Scaled; the test below rebinds it
+
+
+@dataclasses.dataclass
+class Scaled(Node):
+    """A @dataclass node: eq=True sets its __hash__ to None, so it cannot be a dict's key."""
+
+    offset: int = 1
+
+    def forward(self, x, ctx):
+        return Done(x * SCALE + self.offset)
+
+
+@dataclasses.dataclass
+class Scores(Node):
+    """A @dataclass node holding a torch module (unhashable, as above)."""
+
+    model: object = None
+
+    def forward(self, x, ctx):
+        return Done(self.model(x).sum().item())
+
+
+def test_an_unhashable_node_is_watched_as_any_other(runner, monkeypatch):
+    """A node that cannot be hashed (a @dataclass, any class defining __eq__ without __hash__) is still one
+    node: its rebound global and its module's weights changed in place are warned about once, as a plain
+    node's are (both were silent: Local gave 11 where the Executor gave 101, and not a word)."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    scaled, scores = Scaled(), Scores(model)
+    with pytest.raises(TypeError):
+        hash(scaled)
+    x = torch.ones(2)
+    assert runner.run(scaled, 1) == 11 and runner.run(scores, x) == 2.0
+    monkeypatch.setattr(__import__(__name__, fromlist=["SCALE"]), "SCALE", 100)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an optimizer's step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [runner.run(scaled, 1), list(runner.map(scaled, [1, 2])), list(runner.map(scores, [x])),
+               runner.run(scaled, 1), list(runner.map(scores, [x]))]
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if isinstance(runner, soma.Executor):
+        assert got == [101, [101, 201], [4.0], 101, [4.0]] and said == []
+        return
+    assert got == [11, [11, 21], [2.0], 11, [2.0]]  # the copies', as sent
+    assert said == [  # once each
+        "node `scaled` reads `SCALE`, which now names another value than when the node was sent to its copies on "
+        "worker processes: they still see the old one, where the in-process Executor sees the new (docs/api.md, "
+        "\"Copies\"); to use the new value, give it to a new node as its attribute, or pass it in the input",
+        "node `scores` holds a torch module whose weights changed in place (an optimizer step, load_state_dict) "
+        "since the node was sent to its copies on worker processes: they still run the old weights, where the "
+        "in-process Executor sees the new (docs/api.md, \"Copies\"); to use the new weights, make a new node of "
+        "the module (soma.torch.Module(model)), or start a new pool"]
+    assert {w.filename for w in caught} == {__file__}
 
 
 ONLY_HERE = """\
