@@ -22,13 +22,13 @@ import contextlib
 import sys
 import threading
 import time
-import weakref
 
 from ..ctx import Ctx
 from ..errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
 from ..plan import Plan, Seq, Step, Wave, fold
 from ..values import Done, Opaque
 from .batching import Entry, Meeting, batch_outputs, failing, is_batching, max_batch_of
+from .identity import ByNode
 from .postcondition import UNCHECKED, check_postcondition
 from .threads import kept_threads, on_threads
 
@@ -116,28 +116,32 @@ class _Guard:
         self.meeting: Meeting | None = None
 
 
-_guards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_pinned_guards: dict = {}  # nodes that cannot be weakly referenced: kept as long as the process
+_guards = ByNode()  # node object (by identity: two equal nodes are two nodes) → its guard
+_pinned_guards: dict = {}  # id → (node, guard) of nodes that cannot be weakly referenced: kept as long as the process
 _guards_lock = threading.Lock()
 
 
 def guard_of(node) -> _Guard:
-    try:
-        return _guards[node]
-    except KeyError:
-        pass
-    except TypeError:  # not weakly referenceable (__slots__ without __weakref__)
-        found = _pinned_guards.get(id(node))
-        if found is not None and found[0] is node:
-            return found[1]
-    with _guards_lock:
-        try:
-            return _guards.setdefault(node, _Guard())
-        except TypeError:
-            found = _pinned_guards.get(id(node))
-            if found is None or found[0] is not node:
-                found = _pinned_guards[id(node)] = (node, _Guard())
-            return found[1]
+    guard = _found_guard(node)
+    if guard is None:
+        with _guards_lock:
+            guard = _found_guard(node)
+            if guard is None:
+                guard = _Guard()
+                try:
+                    _guards.put(node, guard)
+                except TypeError:  # not weakly referenceable (__slots__ without __weakref__)
+                    _pinned_guards[id(node)] = (node, guard)
+    return guard
+
+
+def _found_guard(node) -> _Guard | None:
+    guard = _guards.get(node)
+    if guard is None:
+        pinned = _pinned_guards.get(id(node))
+        if pinned is not None and pinned[0] is node:
+            guard = pinned[1]
+    return guard
 
 
 def meeting_of(node) -> Meeting:

@@ -34,6 +34,7 @@ import weakref
 from collections import deque
 
 from ..errors import NodeError
+from .identity import ByNode
 from .weights import Weights
 
 
@@ -94,34 +95,6 @@ class NodeRegistry:
 
 
 # -- what a node's code reads from outside it --------------------------------------------------------------
-
-class ByNode:
-    """A dict keyed by the node object itself (its identity), held weakly: an entry goes with its node.
-
-    Not a WeakKeyDictionary: that hashes its keys, and a node need not be hashable (a @dataclass node's
-    `__hash__` is None, as is any class's that defines `__eq__` alone), nor is a node equal to another one
-    the same node (it is another copy, with its own state). A node without `__weakref__` (`__slots__`) is
-    not kept (`put` raises TypeError): it would be held, and its id never freed, as long as the process."""
-
-    __slots__ = ("_entries",)
-
-    def __init__(self):
-        self._entries: dict[int, tuple] = {}  # id(node) → (a weak reference to it, its value)
-
-    def get(self, node, default=None):
-        entry = self._entries.get(id(node))
-        # (an id may be a dead node's until its weak reference's callback has run: the reference says whose)
-        return entry[1] if entry is not None and entry[0]() is node else default
-
-    def put(self, node, value) -> None:
-        key, entries = id(node), self._entries
-
-        def gone(ref) -> None:  # (run as the node is freed, before its id can be another object's)
-            if entries.get(key, (None,))[0] is ref:
-                del entries[key]
-
-        entries[key] = (weakref.ref(node, gone), value)
-
 
 _sent = ByNode()  # node → its Reads when it was last pickled
 _CALLED = ("forward", "forward_batch", "setup")  # a Node class's methods whose reads are noted

@@ -7,7 +7,13 @@ import pytest
 import soma
 from soma import Graph, NodeError
 from tests.conftest import cuda_available
-from tests.run.nodes import MakesOnDevice, SetupCounter, SetupFailsOnce, SetupSees
+from tests.run.nodes import (
+    EqualToItsKind,
+    MakesOnDevice,
+    SetupCounter,
+    SetupFailsOnce,
+    SetupSees,
+)
 
 
 def test_setup_runs_once_before_the_first_forward(runner):
@@ -31,6 +37,13 @@ def test_setup_sees_its_nodes_ctx(runner):
     # ... so the copy reports it: the same node id and device everywhere, a worker only in Local
     in_worker = not isinstance(runner, soma.Executor)
     assert runner.run(Graph.somatize(SetupSees().named("seen").on("meta")), 0) == ("seen", "meta", in_worker)
+
+
+def test_two_equal_nodes_are_two_nodes_each_with_its_own_setup(runner):
+    # (a node's setup-done flag and lock were kept by hash: the second of two equal nodes never ran its setup)
+    g = Graph.somatize(EqualToItsKind().named("a").on("meta") | EqualToItsKind().named("b").on("meta"))
+    in_worker = not isinstance(runner, soma.Executor)
+    assert runner.run(g, 0) == (("a", "meta", in_worker), ("b", "meta", in_worker))
 
 
 def test_a_setup_that_raises_is_the_nodes_error_and_is_tried_again(runner):
