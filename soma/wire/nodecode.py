@@ -44,8 +44,8 @@ def loads(blob: bytes):
 
 # Where a node's code was not found, and what to do: said for the process that loads it.
 _NOT_FOUND = {
-    "worker": ("workers start with the host's sys.path and working directory; define the node in a module they "
-               "can import"),
+    "worker": ("a worker searches the host's sys.path as it was when the node was sent to it, from the working "
+               "directory the pool started in; define the node in a module they can import"),
     "Ray actor": ("a Ray actor imports the module of each node it runs on whichever machine of the cluster it is "
                   "on, so that module must be importable there, the same code on every machine: on the actor's "
                   "sys.path (it searches the driver's sys.path, where those folders exist on its machine), or "
@@ -62,12 +62,17 @@ def why_not_loaded(err: BaseException, where: str = "worker") -> str:
     A node of an importable module travels by reference: the worker imports that module, and the module's
     top-level code runs there, with the worker's sys.argv (its own program's arguments). A module that reads
     the command line as it is imported (`int(sys.argv[1])`, `parser.parse_args()`) fails there, and the
-    worker's sys.path, the usual suspect, is not the cause. Anything else: the module could not be found
-    (on a Ray cluster, on the machine the actor is on).
+    worker's sys.path, the usual suspect, is not the cause. An ImportError, or pickle's "Can't get attribute":
+    the module, or the class in it, could not be found (on a Ray cluster, on the machine the actor is on).
+    Anything else came from code that runs as the node is unpickled (a `__setstate__` that opens a file the
+    worker cannot, say): where to look is that code, not the sys.path.
     """
     frame, line = _importing(err)
     if frame is None:
-        return _NOT_FOUND[where]
+        if isinstance(err, ImportError) or (isinstance(err, AttributeError) and
+                                            str(err).startswith("Can't get attribute")):
+            return _NOT_FOUND[where]
+        return _unpickling_failed(err, where)
     module = frame.f_globals.get("__name__", "?")
     said = (f"importing module `{module}` here ran its top-level code, which raised at {frame.f_code.co_filename}, "
             f"line {line}")
@@ -78,6 +83,21 @@ def why_not_loaded(err: BaseException, where: str = "worker") -> str:
                 f"`if __name__ == \"__main__\":` and give nodes what they need as their attributes")
     return (f"{said}: a {where} imports the module of each node it runs, so that code runs again there; keep "
             f"what must run once (reading arguments, starting work) under `if __name__ == \"__main__\":`")
+
+
+def _unpickling_failed(err: BaseException, where: str) -> str:
+    """What to do about `err` raised by code that ran as the node was unpickled (not an import)."""
+    ran = "unpickling it here raised"
+    tb = err.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not loads.__code__:
+        tb = tb.tb_next
+    if tb is not None and tb.tb_next is not None:  # the frame loads called: the node's own unpickling code
+        code = tb.tb_next.tb_frame.f_code
+        ran = (f"unpickling it here ran {getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}, line "
+               f"{tb.tb_next.tb_lineno}), which raised")
+    return (f"{ran}: a {where} rebuilds each node from its pickled state, so what runs as it is unpickled "
+            f"(`__setstate__`, a `__reduce__`'s function) runs there, in that process; make it work there, or "
+            f"do that work in the node's `setup(self, ctx)`, which runs once per copy where it runs")
 
 
 def _importing(err: BaseException):
@@ -94,10 +114,16 @@ def _importing(err: BaseException):
 
 def _make_code(args: tuple, filename: str, lines: tuple | None):
     """Unpickling: the code object cloudpickle's arguments describe, under its real file name."""
-    args = tuple(filename if a == _DYNAMIC else a for a in args)
+    args = tuple(filename if _is_dynamic(a) else a for a in args)
     if lines:
         _remember_lines(filename, lines)
     return types.CodeType(*args)
+
+
+def _is_dynamic(arg) -> bool:
+    """Whether a code object's argument is cloudpickle's stand-in file name. Its bytes arguments (the bytecode)
+    are not compared with a str: under `python -bb` (passed to workers too) that comparison raises."""
+    return type(arg) is str and arg == _DYNAMIC
 
 
 def _remember_lines(filename: str, lines: tuple) -> None:
@@ -151,7 +177,7 @@ def _pickler_class():
 
             def reduce_code(self, code):
                 rebuild, args = base_reduce(code)
-                if rebuild is not types.CodeType or _DYNAMIC not in args:
+                if rebuild is not types.CodeType or not any(map(_is_dynamic, args)):
                     return rebuild, args  # a cloudpickle that keeps file names (or builds code otherwise)
                 return _make_code, (args, code.co_filename, self.source_lines(code))
 

@@ -5,7 +5,7 @@ the records below are the messages, `pack` seals one into a frame and `parse`
 opens a frame into a record. The values inside (a node's input and output) are
 `soma.wire.codec`'s business; how the frames travel is `soma.wire.transport`'s.
 
-    host → worker   Task(code, pieces, jobs, frees, forget, held, room_s)
+    host → worker   Task(code, pieces, jobs, frees, forget, held, room_s, sys_path)
                         code    {node key: the node, pickled}      only what this worker lacks
                         pieces  {piece id: piece spec}             only what this worker lacks
                         jobs   [JobSpec(id, piece, payload, traced)] one input for one piece each,
@@ -16,6 +16,7 @@ opens a frame into a record. The values inside (a node's input and output) are
                         frees   [[segment, n]]                     see soma.wire.shm
                         forget  [node key]                         the host let these nodes go
                         held    bytes of /dev/shm the caller's results hold (see soma.wire.room)
+                        sys_path  the host's sys.path, with code, when it changed since the worker had it
                     Free(frees)      Cancel(job ids: drop them if not started)      Stop()
                     GiveBack(job ids: those not started come back unrun, named in `returned`)
     worker → host   Hello(worker, pid, device)
@@ -34,8 +35,8 @@ opens a frame into a record. The values inside (a node's input and output) are
 A chunk (the host's choice for inputs measured cheap) is answered input by input,
 in parts: each part a `ChunkPart` of the inputs done since the last, each with its
 own ok or error and spans, the outputs of those that ran ok encoded as one
-list, and the part's typical input's seconds (what the host sizes chunks by). The worker sends a part when what is done has waited PART_S (40 ms) while
-the chunk still runs, when a Cancel names one of its inputs that has not started
+list, and the part's typical input's seconds (what the host sizes chunks by). The
+worker sends a part when what is done has waited PART_S (40 ms) while the chunk still runs, when a Cancel names one of its inputs that has not started
 (answered Cancelled in that part), when a GiveBack names any of it, and when the
 chunk is over; `more` says whether later parts follow. A GiveBack is always
 answered by one Result, at once, even while an input runs long: it carries the
@@ -82,6 +83,7 @@ except ImportError:  # pragma: no cover
     from hmac import compare_digest
 
 SECRET_ENV = "SOMA_SECRET"
+SYS_PATH_ENV = "SOMA_SYS_PATH"  # the host's sys.path as a worker starts with it: a JSON list of str
 MAC_SIZE = 16
 
 HELLO, TASK, RESULT, FREE, CANCEL, STOP, GIVE_BACK = range(1, 8)
@@ -161,6 +163,9 @@ class Task(NamedTuple):
     # How long a reservation short of room in /dev/shm waits for frees on their way before it spills (None: by
     # its size, soma.wire.room.room_wait_s): a map held back by memory counted room for its outputs.
     room_s: float | None = None
+    # The host's sys.path, with code, when it changed since this worker was given it (None: it did not): the
+    # worker searches it before it loads that code (host/procs.py `path_news`).
+    sys_path: list | None = None
 
 
 class Result(NamedTuple):
@@ -232,8 +237,8 @@ def parse(secret: bytes, frame: bytes, origin: str):
         fields = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True, ext_hook=_unpacked_ext)
         kind = fields[0]
         if kind == TASK:
-            code, pieces, jobs, frees, forget, held, room_s = fields[1:]
-            return Task(code, pieces, [_entry(u) for u in jobs], frees, forget, held, room_s)
+            code, pieces, jobs, frees, forget, held, room_s, sys_path = fields[1:]
+            return Task(code, pieces, [_entry(u) for u in jobs], frees, forget, held, room_s, sys_path)
         if kind == RESULT:
             worker, pid, outcomes, releases, leaving, returned = fields[1:]
             return Result(worker, pid, [Outcome(*o) if len(o) == 5 else ChunkPart(*o) for o in outcomes], releases,

@@ -620,6 +620,7 @@ def test_a_real_worker_answers_a_chunk_and_gives_back_what_a_straggler_holds_up(
     """A real `soma-worker` process, driven through its sockets as a host drives it: a chunk whose third input
     runs long; a GiveBack gets the two done outputs and the three unstarted ids at once, while it runs; a Cancel
     of one id in a second chunk answers it Cancelled; then the straggler's output comes, and nothing else."""
+    import json
     import subprocess
     import sys
 
@@ -631,7 +632,7 @@ def test_a_real_worker_answers_a_chunk_and_gives_back_what_a_straggler_holds_up(
         sock.setsockopt(zmq.LINGER, 0)
     tasks.bind(f"ipc://{tmp}/tasks")
     results.bind(f"ipc://{tmp}/results")
-    env = dict(os.environ, SOMA_SECRET=SECRET.hex(), SOMA_SYS_PATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+    env = dict(os.environ, SOMA_SECRET=SECRET.hex(), SOMA_SYS_PATH=json.dumps([p or os.getcwd() for p in sys.path]))
     worker = subprocess.Popen([sys.executable, "-m", "soma.local.worker", "--tasks", f"ipc://{tmp}/tasks",
                                "--results", f"ipc://{tmp}/results", "--id", "w9", "--host-pid", str(os.getpid()),
                                "--prefix", pool_prefix(os.getpid(), os.urandom(4).hex()),

@@ -136,7 +136,7 @@ def test_unsendable_result_is_a_node_error(local):
 
 
 def test_node_code_that_cannot_load_in_the_worker(local, tmp_path):
-    # A module the host can import but the workers cannot (it appears after they started).
+    # A module the host imported but the workers cannot (its file is gone since).
     (tmp_path / "only_on_host.py").write_text(
         "from soma import Node, Done\n"
         "class HostOnly(Node):\n"
@@ -147,6 +147,7 @@ def test_node_code_that_cannot_load_in_the_worker(local, tmp_path):
     try:
         import only_on_host
 
+        (tmp_path / "only_on_host.py").unlink()
         g = Graph.somatize(only_on_host.HostOnly())
         for _ in range(2):  # and again: the worker did not cache the failure as "loaded"
             with pytest.raises(NodeError, match=r"^node `host_only` failed: its code could not be loaded in worker "

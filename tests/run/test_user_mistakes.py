@@ -438,11 +438,10 @@ def test_node_code_a_copy_cannot_load_says_why_and_what_to_do_on_every_runner(ru
 
     if isinstance(runner, soma.Executor):
         pytest.skip("the Executor runs the node object itself: nothing is loaded")
-    if case == "reads_argv" and isinstance(runner, soma.Local):
-        pytest.skip("Local's workers search the sys.path they started with: test_a_node_module_that_reads_the_"
-                    "command_line_as_it_is_imported_says_so_from_the_worker starts them with the module's folder")
     module = f"only_here_{case}_{type(runner).__name__.lower()}"
-    sys.path.insert(0, str(tmp_path))  # (a Ray actor searches the driver's sys.path as it was when it started)
+    # (a Ray actor searches the driver's sys.path as it was when it started; Local's workers, as it is when the
+    # node is sent)
+    sys.path.insert(0, str(tmp_path))
     try:
         node = _node_only_here(tmp_path, module, "OnlyHere")
         if case == "not_there":

@@ -189,7 +189,9 @@ class WorkerPool:
                     code[key] = self.registry.code(node_id, key)
         held, room_s = self.segments.for_task(items)  # (first: its frees are current)
         frees = self._book.take_frees(worker.pid) if self._book.frees else []
-        task = Task(code, pieces, [item.spec for item in items], frees, worker.forget, held, room_s)
+        path = worker.path_news() if code else None  # (the code is what searches it: procs.py)
+        task = Task(code, pieces, [item.spec for item in items], frees, worker.forget, held, room_s,
+                    path[1] if path else None)
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
         if not sent_ok:
             self._book.give_back_frees(worker.pid, frees)
@@ -201,6 +203,8 @@ class WorkerPool:
                     self.segments.note_sent(name)
             sent.update(pieces)
             worker.loaded.update(code)
+            if path:
+                worker.sys_path = path[0]
         return sent_ok
 
     def cancel(self, slot: int, job_ids: list, give_back: bool = False) -> None:

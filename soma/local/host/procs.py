@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -10,14 +11,14 @@ import sys
 import time
 from collections import Counter
 
-from ...wire.protocol import SECRET_ENV
+from ...wire.protocol import SECRET_ENV, SYS_PATH_ENV
 from ...wire.status import StatusPage
 
 
 class WorkerProcess:
     """One incarnation of a worker slot: its process, its readiness, what it has been sent."""
 
-    def __init__(self, slot: int, proc: subprocess.Popen, status_path: str):
+    def __init__(self, slot: int, proc: subprocess.Popen, status_path: str, sys_path: tuple):
         self.slot = slot
         self.id = f"w{slot}"
         self.proc = proc
@@ -32,7 +33,18 @@ class WorkerProcess:
         self.loaded: set[int] = set()  # node keys whose code it has been sent
         self.pieces: set[int] = set()  # piece ids whose spec it has been sent
         self.forget: list[int] = []  # keys of nodes gone on the host, to tell it with its next task
+        self.sys_path = sys_path  # the host's sys.path as this worker knows it (a copy: path_news compares)
         self._status = None
+
+    def path_news(self) -> tuple | None:
+        """The host's sys.path when it changed since this worker was given it (at its start, or with code
+        since), as `(what to remember once it is sent, what to send)`; None when it did not.
+
+        Called only with node code on its way (a run that sends none compares nothing): a notebook that
+        appends a folder after the pool started, then imports a node from it, sends the node with the new path,
+        and the worker searches it before it loads the code, as a worker started now would."""
+        now = tuple(sys.path)
+        return None if now == self.sys_path else (now, host_sys_path(now))
 
     def alive(self, recheck_s: float = 0.0) -> bool:
         """Whether the process runs; with `recheck_s`, a positive answer that young is trusted."""
@@ -90,12 +102,34 @@ class WorkerProcess:
             pass
 
 
+def host_sys_path(path=None) -> list[str]:
+    """The host's sys.path (or `path`, a copy of it) as a worker must search it: relative entries ('' is the
+    working directory) made absolute, since a worker's working directory is the host's as of its start only;
+    entries that are not str left out, as the host's imports skip them."""
+    cwd = os.getcwd()
+    return [os.path.join(cwd, p) if p else cwd for p in (sys.path if path is None else path) if isinstance(p, str)]
+
+
+# What the worker's interpreter runs first. Not `-m soma.local.worker`: `-m` puts the working directory first on
+# sys.path before any of soma runs, so a user's argparse.py (or json.py ...) there was imported instead of the
+# standard library's and every worker died before its hello; and soma itself was found only where the worker's
+# default path had it. So: drop the working directory ('' on every version, for -c; `-P`, which 3.11+ has and
+# 3.10 does not, would also show in the worker's sys.flags and pass on to its own children), adopt the host's
+# sys.path (JSON: any path, ':' in it included, survives; os.pathsep does not), and only then import soma.
+BOOTSTRAP = ("import sys; sys.path[:] = [p for p in sys.path if p]; import json, os; "
+             f"sys.path[:] = json.loads(os.environ.pop({SYS_PATH_ENV!r})); "
+             "from soma.local.worker.main import main; sys.exit(main())")
+
+
 def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: bytes, prefix: str,
           threads: int, arena: int, preload_torch: bool, max_memory: int | None = None) -> WorkerProcess:
-    """Start `python -m soma.local.worker` for a slot: the host's interpreter, sys.path and working directory."""
+    """Start the `soma-worker` program for a slot: the host's interpreter with its flags, sys.path and working
+    directory."""
     status_path = os.path.join(run_dir, f"status-w{slot}-{os.urandom(4).hex()}")
+    # The host's interpreter flags too (-O, -W error, -X dev, -b, -E ...), as multiprocessing passes them to
+    # its children: a node must meet the same asserts, warning filters and checks on Local as on the Executor.
     argv = [
-        sys.executable, "-m", "soma.local.worker",
+        sys.executable, *subprocess._args_from_interpreter_flags(), "-c", BOOTSTRAP,
         "--tasks", endpoints[0], "--results", endpoints[1],
         "--id", f"w{slot}", "--device", device, "--threads", str(threads),
         "--host-pid", str(os.getpid()), "--prefix", prefix, "--arena", str(arena),
@@ -105,7 +139,8 @@ def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: byt
         argv.append("--preload-torch")
     env = dict(os.environ)
     env[SECRET_ENV] = secret.hex()  # readable only by this user, in /proc/<pid>/environ (0400)
-    env["SOMA_SYS_PATH"] = os.pathsep.join(p if p else os.getcwd() for p in sys.path)
+    path = tuple(sys.path)
+    env[SYS_PATH_ENV] = json.dumps(host_sys_path(path))
     # Its share of the cores: two processes each using every core run 1.5-3x slower here.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
@@ -113,7 +148,7 @@ def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: byt
     # handle, not every worker's (they would die, be replaced, and run every setup again).
     proc = subprocess.Popen(argv, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL, close_fds=True,
                             start_new_session=True)
-    return WorkerProcess(slot, proc, status_path)
+    return WorkerProcess(slot, proc, status_path, path)
 
 
 START_FAILURES = 3  # a slot whose workers die this many times in a row before saying hello is down (why_down)

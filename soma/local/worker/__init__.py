@@ -39,9 +39,11 @@ How messages flow through a worker (the host is drawn in `soma.local`):
     segments.py: this worker's shared-memory store; free segments beyond a few are given
     back after it has been idle a while.
 
-The host starts it as `python -m soma.local.worker` (the same program as the
-`soma-worker` console script) with its own `sys.path`, working directory and the
-pool's secret in the environment; `--help` lists the arguments.
+The host starts it with its own interpreter and flags as `python -c BOOTSTRAP`
+(host/procs.py: the host's `sys.path` set before anything is imported, then
+`main`: the same program as `python -m soma.local.worker` and the `soma-worker`
+console script), in its working directory, with the pool's secret in the
+environment; `--help` lists the arguments.
 """
 
 from .main import main

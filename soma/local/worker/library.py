@@ -3,6 +3,7 @@
     Task.code   {key: blob}  ─ register ─▶ blobs ─ node(): unpickled once, on first use ─▶ nodes
     Task.pieces {id: spec}   ─ register ─▶ specs ─ load(): plan + Interpreter over the nodes ─▶ pieces (Loaded)
     Task.forget [key]        ─ forget ───▶ those nodes, and every piece naming one, are dropped
+    Task.sys_path [str]      ─ register ─▶ sys.path: the host's, changed since we had it, searched by its code
 
 A node's copy lives in `nodes` from its first input on (its state is here); a
 piece whose code fails to load is not kept, so the next input tries again.
@@ -10,6 +11,7 @@ piece whose code fails to load is not kept, so the next input tries again.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from ...errors import NodeError, traceback_text
@@ -47,12 +49,24 @@ class Library:
         self.specs: dict[int, bytes] = {}  # piece id → spec
         self.pieces: dict[int, Loaded] = {}  # piece id → the piece, once its nodes are loaded
         self.lock = threading.Lock()
+        self.host_path = list(sys.path)  # the host's sys.path as last given (main.py set it at our start)
 
-    def register(self, code: dict, pieces: dict) -> None:
-        """Code and piece specs a Task carries (registered before its jobs run anywhere)."""
+    def register(self, code: dict, pieces: dict, sys_path: list | None = None) -> None:
+        """Code and piece specs a Task carries (registered before its jobs run anywhere), and the host's sys.path
+        when it changed since we were given it (before the code that may need it is loaded)."""
         with self.lock:
+            if sys_path is not None:
+                self.adopt_path(sys_path)
             self.blobs.update(code)
             self.specs.update(pieces)
+
+    def adopt_path(self, host_path: list) -> None:
+        """Search `host_path`, the host's sys.path now: what it added or removed since we had it, here too. An
+        entry a node added here itself (not the host's) is kept, after the host's: its node counts on it."""
+        before = set(self.host_path)
+        ours = [p for p in sys.path if p not in before and p not in host_path]
+        sys.path[:] = list(host_path) + ours
+        self.host_path = list(host_path)
 
     def describe(self, piece_id: int) -> tuple:
         """`(plan, {node id: (key, device)}, first node, last node)` of a piece the host has described."""

@@ -1,4 +1,5 @@
-"""`soma-worker` / `python -m soma.local.worker`: parse what the host passed, then serve."""
+"""`soma-worker` / `python -m soma.local.worker` (soma.Local starts it as host/procs.py's BOOTSTRAP): parse what the
+host passed, then serve."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import sys
 
 DESCRIPTION = """\
 A worker process of a soma.Local pool. You do not start this yourself: soma.Local
-starts one per worker as `python -m soma.local.worker ...` (the same program as the
-`soma-worker` console script), never forked from the host. The host passes:
+starts one per worker with the host's interpreter and its flags (-O, -W, -X ...),
+as `python -c "<adopt SOMA_SYS_PATH>; soma.local.worker.main.main()" ...` (the same
+program as `python -m soma.local.worker` and the `soma-worker` console script, with
+nothing imported from the working directory before the host's sys.path is set),
+never forked from the host. The host passes:
 
-  * its sys.path in SOMA_SYS_PATH and its working directory as ours, so nodes
-    defined in the user's modules, scripts and notebooks load here;
+  * its sys.path in SOMA_SYS_PATH (a JSON list) and its working directory as ours,
+    so nodes defined in the user's modules, scripts and notebooks load here; the
+    sys.path again, with node code, when it changed since (Task.sys_path);
   * the pool's secret (hex) in SOMA_SECRET: every message either way carries a
     keyed MAC, and messages that fail it are dropped unread;
   * the endpoints of its sockets (ipc:// in a private 0700 directory), this
@@ -47,23 +52,27 @@ def parse_args(argv):
                         help="soma.Local(max_memory=...): after a job, a worker whose own memory (resident, less "
                              "libraries and shared memory) is above this many bytes runs nothing more and exits, "
                              "so the host replaces it; 0: no cap")
-    parser.add_argument("--preload-torch", action="store_true", help="import torch right after saying hello, in the background (the host uses it)")
+    parser.add_argument("--preload-torch", action="store_true",
+                        help="import torch right after saying hello, in the background (the host uses it)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from ...wire.protocol import (
-        SECRET_ENV,  # (after --help: that needs none of the protocol's imports)
+    from ...wire.protocol import (  # (after --help: that needs none of the protocol's imports)
+        SECRET_ENV,
+        SYS_PATH_ENV,
     )
 
     secret_hex = os.environ.pop(SECRET_ENV, "")
     if not secret_hex:
         print(f"soma-worker: {SECRET_ENV} is not set; soma.Local starts workers, see --help", file=sys.stderr)
         return 2
-    host_path = os.environ.pop("SOMA_SYS_PATH", None)
+    host_path = os.environ.pop(SYS_PATH_ENV, None)  # (still there when started as `soma-worker`, not by spawn)
     if host_path:
-        sys.path[:] = host_path.split(os.pathsep)
+        import json
+
+        sys.path[:] = json.loads(host_path)
     from .worker import Worker
 
     worker = Worker(args, bytes.fromhex(secret_hex))

@@ -269,7 +269,7 @@ class Worker:
             if task.code or task.pieces:
                 # Registered while this thread still receives: a later job that counts on this code
                 # (the host sends it once per worker) may run on another thread before it gets here.
-                self.library.register(task.code, task.pieces)
+                self.library.register(task.code, task.pieces, task.sys_path)
         except Exception as err:  # an authentic but malformed message must not take the worker down
             warn("soma.worker", "soma worker %s: dropped a malformed Task: %s: %s", self.id, type(err).__name__, err)
             return None
