@@ -4,8 +4,9 @@
 
 Four branches of pure-Python work in one wave. The in-process Executor runs each
 branch on its own thread, and the threads take turns on the GIL. soma.Local runs
-the same graph on worker processes (`python -m soma.local.worker`, the `soma-worker`
-program), two branches per worker here, so the work is spread across the cores.
+the same graph on worker processes (the `soma-worker` program, `python -m
+soma.local.worker`), two branches per worker here, so the work is spread across
+the cores.
 Same graph, same answer, no code change.
 
 Then many inputs: `map` sends 8 inputs of ~50 ms of pure Python each through a
@@ -210,10 +211,13 @@ def machine_report(share: tuple[float, float] | None, cores: int, quiet: str = "
 def command_line(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
-        return " ".join(a.decode() for a in args[:4] if a) + " ..."
+            args = [a.decode() for a in f.read().split(b"\0") if a]
     except OSError:
         return "?"
+    if "-c" in args:  # Local's bootstrap (soma/local/host/procs.py): the host's sys.path, then the worker's main
+        at = args.index("-c")
+        args[at:at + 2] = ["-c", "'<sys.path from the host>; soma.local.worker.main()'"]
+    return " ".join(args[:args.index("--tasks") + 2] if "--tasks" in args else args[:4]) + " ..."
 
 
 def main(ms: float = 100.0, rounds: int = 7, workers: int | None = None, map_inputs: int = 8,

@@ -47,7 +47,7 @@ def test_soma_demo_runs_local_against_the_executor(tmp_path):
                          text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Executor (threads, one process)" in out.stdout and "Local    (" in out.stdout
-    assert "speed-up:" in out.stdout and "-m soma.local.worker" in out.stdout
+    assert "speed-up:" in out.stdout and "soma.local.worker.main()' --tasks ipc://" in out.stdout
     ratio = (r"speed-up: \d+\.\d\dx, the median of 7 rounds \(each round's Executor time over Local's: \d+\.\d\dx to "
              r"\d+\.\d\dx\)\n  at most \dx when both meet the same machine: ")
     assert re.search("^" + ratio, out.stdout, re.M), out.stdout  # the wave
