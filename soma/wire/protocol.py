@@ -36,7 +36,8 @@ A chunk (the host's choice for inputs measured cheap) is answered input by input
 in parts: each part a `ChunkPart` of the inputs done since the last, each with its
 own ok or error and spans, the outputs of those that ran ok encoded as one
 list, and the part's typical input's seconds (what the host sizes chunks by). The
-worker sends a part when what is done has waited PART_S (40 ms) while the chunk still runs, when a Cancel names one of its inputs that has not started
+worker sends a part when what is done has waited PART_S (40 ms) while the chunk
+still runs, when a Cancel names one of its inputs that has not started
 (answered Cancelled in that part), when a GiveBack names any of it, and when the
 chunk is over; `more` says whether later parts follow. A GiveBack is always
 answered by one Result, at once, even while an input runs long: it carries the
