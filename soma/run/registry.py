@@ -14,7 +14,8 @@ a copy does not see the host rebind it later, where the in-process Executor does
 So when a node is pickled, `Reads` notes what its code reads, cheaply (which
 object each name is bound to); `warn_if_changed`, called by a copying runner (Local,
 Ray) as it accepts each run or map, warns once per node when one of those names
-now names another object:
+now names another object, or the node's code (its module, imported by each worker
+once) changed on disk, or the weights of a torch module it holds changed in place:
 
     code(node) ─ pickled ─▶ _sent.put(node, Reads(node))     the names its code reads, and the id (or the
                                                              small value) each is bound to
@@ -28,6 +29,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -35,7 +37,7 @@ from collections import deque
 
 from ..errors import NodeError
 from .identity import ByNode
-from .weights import Weights
+from .weights import LOOK_EVERY_S, Weights
 
 
 class NodeRegistry:
@@ -111,11 +113,12 @@ class Reads:
     itself for numbers, strings and None, else the object's id (no reference kept: a tensor is not held alive).
     Found once, when the node is pickled; `changed()` only reads each name again (~1 µs for a few)."""
 
-    __slots__ = ("names", "sources", "then", "weights", "warned")
+    __slots__ = ("names", "sources", "then", "weights", "files", "warned")
 
     def __init__(self, node):
         names, sources = [], []
-        for func in _functions_of(node):
+        functions = _functions_of(node)
+        for func in functions:
             scope = func.__globals__
             for name in _global_names(func.__code__):
                 if name in scope and not isinstance(scope[name], _FIXED):
@@ -128,6 +131,7 @@ class Reads:
         self.then = self._now()
         # the torch modules it holds or reads, whose weights its copies keep (soma.run.weights)
         self.weights = Weights.of(node, [_read(source, name) for source, name in sources])
+        self.files = CodeFiles.of(functions)  # the files of its code that workers import (not __main__'s)
         self.warned = False  # its node was warned about (once each, until it is sent again)
 
     def _now(self) -> tuple:
@@ -157,6 +161,48 @@ def _bound(value):
     return ("value", value) if type(value) in _KEPT else ("id", id(value))
 
 
+class CodeFiles:
+    """The files of a node's code that a worker imports (its class's module, a soma.fn function's: not
+    `__main__`'s, which travels by value), and when each was last modified as the node was sent. A worker
+    imports a module once: one edited on disk since (or reloaded, `%autoreload` in a notebook) runs as it was in
+    the workers that have it, and as it is now in one that imports it from now on (one that had not run the node
+    yet, or a replacement): one pool, one node, two answers ('v1' and 'v2' in one map). Looked at, as weights
+    are, every LOOK_EVERY_S on a run's way and at each map's start (a stat of each file: ~2 µs)."""
+
+    __slots__ = ("paths", "then", "looked")
+
+    def __init__(self, paths: list):
+        self.paths = paths
+        self.noted()
+
+    @classmethod
+    def of(cls, functions: list) -> "CodeFiles | None":
+        main = sys.modules.get("__main__")
+        paths = sorted({f.__code__.co_filename for f in functions
+                        if sys.modules.get(f.__module__) is not main and os.path.isfile(f.__code__.co_filename)})
+        return cls(paths) if paths else None
+
+    def _now(self) -> tuple:
+        return tuple(_modified(path) for path in self.paths)
+
+    def noted(self) -> None:
+        self.then, self.looked = self._now(), time.monotonic()
+
+    def changed(self, now: bool = False) -> list[str]:
+        """The files modified since noted (looked at only every LOOK_EVERY_S, unless `now`)."""
+        if not now and time.monotonic() - self.looked < LOOK_EVERY_S:
+            return []
+        self.looked = time.monotonic()
+        return [path for path, a, b in zip(self.paths, self.then, self._now()) if a != b and b is not None]
+
+
+def _modified(path: str):
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None  # (gone: nothing to compare; a worker that needs it says so as it fails to load)
+
+
 def note_sent(node) -> None:
     """`node` is being pickled for its copies: what its code reads now is what they see."""
     reads = _sent.get(node)
@@ -169,6 +215,8 @@ def note_sent(node) -> None:
         reads.then = reads._now()
         if reads.weights is not None:
             reads.weights.noted()
+        if reads.files is not None:
+            reads.files.noted()
         reads.warned = False
 
 
@@ -191,12 +239,20 @@ def warn_if_changed(graph, thorough: bool = False) -> None:
         if reading is _by_graph.get(graph):  # (made for good: every node has been sent)
             _last_read = (weakref.ref(graph), reading)
     for node_id, reads in reading:
-        rebound = reads._now() != reads.then
-        if not rebound and (reads.weights is None or not reads.weights.changed(thorough)):
-            continue
-        if reads.warned:
+        rebound = bool(reads.sources) and reads._now() != reads.then
+        weights = not rebound and reads.weights is not None and reads.weights.changed(thorough)
+        files = [] if rebound or weights or reads.files is None else reads.files.changed(thorough)
+        if not (rebound or weights or files) or reads.warned:
             continue
         reads.warned = True
+        if files:
+            edited = ", ".join(files)
+            warnings.warn(f"node `{node_id}` runs code of {edited}, which changed on disk since the node was sent "
+                          f"to its copies on worker processes: those run the code as their worker imported it, "
+                          f"and a worker that imports it from now on (one that had not run the node yet, or a "
+                          f"replacement) imports the new, so the pool may run both (docs/api.md, \"Copies\"); to run the new code, start a new "
+                          f"pool", UserWarning, stacklevel=_outside_soma())
+            continue
         if rebound:
             names = ", ".join(f"`{name}`" for name in reads.changed())
             said = (f"reads {names}, which now names another value than when the node was sent to its copies on "
@@ -234,7 +290,7 @@ def _reading(graph) -> list:
             except TypeError:  # a node without __weakref__ is never followed: nothing to wait for
                 continue
             complete = False
-        elif reads.names or reads.weights is not None:
+        elif reads.names or reads.weights is not None or reads.files is not None:
             reading.append((node_id, reads))
     if complete:
         _by_graph[graph] = reading
