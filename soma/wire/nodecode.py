@@ -25,6 +25,7 @@ import io
 import os
 import pickle
 import sys
+import threading
 import types
 
 _DYNAMIC = "<dynamic-code>"
@@ -39,7 +40,25 @@ def dumps(node) -> bytes:
 
 def loads(blob: bytes):
     """The node back from `dumps` (worker side); it imports cloudpickle itself if the blob needs it."""
-    return pickle.loads(blob)
+    with _loading_lock:
+        _loading[0] += 1
+    try:
+        return pickle.loads(blob)
+    finally:
+        with _loading_lock:
+            _loading[0] -= 1
+
+
+# How many node loads this process's threads are in. A pool started while one runs was started by the top-level
+# code of a module the node's code imported: a script without `if __name__ == "__main__":`, whose pool's
+# workers import it again and start pools of their own, process after process (soma.local.host.procs refuses).
+_loading = [0]
+_loading_lock = threading.Lock()
+
+
+def loading() -> bool:
+    """Whether this process is loading a node's code now (importing its modules' top-level code)."""
+    return _loading[0] > 0
 
 
 # Where a node's code was not found, and what to do: said for the process that loads it.

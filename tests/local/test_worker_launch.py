@@ -179,6 +179,48 @@ def test_a_file_in_the_working_directory_does_not_shadow_the_workers_standard_li
     assert done.stdout == "2\n"
 
 
+UNGUARDED = """
+import os, sys, soma
+from soma import Done, Node
+
+
+class Double(Node):
+    def forward(self, x, ctx):
+        return Done(x * 2)
+
+
+depth = int(os.environ.get("SOMA_TEST_DEPTH", "0"))
+if depth < 2:  # (only so that, were soma not to refuse, this test would fail rather than fill the machine)
+    os.environ["SOMA_TEST_DEPTH"] = str(depth + 1)
+    with soma.Local(workers=1, start_timeout=20) as local:
+        print("nested", depth, local.run(Double(), 21), flush=True)
+"""
+
+
+def test_a_module_that_starts_a_pool_as_it_is_imported_is_refused_in_the_worker_that_imports_it(tmp_path):
+    """A script without `if __name__ == "__main__":`, imported for its node class: each worker importing it ran
+    its pool, whose workers imported it again, process after process. A pool is refused while a node's code
+    loads (as multiprocessing refuses a start while its child imports __main__): the node's error says so."""
+    (tmp_path / "unguarded.py").write_text(UNGUARDED)
+    done = _run_script(tmp_path, """
+        import os, soma
+        os.environ["SOMA_TEST_DEPTH"] = "2"  # (this import of it starts nothing)
+        from unguarded import Double
+        os.environ["SOMA_TEST_DEPTH"] = "0"  # (a worker's import of it would)
+        with soma.Local(workers=1, start_timeout=20) as local:
+            try:
+                print("result", local.run(Double(), 1))
+            except soma.NodeError as err:
+                print("refused", err)
+        """)
+    assert done.returncode == 0, done.stderr
+    assert "nested" not in done.stdout, done.stdout  # no pool started in a worker
+    said = done.stdout
+    assert said.startswith("refused node `double` failed: its code could not be loaded in worker w0: SomaError: "
+                           "soma.Local cannot start workers here: this process is loading a node's code"), said
+    assert "importing module `unguarded` here ran its top-level code" in said and "__main__" in said, said
+
+
 class OpensWeightsWhenLoaded(Node):
     """Opens a file as it is unpickled: where it is not there, loading the node raises FileNotFoundError."""
 

@@ -26,7 +26,7 @@ from ...wire.shm import pool_prefix, unlink_all
 from .events import Arrived, Gone, Outcomes, Ready, Undecodable
 from .leases import HostSegments, LeaseBook
 from .outcomes import bundled
-from .procs import Restarts, spawn
+from .procs import Restarts, refuse_if_loading_code, spawn
 
 
 class WorkerPool:
@@ -34,6 +34,7 @@ class WorkerPool:
 
     def __init__(self, devices: list[str], *, arena: int, threads: int, preload_torch: bool, registry,
                  max_memory: int | None = None):
+        refuse_if_loading_code()
         self.devices = devices
         self.arena = arena
         self.threads = threads

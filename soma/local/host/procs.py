@@ -11,6 +11,8 @@ import sys
 import time
 from collections import Counter
 
+from ...errors import SomaError
+from ...wire import nodecode
 from ...wire.protocol import SECRET_ENV, SYS_PATH_ENV
 from ...wire.status import StatusPage
 
@@ -119,6 +121,17 @@ def host_sys_path(path=None) -> list[str]:
 BOOTSTRAP = ("import sys; sys.path[:] = [p for p in sys.path if p]; import json, os; "
              f"sys.path[:] = json.loads(os.environ.pop({SYS_PATH_ENV!r})); "
              "from soma.local.worker.main import main; sys.exit(main())")
+
+
+def refuse_if_loading_code() -> None:
+    """A pool is not started by the top-level code of a module a node's code imports (multiprocessing refuses
+    the same as its children import `__main__`): its workers would import it, and start pools, process after
+    process (a tester's script without `if __name__ == "__main__":`, imported for its node class)."""
+    if nodecode.loading():
+        raise SomaError("soma.Local cannot start workers here: this process is loading a node's code (a worker or "
+                        "Ray actor importing the node's module), and that module's top-level code starts a pool, "
+                        "which each of its workers would import and start again, process after process. Put "
+                        "what must run once (making a pool, running it) under `if __name__ == \"__main__\":`")
 
 
 def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: bytes, prefix: str,
