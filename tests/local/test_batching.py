@@ -152,3 +152,14 @@ def test_a_bundle_handed_back_goes_again_naming_only_the_inputs_still_wanted(mon
         assert [f.result(timeout=60) for f in (futures[0], futures[2], futures[3])] == [2, 6, 8]
     again = [ids for bundle, ids in sent if sum(1 for b, _ in sent if b == bundle) > 1]
     assert again and all(ids.count(0) == 1 for ids in again[1:]) and again[0].count(0) == 0, sent
+
+
+def test_an_idle_pools_snapshot_names_no_node_after_a_map_through_a_batching_node_behind_another(local):
+    """A turn's threads stay named on the status page after its outcomes left, until their next job (a death
+    before they leave must count them as run): the snapshot named 17 finished jobs per idle worker."""
+    from tests.nodes import AddOne
+
+    g = Graph.somatize(AddOne() >> EchoesBatch())
+    assert list(local.map(g, range(600))) == list(range(1, 601))
+    wait_for(lambda: local.snapshot().inputs == 0 and not any(local.snapshot().jobs), what="the map's end")
+    assert local.snapshot().running == [[], []]

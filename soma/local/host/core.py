@@ -163,6 +163,16 @@ class HostCore(WorkerEvents, ChunkEvents):
             self._finish(flow, None, None)
         self._cancel_jobs([job for job in self.dispatch.outstanding.values() if job.flow in flows])
 
+    def still_out(self, slot: int, running: list) -> list:
+        """The `(job id, node)` pairs of `running` (what the status page of `slot`'s worker names) of jobs still
+        out there: a turn's threads stay named after its outcomes left, until their next job (worker/running.py:
+        a death before the outcomes leave must count them as run), and an idle pool's snapshot named 17 each."""
+        out = self.dispatch.outstanding
+        chunk_jobs = [job for job in self.chunk_jobs.values() if job.slot == slot]
+        return [(job_id, node) for job_id, node in running
+                if getattr(out.get(job_id), "slot", None) == slot or any(job_id - c.base in c.pending
+                                                                         for c in chunk_jobs)]
+
     def where(self, flow: Flow) -> list:
         """The slots holding jobs of `flow` now (whose status pages `expire` wants)."""
         return sorted({job.slot for job in flow.jobs if job.slot is not None})

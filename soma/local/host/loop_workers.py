@@ -32,7 +32,8 @@ class WorkerLife:
         """`(inputs, jobs out per slot, jobs waiting, node ids each slot's worker runs)` now (Local.snapshot)."""
         with self._held():
             inputs, jobs, waiting = self.core.in_flight()
-            return inputs, jobs, waiting, [[node for _, node in self.pool.running(s)] for s in range(len(jobs))]
+            return inputs, jobs, waiting, [[node for _, node in self.core.still_out(s, self.pool.running(s))]
+                                           for s in range(len(jobs))]
 
     def _spawn(self, slot: int) -> None:
         """The first worker of `slot`, or why there is none (the machine refused it: tried again soon)."""
