@@ -72,11 +72,16 @@ with soma.Local(workers=2) as local:
 
 def test_a_map_of_20_mib_inputs_and_outputs_counts_both_and_nothing_goes_to_disk(small_shm):
     # Each input is copied into /dev/shm by the host, and each output made there by a worker: the map's window
-    # holds only what both take room for.
+    # holds only what both take room for, once measured. (Until a program's first output is measured, one input
+    # per worker is in flight: two 20 MiB inputs and their outputs are 80 MiB, and when both workers reserved
+    # their outputs at once, neither could have room until one went to disk; 1 map in ~12 beside two CPU
+    # burners. A run measures the program first, as a pipeline's earlier maps or runs do.)
     done = small_shm(HEAD + """
 with soma.Local(workers=2) as local:
+    g = Graph.somatize(PlusOne())
+    assert (local.run(g, np.full(20 * MIB // 8, 1.0)) == 2.0).all()
     xs = (np.full(20 * MIB // 8, float(i)) for i in range(12))
-    for i, a in enumerate(local.map(Graph.somatize(PlusOne()), xs)):
+    for i, a in enumerate(local.map(g, xs)):
         assert a.nbytes == 20 * MIB and (a == i + 1).all(), i
         del a
     print("MAPPED", i + 1)
