@@ -443,6 +443,13 @@ def _check_forward(node_id: str, node: Node) -> None:
         _check_batching(node_id, node, cls)
     import inspect  # here, not at the top: `import soma` and the workers do not need it
 
+    kind = ("an async def" if inspect.iscoroutinefunction(forward) or inspect.isasyncgenfunction(forward)
+            else "a generator function" if inspect.isgeneratorfunction(forward) else None)
+    if kind is not None:  # (it passed every signature check, then failed each input: "returned coroutine")
+        raise GraphError(f"node `{node_id}` ({cls}): its {method} is {kind}, and soma calls {method}({arg}, ctx) and "
+                         f"takes what it returns; define it as a plain `def {method}(self, {arg}, ctx)` that returns "
+                         f"Done(...) (asyncio.run(...) inside it for what it would await, a list for what it would "
+                         f"yield)")
     try:
         signature = inspect.signature(forward)
     except (TypeError, ValueError):

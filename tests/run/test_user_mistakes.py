@@ -142,6 +142,31 @@ def test_a_nodes_settings_that_cannot_work_are_a_graph_error_when_the_graph_is_m
     assert runner.run(Batches(), 1) == 2
 
 
+class Awaits(Node):
+    async def forward(self, x, ctx):
+        return Done(x)
+
+
+class Yields(Node):
+    max_batch = 4
+
+    def forward_batch(self, xs, ctx):
+        yield Done(xs)
+
+
+def test_an_async_or_generator_forward_is_a_graph_error_saying_what_to_write_on_every_runner(runner):
+    """It passed every signature check, then failed each input ("forward returned coroutine, not Done", and a
+    "never awaited" RuntimeWarning), where soma.fn refuses the same function at once."""
+    for node, said in ((Awaits(), r"^node `awaits` \(Awaits\): its forward is an async def, and soma calls "
+                                  r"forward\(x, ctx\) and takes what it returns; define it as a plain `def "
+                                  r"forward\(self, x, ctx\)` that returns Done\(...\) \(asyncio.run"),
+                       (Yields(), r"^node `yields` \(Yields\): its forward_batch is a generator function")):
+        with pytest.raises(GraphError, match=said):
+            Graph.somatize(node)
+        with pytest.raises(GraphError, match=said):
+            runner.run(node, 1)
+
+
 def test_a_closed_runner_refuses_new_work_the_same_way_on_every_runner(runner):
     """SPEC 7: after close(), run, map, submit, arun and amap raise SomaError saying the runner is closed (as
     concurrent.futures refuses a submit after shutdown); checked before what it is given, as there."""
