@@ -17,12 +17,12 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.timeout(120)
 
 
-def _run_script(tmp_path, script: str, *flags: str, cwd=None) -> subprocess.CompletedProcess:
-    """`python FLAGS main.py` (in `tmp_path`) with soma importable from this checkout, from `cwd`."""
+def _run_script(tmp_path, script: str, *flags: str, cwd=None, argv=()) -> subprocess.CompletedProcess:
+    """`python FLAGS main.py ARGV` (in `tmp_path`) with soma importable from this checkout, from `cwd`."""
     main = tmp_path / "main.py"
     main.write_text(textwrap.dedent(script))
-    return subprocess.run([sys.executable, *flags, str(main)], cwd=cwd or tmp_path, capture_output=True, text=True,
-                          timeout=90, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run([sys.executable, *flags, str(main), *argv], cwd=cwd or tmp_path, capture_output=True,
+                          text=True, timeout=90, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 FLAG_NODES = """
@@ -140,6 +140,32 @@ def test_a_folder_put_on_sys_path_after_the_pool_started_is_searched_by_every_wo
         finally:
             sys.path.remove(str(folder))
             sys.modules.pop("late_plug", None)
+
+
+def test_the_working_directory_on_sys_path_changed_by_chdir_after_the_pool_started_is_searched_there(tmp_path):
+    """'' on sys.path is the working directory, whichever it is now: a workers' copy of it names the folder the
+    pool started in, so after an os.chdir the host found a module there and its workers did not."""
+    started, moved = tmp_path / "started", tmp_path / "moved"
+    started.mkdir()
+    moved.mkdir()
+    (moved / "here_plug.py").write_text(textwrap.dedent("""
+        from soma import Done, Node
+
+        class HerePlug(Node):
+            def forward(self, x, ctx):
+                return Done(x + 1)
+        """))
+    done = _run_script(started, """
+        import os, sys, soma
+        sys.path.insert(0, "")
+        with soma.Local(workers=1, start_timeout=20) as local:
+            assert local.run(soma.fn(lambda x: x, name="warm"), 0) == 0
+            os.chdir(sys.argv[1])
+            from here_plug import HerePlug
+            print(local.run(HerePlug(), 1))
+        """, argv=[str(moved)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "2\n"
 
 
 def test_a_sys_path_entry_with_a_colon_in_it_reaches_the_workers(tmp_path):

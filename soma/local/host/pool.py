@@ -191,8 +191,7 @@ class WorkerPool:
         held, room_s = self.segments.for_task(items)  # (first: its frees are current)
         frees = self._book.take_frees(worker.pid) if self._book.frees else []
         path = worker.path_news() if code else None  # (the code is what searches it: procs.py)
-        task = Task(code, pieces, [item.spec for item in items], frees, worker.forget, held, room_s,
-                    path[1] if path else None)
+        task = Task(code, pieces, [item.spec for item in items], frees, worker.forget, held, room_s, path)
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
         if not sent_ok:
             self._book.give_back_frees(worker.pid, frees)
@@ -204,8 +203,8 @@ class WorkerPool:
                     self.segments.note_sent(name)
             sent.update(pieces)
             worker.loaded.update(code)
-            if path:
-                worker.sys_path = path[0]
+            if path is not None:
+                worker.sys_path = path
         return sent_ok
 
     def cancel(self, slot: int, job_ids: list, give_back: bool = False) -> None:

@@ -20,7 +20,7 @@ from ...wire.status import StatusPage
 class WorkerProcess:
     """One incarnation of a worker slot: its process, its readiness, what it has been sent."""
 
-    def __init__(self, slot: int, proc: subprocess.Popen, status_path: str, sys_path: tuple):
+    def __init__(self, slot: int, proc: subprocess.Popen, status_path: str, sys_path: list):
         self.slot = slot
         self.id = f"w{slot}"
         self.proc = proc
@@ -35,18 +35,19 @@ class WorkerProcess:
         self.loaded: set[int] = set()  # node keys whose code it has been sent
         self.pieces: set[int] = set()  # piece ids whose spec it has been sent
         self.forget: list[int] = []  # keys of nodes gone on the host, to tell it with its next task
-        self.sys_path = sys_path  # the host's sys.path as this worker knows it (a copy: path_news compares)
+        self.sys_path = sys_path  # the host's sys.path as this worker searches it (host_sys_path: path_news)
         self._status = None
 
-    def path_news(self) -> tuple | None:
+    def path_news(self) -> list | None:
         """The host's sys.path when it changed since this worker was given it (at its start, or with code
-        since), as `(what to remember once it is sent, what to send)`; None when it did not.
+        since); None when it did not.
 
         Called only with node code on its way (a run that sends none compares nothing): a notebook that
         appends a folder after the pool started, then imports a node from it, sends the node with the new path,
-        and the worker searches it before it loads the code, as a worker started now would."""
-        now = tuple(sys.path)
-        return None if now == self.sys_path else (now, host_sys_path(now))
+        and the worker searches it before it loads the code, as a worker started now would. Compared as the
+        worker searches it (relative entries made absolute): after an os.chdir, '' names another folder."""
+        now = host_sys_path()
+        return None if now == self.sys_path else now
 
     def alive(self, recheck_s: float = 0.0) -> bool:
         """Whether the process runs; with `recheck_s`, a positive answer that young is trusted."""
@@ -104,12 +105,12 @@ class WorkerProcess:
             pass
 
 
-def host_sys_path(path=None) -> list[str]:
-    """The host's sys.path (or `path`, a copy of it) as a worker must search it: relative entries ('' is the
-    working directory) made absolute, since a worker's working directory is the host's as of its start only;
-    entries that are not str left out, as the host's imports skip them."""
+def host_sys_path() -> list[str]:
+    """The host's sys.path as a worker must search it: relative entries ('' is the working directory) made
+    absolute, since a worker's working directory is the host's as of its start only; entries that are not str
+    left out, as the host's imports skip them."""
     cwd = os.getcwd()
-    return [os.path.join(cwd, p) if p else cwd for p in (sys.path if path is None else path) if isinstance(p, str)]
+    return [os.path.join(cwd, p) if p else cwd for p in sys.path if isinstance(p, str)]
 
 
 # What the worker's interpreter runs first. Not `-m soma.local.worker`: `-m` puts the working directory first on
@@ -152,8 +153,8 @@ def spawn(slot: int, device: str, *, endpoints: tuple, run_dir: str, secret: byt
         argv.append("--preload-torch")
     env = dict(os.environ)
     env[SECRET_ENV] = secret.hex()  # readable only by this user, in /proc/<pid>/environ (0400)
-    path = tuple(sys.path)
-    env[SYS_PATH_ENV] = json.dumps(host_sys_path(path))
+    path = host_sys_path()
+    env[SYS_PATH_ENV] = json.dumps(path)
     # Its share of the cores: two processes each using every core run 1.5-3x slower here.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
