@@ -197,13 +197,18 @@ class NodeCopy:
         node = None
         try:
             arrange_cuda(node_id, device)
-            node = nodecode.loads(blob)
-        except SomaError as err:
+        except SomaError as err:  # (its device: said as it is)
             self.broken = Failed(err)
-        except BaseException as err:  # the actor stays up, so the driver hears why instead of "actor died"
-            self.broken = Failed(NodeError.failed(
-                node_id, f"its code could not be loaded in Ray actor {self.actor_id}: {type(err).__name__}: {err} "
-                         f"({nodecode.why_not_loaded(err, 'Ray actor')})", remote_traceback=traceback_text(err)))
+        else:
+            try:
+                node = nodecode.loads(blob)
+            except BaseException as err:  # the actor stays up, so the driver hears why instead of "actor died"
+                # (a SomaError too: one raised as the node's module is imported, a pool its top-level code
+                # starts, is the node's, said with the module and line as on Local)
+                self.broken = Failed(NodeError.failed(
+                    node_id, f"its code could not be loaded in Ray actor {self.actor_id}: {type(err).__name__}: "
+                             f"{err} ({nodecode.why_not_loaded(err, 'Ray actor')})",
+                    remote_traceback=traceback_text(err)))
         devices = {node_id: device} if device is not None else {}
         tensors_out_of_band()
         self.batching = node is not None and is_batching(node)  # its inputs of one call meet at the node

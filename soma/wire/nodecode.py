@@ -40,25 +40,24 @@ def dumps(node) -> bytes:
 
 def loads(blob: bytes):
     """The node back from `dumps` (worker side); it imports cloudpickle itself if the blob needs it."""
-    with _loading_lock:
-        _loading[0] += 1
+    _loading.depth = getattr(_loading, "depth", 0) + 1
     try:
         return pickle.loads(blob)
     finally:
-        with _loading_lock:
-            _loading[0] -= 1
+        _loading.depth -= 1
 
 
-# How many node loads this process's threads are in. A pool started while one runs was started by the top-level
-# code of a module the node's code imported: a script without `if __name__ == "__main__":`, whose pool's
-# workers import it again and start pools of their own, process after process (soma.local.host.procs refuses).
-_loading = [0]
-_loading_lock = threading.Lock()
+# How many node loads this thread is in. A pool started by a thread while it loads one was started by the
+# top-level code of a module the node's code imported: a script without `if __name__ == "__main__":`, whose
+# pool's workers import it again and start pools of their own, process after process (soma.local.host.procs
+# refuses). Per thread: a node that starts a pool of its own in its forward, on one thread of a worker, is not
+# refused because another node's code loads on another (a count for the whole process refused it).
+_loading = threading.local()
 
 
 def loading() -> bool:
-    """Whether this process is loading a node's code now (importing its modules' top-level code)."""
-    return _loading[0] > 0
+    """Whether this thread is loading a node's code now (importing its modules' top-level code)."""
+    return getattr(_loading, "depth", 0) > 0
 
 
 # Where a node's code was not found, and what to do: said for the process that loads it.

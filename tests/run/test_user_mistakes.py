@@ -167,6 +167,29 @@ def test_an_async_or_generator_forward_is_a_graph_error_saying_what_to_write_on_
             runner.run(node, 1)
 
 
+def test_a_module_that_starts_a_pool_as_it_is_imported_is_the_nodes_error_on_every_runner(runner):
+    """A worker (or Ray actor) importing a node's module runs its top-level code: one that starts a pool would
+    start it there, and its workers would import the module again, process after process. Refused, as the
+    node's NodeError naming the module's line on Local and Ray alike (Ray passed a bare SomaError)."""
+    import re
+
+    from tests.pools_at_import import InAModuleThatStartsAPool
+
+    node = InAModuleThatStartsAPool()
+    if isinstance(runner, soma.Executor):
+        assert runner.run(node, 1) == 2  # (nothing is imported elsewhere)
+        return
+    where = r"worker w\d" if isinstance(runner, soma.Local) else r"Ray actor \w+"
+    with pytest.raises(NodeError) as info:
+        runner.run(node, 1)
+    said = str(info.value)
+    assert info.value.node == "in_a_module_that_starts_a_pool"
+    assert re.match(rf"node `in_a_module_that_starts_a_pool` failed: its code could not be loaded in {where}: "
+                    rf"SomaError: soma.Local cannot start workers here: this process is loading a node's code", said)
+    assert re.search(r"importing module `tests.pools_at_import` here ran its top-level code, which raised at "
+                     r".*pools_at_import.py, line 21", said), said
+
+
 def test_a_closed_runner_refuses_new_work_the_same_way_on_every_runner(runner):
     """SPEC 7: after close(), run, map, submit, arun and amap raise SomaError saying the runner is closed (as
     concurrent.futures refuses a submit after shutdown); checked before what it is given, as there."""

@@ -10,7 +10,7 @@ import traceback
 from pathlib import Path
 
 from soma.wire import nodecode
-from tests.conftest import ROOT  # noqa: E402
+from tests.conftest import ROOT, wait_for  # noqa: E402
 
 SCRIPT = '''\
 import sys
@@ -75,3 +75,41 @@ def test_a_node_from_an_importable_module_still_travels_by_reference():
     blob = nodecode.dumps(Tokenize())
     assert b"tests.nodes" in blob and b"forward" not in blob  # the class by name, not its code
     assert type(nodecode.loads(blob)) is Tokenize
+
+
+class _SaysWhetherLoading:
+    """Unpickled: notes whether this thread is loading a node's code then, and waits until told to go on."""
+
+    go = None  # a threading.Event, set by the test
+    seen: list = []
+
+    def __reduce__(self):
+        return (_says_whether_loading, ())
+
+
+def _says_whether_loading():
+    from soma.wire import nodecode
+
+    _SaysWhetherLoading.seen.append(nodecode.loading())
+    _SaysWhetherLoading.go.wait(10)
+    return _SaysWhetherLoading()
+
+
+def test_loading_is_the_loading_threads_alone():
+    """A pool is refused while its thread loads a node's code (a module's top level starting one: each worker
+    would import it and start another); a node on another thread of that worker that starts a pool of its own
+    meanwhile is not (a count for the whole process refused it)."""
+    import pickle
+    import threading
+
+    _SaysWhetherLoading.go, _SaysWhetherLoading.seen = threading.Event(), []
+    loader = threading.Thread(target=nodecode.loads, args=(pickle.dumps(_SaysWhetherLoading()),))
+    loader.start()
+    try:
+        wait_for(lambda: _SaysWhetherLoading.seen, what="the load to begin")
+        assert _SaysWhetherLoading.seen == [True]  # (on the loading thread)
+        assert not nodecode.loading()  # (here, meanwhile)
+    finally:
+        _SaysWhetherLoading.go.set()
+        loader.join(10)
+    assert not nodecode.loading()
