@@ -2,11 +2,18 @@
 
 import itertools
 
-from soma import Graph
+from soma import Done, Graph, Node
 from soma.local.host.flows import Flow, Job
 from soma.local.host.measures import DEPTH_SHM, MAX_DEPTH, Measures
 from soma.local.host.program import compile_program
 from tests.nodes import AddOne
+
+
+class Batches(Node):
+    max_batch = 4
+
+    def forward_batch(self, xs, ctx):
+        return Done(xs)
 
 
 def piece_of(node):
@@ -116,6 +123,15 @@ def test_jobs_out_at_a_worker_hold_at_most_depth_shm_of_dev_shm_beyond_two():
     for _ in range(2):
         measures.learn(small_job, 1e-5, 1e-2, shm=1 << 20)
     assert measures.depths[small.id] == DEPTH_SHM // (2 << 20) == 32
+    batching = piece_of(Batches())  # max_batch 4: two batches of 1 MiB inputs and outputs take 16 MiB
+    batch_job = Job(3, Flow(None, None, None, batching, None), batching, None, None, {})
+    measures.weigh(batching, 1 << 20, inputs=True)
+    for _ in range(2):
+        measures.learn(batch_job, 1e-5, 1e-2, shm=1 << 20)
+    assert measures.depths[batching.id] == 32  # (the cap, above two batches)
+    measures.weigh(batching, 20 << 20, inputs=True)  # two batches of 20 MiB inputs: 160 MiB, more than DEPTH_SHM
+    measures.learn(batch_job, 1e-5, 1e-2, shm=20 << 20)
+    assert measures.depths[batching.id] == 4  # one full batch (they stay full), not two
     measures.weigh(small, 0, inputs=True)  # (values in the message from now on: the cap eases as they shrink)
     for _ in range(200):
         measures.learn(small_job, 1e-5, 1e-2, shm=0)

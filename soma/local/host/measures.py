@@ -72,8 +72,11 @@ class Measures:
             if shm:
                 depth = min(depth, DEPTH_SHM // shm)
             # A piece with a batching node keeps two batches' worth at each worker: one running, the next one
-            # queuing behind it (with one batch's worth, the worker waited while outcomes went and inputs came).
-            self.depths[piece.id] = max(2, 2 * piece.batch, depth)
+            # queuing behind it (with one batch's worth, the worker waited while outcomes went and inputs came);
+            # one batch's worth when two would take more than DEPTH_SHM (8 MiB arrays and max_batch 32: a map's
+            # window took 180 of them, 2.4 GB, ahead of a slow caller): its batches are still full ones.
+            batches = 2 if not shm or 2 * piece.batch * shm <= DEPTH_SHM else 1
+            self.depths[piece.id] = max(2, batches * piece.batch, depth)
 
     def weigh(self, piece, shm: int | None, inputs: bool = False) -> None:
         """Learn what `piece`'s outputs take of /dev/shm (an output that arrived ok: its bytes there, or None
