@@ -96,6 +96,7 @@ _ENTER_NETNS = 'ip link set lo up && exec "$0" "$@"'  # the command `unshare -n 
 # -- the network namespace ------------------------------------------------------------------------
 
 _why_no_ray: str | None = "the session has not been configured yet"
+TEST_HOST_PID = "SOMA_TEST_HOST_PID"
 
 
 def pytest_configure(config):
@@ -109,6 +110,9 @@ def pytest_configure(config):
     if _why_no_ray == _REPLACING:
         _replace_session_in_a_loopback_namespace(config)
     _left_behind = LeftBehind()  # (in the session that runs the tests: the one replaced never gets here)
+    # The process that runs the tests (tests/pools_at_import.py starts a pool where it is imported by any other:
+    # a worker or a Ray actor started from here inherits this)
+    os.environ[TEST_HOST_PID] = str(os.getpid())
 
 
 _REPLACING = "replacing the session"

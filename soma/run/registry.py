@@ -36,6 +36,7 @@ import weakref
 from collections import deque
 
 from ..errors import NodeError
+from .codefiles import CodeFiles, Look
 from .identity import ByNode
 from .weights import LOOK_EVERY_S, Weights
 
@@ -161,48 +162,6 @@ def _bound(value):
     return ("value", value) if type(value) in _KEPT else ("id", id(value))
 
 
-class CodeFiles:
-    """The files of a node's code that a worker imports (its class's module, a soma.fn function's: not
-    `__main__`'s, which travels by value), and when each was last modified as the node was sent. A worker
-    imports a module once: one edited on disk since (or reloaded, `%autoreload` in a notebook) runs as it was in
-    the workers that have it, and as it is now in one that imports it from now on (one that had not run the node
-    yet, or a replacement): one pool, one node, two answers ('v1' and 'v2' in one map). Looked at, as weights
-    are, every LOOK_EVERY_S on a run's way and at each map's start (a stat of each file: ~2 µs)."""
-
-    __slots__ = ("paths", "then", "looked")
-
-    def __init__(self, paths: list):
-        self.paths = paths
-        self.noted()
-
-    @classmethod
-    def of(cls, functions: list) -> "CodeFiles | None":
-        main = sys.modules.get("__main__")
-        paths = sorted({f.__code__.co_filename for f in functions
-                        if sys.modules.get(f.__module__) is not main and os.path.isfile(f.__code__.co_filename)})
-        return cls(paths) if paths else None
-
-    def _now(self) -> tuple:
-        return tuple(_modified(path) for path in self.paths)
-
-    def noted(self) -> None:
-        self.then, self.looked = self._now(), time.monotonic()
-
-    def changed(self, now: bool = False) -> list[str]:
-        """The files modified since noted (looked at only every LOOK_EVERY_S, unless `now`)."""
-        if not now and time.monotonic() - self.looked < LOOK_EVERY_S:
-            return []
-        self.looked = time.monotonic()
-        return [path for path, a, b in zip(self.paths, self.then, self._now()) if a != b and b is not None]
-
-
-def _modified(path: str):
-    try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return None  # (gone: nothing to compare; a worker that needs it says so as it fails to load)
-
-
 def note_sent(node) -> None:
     """`node` is being pickled for its copies: what its code reads now is what they see."""
     reads = _sent.get(node)
@@ -220,39 +179,33 @@ def note_sent(node) -> None:
         reads.warned = False
 
 
-_last_read: tuple = (lambda: None, [])  # (a weak reference to the graph looked at last, its list from _by_graph)
-_by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → [(node id, node's Reads)] that read
+_last_read: tuple = (lambda: None, [], [])  # (a weak reference to the graph looked at last, its lists: _by_graph)
+_by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (reading, watching): see _reading
+_files_looked = [float("-inf")]  # when the files of nodes' code were last looked at (every LOOK_EVERY_S at most)
 
 
 def warn_if_changed(graph, thorough: bool = False) -> None:
     """Warn, once per node, when something a node's code reads from outside it names another object than when
     the node was sent to its copies (the copies still see the old one), or the weights of a torch module it
-    holds or reads changed in place (`soma.run.weights`: looked at every second or so, and at each map's start,
-    `thorough`). A graph's list of what to look at is made once all its nodes have been sent: a graph whose
-    nodes read nothing and hold no module costs one lookup a call."""
+    holds or reads changed in place (`soma.run.weights`), or its code's files changed on disk
+    (`soma.run.codefiles`): weights and files are looked at every second or so, and at each map's start
+    (`thorough`). A graph's lists of what to look at are made once all its nodes have been sent: a graph whose
+    nodes read nothing and hold no module costs one lookup a call, and one clock reading when its code is
+    watched."""
     global _last_read
-    last_graph, reading = _last_read  # (one tuple: read whole, never half of two threads' writes)
+    last_graph, reading, watching = _last_read  # (one tuple: read whole, never half of two threads' writes)
     if last_graph() is not graph:  # (the graph run last is looked up without a new weak reference)
-        reading = _by_graph.get(graph)
-        if reading is None:
-            reading = _reading(graph)
-        if reading is _by_graph.get(graph):  # (made for good: every node has been sent)
-            _last_read = (weakref.ref(graph), reading)
+        lists = _by_graph.get(graph)
+        if lists is None:
+            lists = _reading(graph)
+        reading, watching = lists
+        if lists is _by_graph.get(graph):  # (made for good: every node has been sent)
+            _last_read = (weakref.ref(graph), reading, watching)
     for node_id, reads in reading:
         rebound = bool(reads.sources) and reads._now() != reads.then
-        weights = not rebound and reads.weights is not None and reads.weights.changed(thorough)
-        files = [] if rebound or weights or reads.files is None else reads.files.changed(thorough)
-        if not (rebound or weights or files) or reads.warned:
+        if not rebound and (reads.weights is None or not reads.weights.changed(thorough)) or reads.warned:
             continue
         reads.warned = True
-        if files:
-            edited = ", ".join(files)
-            warnings.warn(f"node `{node_id}` runs code of {edited}, which changed on disk since the node was sent "
-                          f"to its copies on worker processes: those run the code as their worker imported it, "
-                          f"and a worker that imports it from now on (one that had not run the node yet, or a "
-                          f"replacement) imports the new, so the pool may run both (docs/api.md, \"Copies\"); to run the new code, start a new "
-                          f"pool", UserWarning, stacklevel=_outside_soma())
-            continue
         if rebound:
             names = ", ".join(f"`{name}`" for name in reads.changed())
             said = (f"reads {names}, which now names another value than when the node was sent to its copies on "
@@ -264,6 +217,27 @@ def warn_if_changed(graph, thorough: bool = False) -> None:
             fix = "the new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool"
         warnings.warn(f"node `{node_id}` {said}, where the in-process Executor sees the new (docs/api.md, "
                       f"\"Copies\"); to use {fix}", UserWarning, stacklevel=_outside_soma())
+    if watching:
+        now = time.monotonic()
+        if thorough or now - _files_looked[0] >= LOOK_EVERY_S:
+            _files_looked[0] = now
+            _warn_if_code_changed(watching)
+
+
+def _warn_if_code_changed(watching: list) -> None:
+    look = Look()
+    for node_id, reads in watching:
+        if reads.warned:
+            continue
+        edited = reads.files.changed(look)
+        if not edited:
+            continue
+        reads.warned = True
+        warnings.warn(f"node `{node_id}` runs code of {', '.join(edited)}, which changed on disk since the node was "
+                      f"sent to its copies on worker processes: those run the code as their worker imported it, "
+                      f"and a worker that imports it from now on (one that had not run the node yet, or a "
+                      f"replacement) imports the new, so the pool may run both (docs/api.md, \"Copies\"); to run "
+                      f"the new code, start a new pool", UserWarning, stacklevel=_outside_soma())
 
 
 _SOMA = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # soma's own files start so
@@ -278,9 +252,10 @@ def _outside_soma() -> int:
     return level
 
 
-def _reading(graph) -> list:
-    """`[(node id, Reads)]` of the graph's nodes that read something; kept once every node has been sent."""
-    reading, complete = [], True
+def _reading(graph) -> tuple:
+    """`(reading, watching)`: `[(node id, Reads)]` of the graph's nodes that read something or hold a torch
+    module, and of those whose code's files are watched; kept once every node has been sent."""
+    reading, watching, complete = [], [], True
     for node_id in graph.nodes():
         node = graph.node(node_id)
         reads = _sent.get(node)
@@ -290,11 +265,15 @@ def _reading(graph) -> list:
             except TypeError:  # a node without __weakref__ is never followed: nothing to wait for
                 continue
             complete = False
-        elif reads.names or reads.weights is not None or reads.files is not None:
-            reading.append((node_id, reads))
+        else:
+            if reads.names or reads.weights is not None:
+                reading.append((node_id, reads))
+            if reads.files is not None:
+                watching.append((node_id, reads))
+    lists = (reading, watching)
     if complete:
-        _by_graph[graph] = reading
-    return reading
+        _by_graph[graph] = lists
+    return lists
 
 
 def _functions_of(node) -> list:

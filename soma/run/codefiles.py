@@ -1,0 +1,82 @@
+"""The files of a node's code a worker imports: whether they changed on disk since the node was sent.
+
+A node of an importable module travels by reference: each worker imports the
+module once, when it first runs one of its nodes. A module edited on disk since
+the node was sent (or reloaded: `importlib.reload`, `%autoreload` in a notebook)
+runs as it was in the workers that have it, and as it is now in one that imports
+it from then on (one that had not run the node yet, or a replacement): one pool,
+one node, two answers ('v1' and 'v2' in one map, found by a tester). `CodeFiles`
+notes, when the node is sent, each such file's content (a digest); `changed`
+looks again. A file is read again only when its modification time or size moved
+(`_digest`), so `touch`, a save without an edit or a checkout there and back is
+no change. The registry looks at most every LOOK_EVERY_S on a run's way and at
+each map's start, each file once a look (`Look`), whatever number of nodes share it.
+`__main__`'s code travels by value, with the node: not watched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+_DIGESTS: dict = {}  # path → (mtime_ns, size, digest) when last read: read again only when either moved
+
+
+class CodeFiles:
+    """The files of a node's own code that workers import, and their digests when it was sent."""
+
+    __slots__ = ("paths", "then")
+
+    def __init__(self, paths: list):
+        self.paths = paths
+        self.noted()
+
+    @classmethod
+    def of(cls, functions: list) -> "CodeFiles | None":
+        """Of the node's own functions (its forward, forward_batch, setup; a soma.fn's function), those not of
+        `__main__`, whose file is there to look at; None when none is."""
+        main = sys.modules.get("__main__")
+        paths = sorted({f.__code__.co_filename for f in functions
+                        if sys.modules.get(f.__module__) is not main and os.path.isfile(f.__code__.co_filename)})
+        return cls(paths) if paths else None
+
+    def noted(self) -> None:
+        """The node is sent (again: another pool): its copies run these files as they are now."""
+        self.then = tuple(_digest(path) for path in self.paths)
+
+    def changed(self, look: "Look") -> list[str]:
+        """The files whose content is not what it was when noted (a file gone is not: nothing to compare)."""
+        return [path for path, then in zip(self.paths, self.then) if (now := look(path)) is not None and now != then]
+
+
+class Look:
+    """One look at the files: each read (`_digest`) once however many nodes ask."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self):
+        self.seen: dict = {}
+
+    def __call__(self, path: str):
+        seen = self.seen
+        if path not in seen:
+            seen[path] = _digest(path)
+        return seen[path]
+
+
+def _digest(path: str) -> bytes | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # (gone: a worker that needs it says so as it fails to load)
+    known = _DIGESTS.get(path)
+    if known is not None and known[0] == st.st_mtime_ns and known[1] == st.st_size:
+        return known[2]
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.blake2b(f.read(), digest_size=16).digest()
+    except OSError:
+        return None
+    _DIGESTS[path] = (st.st_mtime_ns, st.st_size, digest)
+    return digest
