@@ -179,9 +179,8 @@ def note_sent(node) -> None:
         reads.warned = False
 
 
-_last_read: tuple = (lambda: None, [], [])  # (a weak reference to the graph looked at last, its lists: _by_graph)
-_by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (reading, watching): see _reading
-_files_looked = [float("-inf")]  # when the files of nodes' code were last looked at (every LOOK_EVERY_S at most)
+_last_read: tuple = (lambda: None, [], [], [0.0])  # (a weak reference to the graph run last, its lists: _by_graph)
+_by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (reading, watching, looked): _reading
 
 
 def warn_if_changed(graph, thorough: bool = False) -> None:
@@ -193,14 +192,14 @@ def warn_if_changed(graph, thorough: bool = False) -> None:
     nodes read nothing and hold no module costs one lookup a call, and one clock reading when its code is
     watched."""
     global _last_read
-    last_graph, reading, watching = _last_read  # (one tuple: read whole, never half of two threads' writes)
+    last_graph, reading, watching, looked = _last_read  # (one tuple: read whole, never half of two threads' writes)
     if last_graph() is not graph:  # (the graph run last is looked up without a new weak reference)
         lists = _by_graph.get(graph)
         if lists is None:
             lists = _reading(graph)
-        reading, watching = lists
+        reading, watching, looked = lists
         if lists is _by_graph.get(graph):  # (made for good: every node has been sent)
-            _last_read = (weakref.ref(graph), reading, watching)
+            _last_read = (weakref.ref(graph), reading, watching, looked)
     for node_id, reads in reading:
         rebound = bool(reads.sources) and reads._now() != reads.then
         if not rebound and (reads.weights is None or not reads.weights.changed(thorough)) or reads.warned:
@@ -217,10 +216,10 @@ def warn_if_changed(graph, thorough: bool = False) -> None:
             fix = "the new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool"
         warnings.warn(f"node `{node_id}` {said}, where the in-process Executor sees the new (docs/api.md, "
                       f"\"Copies\"); to use {fix}", UserWarning, stacklevel=_outside_soma())
-    if watching:
+    if watching:  # (each graph's own look: one graph run after another, the second's files were never looked at)
         now = time.monotonic()
-        if thorough or now - _files_looked[0] >= LOOK_EVERY_S:
-            _files_looked[0] = now
+        if thorough or now - looked[0] >= LOOK_EVERY_S:
+            looked[0] = now
             _warn_if_code_changed(watching)
 
 
@@ -253,8 +252,9 @@ def _outside_soma() -> int:
 
 
 def _reading(graph) -> tuple:
-    """`(reading, watching)`: `[(node id, Reads)]` of the graph's nodes that read something or hold a torch
-    module, and of those whose code's files are watched; kept once every node has been sent."""
+    """`(reading, watching, looked)`: `[(node id, Reads)]` of the graph's nodes that read something or hold a
+    torch module, and of those whose code's files are watched, and when the graph's files were last looked at
+    (in a list: set in place); kept once every node has been sent."""
     reading, watching, complete = [], [], True
     for node_id in graph.nodes():
         node = graph.node(node_id)
@@ -270,7 +270,7 @@ def _reading(graph) -> tuple:
                 reading.append((node_id, reads))
             if reads.files is not None:
                 watching.append((node_id, reads))
-    lists = (reading, watching)
+    lists = (reading, watching, [time.monotonic()])  # (when its files were last looked at: as they were sent)
     if complete:
         _by_graph[graph] = lists
     return lists

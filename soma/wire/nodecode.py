@@ -62,8 +62,8 @@ def loading() -> bool:
 
 # Where a node's code was not found, and what to do: said for the process that loads it.
 _NOT_FOUND = {
-    "worker": ("a worker searches the host's sys.path as it was when the node was sent to it, from the working "
-               "directory the pool started in; define the node in a module they can import"),
+    "worker": ("a worker searches the host's sys.path as it was when the node was sent to it (its relative "
+               "entries from the host's working directory then); define the node in a module they can import"),
     "Ray actor": ("a Ray actor imports the module of each node it runs on whichever machine of the cluster it is "
                   "on, so that module must be importable there, the same code on every machine: on the actor's "
                   "sys.path (it searches the driver's sys.path, where those folders exist on its machine), or "

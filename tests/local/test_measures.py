@@ -132,6 +132,10 @@ def test_jobs_out_at_a_worker_hold_at_most_depth_shm_of_dev_shm_beyond_two():
     measures.weigh(batching, 20 << 20, inputs=True)  # two batches of 20 MiB inputs: 160 MiB, more than DEPTH_SHM
     measures.learn(batch_job, 1e-5, 1e-2, shm=20 << 20)
     assert measures.depths[batching.id] == 4  # one full batch (they stay full), not two
+    measures.weigh(batching, 3 << 20, inputs=True)  # (as a larger one counts at once, a smaller one slowly)
+    measures.input_shm[batching.id] = measures.output_shm[batching.id] = 3 << 19  # 3 MiB a job: DEPTH_SHM holds 21
+    measures.learn(batch_job, 1e-5, 1e-2)
+    assert measures.depths[batching.id] == 20  # whole batches (21 ran a batch of one input after each of 4)
     measures.weigh(small, 0, inputs=True)  # (values in the message from now on: the cap eases as they shrink)
     for _ in range(200):
         measures.learn(small_job, 1e-5, 1e-2, shm=0)

@@ -39,3 +39,52 @@ def test_a_node_without_weakref_is_not_kept():
 
     with pytest.raises(TypeError):
         ByNode().put(Slotted(), 1)
+
+
+EDITED = """
+from soma import Done, Node
+
+
+class Edited(Node):
+    def forward(self, x, ctx):
+        return Done("{version}")
+"""
+
+
+def test_each_graphs_code_files_are_looked_at_however_often_another_graph_runs(tmp_path, monkeypatch):
+    """A run looks at its graph's files at most every LOOK_EVERY_S: with one clock for every graph, a loop running
+    graph A then graph B looked at A's alone, and B's edited module was never warned about."""
+    import importlib
+    import os
+    import sys
+    import time
+    import warnings
+
+    from soma import Graph
+    from soma.run import registry
+
+    for name in ("edited_a", "edited_b"):
+        (tmp_path / f"{name}.py").write_text(EDITED.format(version="v1"))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        a, b = (importlib.import_module(name).Edited() for name in ("edited_a", "edited_b"))
+        graphs = [Graph.somatize(a.named("a")), Graph.somatize(b.named("b"))]
+        registry.note_sent(a)  # (as each is pickled for its copies)
+        registry.note_sent(b)
+        monkeypatch.setattr(registry, "LOOK_EVERY_S", 0.05)
+        path = tmp_path / "edited_b.py"
+        path.write_text(EDITED.format(version="v2"))
+        modified = os.stat(path).st_mtime_ns + 1_000_000_000
+        os.utime(path, ns=(modified, modified))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            deadline = time.monotonic() + 2.0
+            while not caught and time.monotonic() < deadline:
+                for g in graphs:  # one after the other, then a pause: a server's requests, A's first after each
+                    registry.warn_if_changed(g)
+                time.sleep(0.06)  # (longer than a look's 0.05 s: the scenario, not a wait for a condition)
+        assert [str(w.message).split(" runs code")[0] for w in caught] == ["node `b`"]
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("edited_a", "edited_b"):
+            sys.modules.pop(name, None)

@@ -76,6 +76,8 @@ class Measures:
             # one batch's worth when two would take more than DEPTH_SHM (8 MiB arrays and max_batch 32: a map's
             # window took 180 of them, 2.4 GB, ahead of a slow caller): its batches are still full ones.
             batches = 2 if not shm or 2 * piece.batch * shm <= DEPTH_SHM else 1
+            if piece.batch > 1:  # (whole batches: a depth of 21 at max_batch 16 ran half its batches of one input)
+                depth = depth // piece.batch * piece.batch
             self.depths[piece.id] = max(2, batches * piece.batch, depth)
 
     def weigh(self, piece, shm: int | None, inputs: bool = False) -> None:
