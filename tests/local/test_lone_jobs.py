@@ -199,8 +199,6 @@ def test_a_job_cancelled_right_after_it_reached_a_busy_worker_never_runs(tmp_pat
     SIGSTOP, so that they come in together every time: what a loaded machine does now and then); the worker's
     new receiver took the Task and ran it at once, in a lane of its own, before reading the Cancel behind it
     (3 of 3 tries): it reads what is queued behind a Task first now."""
-    import signal
-
     from tests.local.nodes import MarksThenWaits, TouchFile
 
     folder = str(tmp_path)
@@ -212,26 +210,55 @@ def test_a_job_cancelled_right_after_it_reached_a_busy_worker_never_runs(tmp_pat
             wait_for(lambda: all(os.path.exists(os.path.join(folder, f"busy{attempt}-{k}")) for k in range(2)),
                      30, "both workers busy")
             touched = os.path.join(folder, f"ran{attempt}")
-            pids = local.pids()
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
-            try:
-                wait_for(lambda: all(_stopped(pid) for pid in pids), 30, "the workers stopped, every thread")
-                future = local.submit(Graph.somatize(TouchFile(touched)), attempt)
-                seen = local.snapshot()  # (taken by the host's loop: what was posted before it has been sent)
-                assert sum(seen.jobs) == 3 and seen.waiting == 0, seen  # the Task went to a busy worker
-                assert future.cancel() and future.cancelled()
-                local.snapshot()  # (and its Cancel too, to ZeroMQ: its I/O thread writes it to the socket next)
-                time.sleep(0.3)  # (nothing to wait on for that write: the workers are stopped, nothing else moves)
-            finally:
-                for pid in pids:
-                    os.kill(pid, signal.SIGCONT)
-            open(os.path.join(folder, gate), "w").close()
+            # (the gate opens as the workers go on: a worker may finish its input before it reads the Task)
+            _cancel_while_workers_stopped(local, Graph.somatize(TouchFile(touched)), attempt, jobs=3,
+                                          then=lambda: open(os.path.join(folder, gate), "w").close())
             assert sorted(f.result(timeout=60) for f in held) == [f"busy{attempt}-0", f"busy{attempt}-1"]
             # Each worker's queue is behind us now: had the cancelled input run, its file would be there.
             for k in range(4):
                 assert local.run(busy, (f"after{attempt}-{k}", None), timeout=60) == f"after{attempt}-{k}"
             assert not os.path.exists(touched), f"try {attempt}: the cancelled input ran"
+
+
+def test_a_job_cancelled_right_after_it_reached_an_idle_worker_never_runs(tmp_path):
+    """The same with the worker idle: its Task and Cancel came in together, and the worker, with no other lane
+    running, started the Task without looking behind it (3 of 3 tries; CI saw it too, Dec 7, when a busy
+    worker's other input ended just before it read the Task)."""
+    from tests.local.nodes import MarksThenWaits, TouchFile
+
+    folder = str(tmp_path)
+    echo = Graph.somatize(MarksThenWaits(folder))  # (returns the name it is given; no gate: at once)
+    with soma.Local(workers=1) as local:
+        assert local.run(echo, ("hello", None), timeout=60) == "hello"  # (its worker is up)
+        for attempt in range(3):
+            touched = os.path.join(folder, f"ran{attempt}")
+            _cancel_while_workers_stopped(local, Graph.somatize(TouchFile(touched)), attempt, jobs=1)
+            for k in range(4):  # (its queue is behind us after these)
+                assert local.run(echo, (f"after{attempt}-{k}", None), timeout=60) == f"after{attempt}-{k}"
+            assert not os.path.exists(touched), f"try {attempt}: the cancelled input ran"
+
+
+def _cancel_while_workers_stopped(local, graph, x, jobs: int, then=lambda: None) -> None:
+    """Submit `x` and cancel it while every worker is stopped (SIGSTOP), so that its Task and its Cancel wait
+    in the worker's socket together; `jobs`: what the snapshot counts out at the workers with it. `then`
+    runs as the workers go on."""
+    import signal
+
+    pids = local.pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: all(_stopped(pid) for pid in pids), 30, "the workers stopped, every thread")
+        future = local.submit(graph, x)
+        seen = local.snapshot()  # (taken by the host's loop: what was posted before it has been sent)
+        assert sum(seen.jobs) == jobs and seen.waiting == 0, seen  # the Task went to a worker
+        assert future.cancel() and future.cancelled()
+        local.snapshot()  # (and its Cancel too, to ZeroMQ: its I/O thread writes it to the socket next)
+        time.sleep(0.3)  # (nothing to wait on for that write: the workers are stopped, nothing else moves)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        then()
 
 
 def _stopped(pid: int) -> bool:
