@@ -38,7 +38,9 @@ from collections import deque
 from ..errors import NodeError
 from .codefiles import CodeFiles, Look
 from .identity import ByNode
-from .weights import LOOK_EVERY_S, Weights
+from .weights import Weights
+
+LOOK_EVERY_S = 1.0  # between two looks at a graph's weights and code files on a run's way (a map's start looks)
 
 
 class NodeRegistry:
@@ -180,63 +182,65 @@ def note_sent(node) -> None:
 
 
 _last_read: tuple = (lambda: None, [], [], [0.0])  # (a weak reference to the graph run last, its lists: _by_graph)
-_by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (reading, watching, looked): _reading
+_by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (reading, looking, looked): _reading
 
 
 def warn_if_changed(graph, thorough: bool = False) -> None:
     """Warn, once per node, when something a node's code reads from outside it names another object than when
-    the node was sent to its copies (the copies still see the old one), or the weights of a torch module it
-    holds or reads changed in place (`soma.run.weights`), or its code's files changed on disk
-    (`soma.run.codefiles`): weights and files are looked at every second or so, and at each map's start
-    (`thorough`). A graph's lists of what to look at are made once all its nodes have been sent: a graph whose
-    nodes read nothing and hold no module costs one lookup a call, and one clock reading when its code is
-    watched."""
+    the node was sent to its copies (the copies still see the old one; looked at on every call, ~1 µs for a few
+    names), or the weights of a torch module it holds or reads changed in place (`soma.run.weights`), or its
+    code's files changed on disk (`soma.run.codefiles`): weights and files are looked at on one clock a graph,
+    every LOOK_EVERY_S on a run's way and at each map's start (`thorough`). A graph's lists of what to look at
+    are made once all its nodes have been sent: a graph whose nodes read nothing and hold nothing to look at
+    costs one lookup a call, and one clock reading when they do."""
     global _last_read
-    last_graph, reading, watching, looked = _last_read  # (one tuple: read whole, never half of two threads' writes)
+    last_graph, reading, looking, looked = _last_read  # (one tuple: read whole, never half of two threads' writes)
     if last_graph() is not graph:  # (the graph run last is looked up without a new weak reference)
         lists = _by_graph.get(graph)
         if lists is None:
             lists = _reading(graph)
-        reading, watching, looked = lists
+        reading, looking, looked = lists
         if lists is _by_graph.get(graph):  # (made for good: every node has been sent)
-            _last_read = (weakref.ref(graph), reading, watching, looked)
+            _last_read = (weakref.ref(graph), reading, looking, looked)
     for node_id, reads in reading:
-        rebound = bool(reads.sources) and reads._now() != reads.then
-        if not rebound and (reads.weights is None or not reads.weights.changed(thorough)) or reads.warned:
+        if reads.warned or reads._now() == reads.then:
             continue
         reads.warned = True
-        if rebound:
-            names = ", ".join(f"`{name}`" for name in reads.changed())
-            said = (f"reads {names}, which now names another value than when the node was sent to its copies on "
-                    f"worker processes: they still see the old one")
-            fix = "the new value, give it to a new node as its attribute, or pass it in the input"
-        else:
-            said = ("holds a torch module whose weights changed in place (an optimizer step, load_state_dict) "
-                    "since the node was sent to its copies on worker processes: they still run the old weights")
-            fix = "the new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool"
-        warnings.warn(f"node `{node_id}` {said}, where the in-process Executor sees the new (docs/api.md, "
-                      f"\"Copies\"); to use {fix}", UserWarning, stacklevel=_outside_soma())
-    if watching:  # (each graph's own look: one graph run after another, the second's files were never looked at)
+        names = ", ".join(f"`{name}`" for name in reads.changed())
+        _warn(node_id, f"reads {names}, which now names another value than when the node was sent to its copies "
+                       f"on worker processes: they still see the old one",
+              "the new value, give it to a new node as its attribute, or pass it in the input")
+    if looking:  # (each graph's own clock: one graph run after another, the second's were never looked at)
         now = time.monotonic()
         if thorough or now - looked[0] >= LOOK_EVERY_S:
             looked[0] = now
-            _warn_if_code_changed(watching)
+            _warn_if_weights_or_code_changed(looking)
 
 
-def _warn_if_code_changed(watching: list) -> None:
-    look = Look()
-    for node_id, reads in watching:
+def _warn_if_weights_or_code_changed(looking: list) -> None:
+    look = Look()  # (each file read once a look, however many nodes share it)
+    for node_id, reads in looking:
         if reads.warned:
             continue
-        edited = reads.files.changed(look)
-        if not edited:
+        if reads.weights is not None and reads.weights.changed():
+            _warn(node_id, "holds a torch module whose weights changed in place (an optimizer step, "
+                           "load_state_dict) since the node was sent to its copies on worker processes: they still "
+                           "run the old weights",
+                  "the new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool")
+        elif reads.files is not None and (edited := reads.files.changed(look)):
+            warnings.warn(f"node `{node_id}` runs code of {', '.join(edited)}, which changed on disk since the node "
+                          f"was sent to its copies on worker processes: those run the code as their worker imported "
+                          f"it, and a worker that imports it from now on (one that had not run the node yet, or a "
+                          f"replacement) imports the new, so the pool may run both (docs/api.md, \"Copies\"); to "
+                          f"run the new code, start a new pool", UserWarning, stacklevel=_outside_soma())
+        else:
             continue
         reads.warned = True
-        warnings.warn(f"node `{node_id}` runs code of {', '.join(edited)}, which changed on disk since the node was "
-                      f"sent to its copies on worker processes: those run the code as their worker imported it, "
-                      f"and a worker that imports it from now on (one that had not run the node yet, or a "
-                      f"replacement) imports the new, so the pool may run both (docs/api.md, \"Copies\"); to run "
-                      f"the new code, start a new pool", UserWarning, stacklevel=_outside_soma())
+
+
+def _warn(node_id: str, said: str, fix: str) -> None:
+    warnings.warn(f"node `{node_id}` {said}, where the in-process Executor sees the new (docs/api.md, \"Copies\"); "
+                  f"to use {fix}", UserWarning, stacklevel=_outside_soma())
 
 
 _SOMA = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # soma's own files start so
@@ -252,10 +256,10 @@ def _outside_soma() -> int:
 
 
 def _reading(graph) -> tuple:
-    """`(reading, watching, looked)`: `[(node id, Reads)]` of the graph's nodes that read something or hold a
-    torch module, and of those whose code's files are watched, and when the graph's files were last looked at
-    (in a list: set in place); kept once every node has been sent."""
-    reading, watching, complete = [], [], True
+    """`(reading, looking, looked)`: `[(node id, Reads)]` of the graph's nodes whose code reads names from
+    outside, and of those that hold a torch module or whose code's files are watched, and when the graph's
+    weights and files were last looked at (in a list: set in place); kept once every node has been sent."""
+    reading, looking, complete = [], [], True
     for node_id in graph.nodes():
         node = graph.node(node_id)
         reads = _sent.get(node)
@@ -266,11 +270,11 @@ def _reading(graph) -> tuple:
                 continue
             complete = False
         else:
-            if reads.names or reads.weights is not None:
+            if reads.sources:
                 reading.append((node_id, reads))
-            if reads.files is not None:
-                watching.append((node_id, reads))
-    lists = (reading, watching, [time.monotonic()])  # (when its files were last looked at: as they were sent)
+            if reads.weights is not None or reads.files is not None:
+                looking.append((node_id, reads))
+    lists = (reading, looking, [time.monotonic()])  # (when last looked at: as they were sent)
     if complete:
         _by_graph[graph] = lists
     return lists

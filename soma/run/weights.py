@@ -8,8 +8,9 @@ pool after each epoch of training measured the first epoch's model every time).
 `Weights` notes, when the node is sent, each parameter and buffer of the torch
 modules it holds (its attributes, and the globals and closure variables its code
 reads) with torch's version counter, which every in-place change bumps; `changed()`
-looks again, at most every LOOK_EVERY_S unless told to (a map's start), since a
-large model has hundreds of tensors to look at. The tensors are found once, when
+looks again (the registry asks at most every LOOK_EVERY_S a graph, and at a map's
+start, since a large model has hundreds of tensors to look at: soma.run.registry,
+one clock a graph for weights and code files). The tensors are found once, when
 noted, and held weakly: a look reads each one's counter (~0.15 µs; walking the
 modules again took 1 ms a look for 700 tensors), and one replaced (`module.weight =
 nn.Parameter(...)`) is seen as the old one goes. Not seen: writes through `.data`
@@ -19,16 +20,13 @@ nn.Parameter(...)`) is seen as the old one goes. Not seen: writes through `.data
 from __future__ import annotations
 
 import sys
-import time
 import weakref
-
-LOOK_EVERY_S = 1.0  # between two looks at a node's weights on a run's way (a few µs a tensor)
 
 
 class Weights:
     """The parameters and buffers of the torch modules `modules` (weakly held), as they were when noted."""
 
-    __slots__ = ("modules", "tensors", "then", "looked")
+    __slots__ = ("modules", "tensors", "then")
 
     def __init__(self, modules: list):
         self.modules = [weakref.ref(m) for m in modules]
@@ -54,15 +52,10 @@ class Weights:
         """The node is sent (again: another pool): its copies there see the weights as they are now."""
         modules = [m for m in (ref() for ref in self.modules) if m is not None]
         self.tensors = [weakref.ref(t) for m in modules for t in (*m.parameters(), *m.buffers())]
-        self.then, self.looked = self._now(), time.monotonic()
+        self.then = self._now()
 
-    def changed(self, now: bool = False) -> bool:
-        """Whether a parameter or buffer was changed in place, or replaced, since noted (looked at only every
-        LOOK_EVERY_S, unless `now`)."""
-        at = time.monotonic()
-        if not now and at - self.looked < LOOK_EVERY_S:
-            return False
-        self.looked = at
+    def changed(self) -> bool:
+        """Whether a parameter or buffer was changed in place, or replaced, since noted (~0.15 µs a tensor)."""
         return self._now() != self.then
 
 

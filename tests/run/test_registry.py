@@ -88,3 +88,35 @@ def test_each_graphs_code_files_are_looked_at_however_often_another_graph_runs(t
         sys.path.remove(str(tmp_path))
         for name in ("edited_a", "edited_b"):
             sys.modules.pop(name, None)
+
+
+def test_a_graphs_weights_are_looked_at_on_its_clock_and_at_a_maps_start(monkeypatch):
+    """Weights are looked at on the graph's one clock, as its code files are (each node's own clock before): a
+    run within LOOK_EVERY_S of the last look does not look (a large model has hundreds of tensors), a map's
+    start (`thorough`) does, and once warned a node is not warned again."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    from soma import Graph
+    from soma.run import registry
+
+    class Scores(Node):
+        def __init__(self):
+            self.model = torch.nn.Linear(2, 1)
+
+        def forward(self, x, ctx):
+            return Done(x)
+
+    node = Scores()
+    graph = Graph.somatize(node)
+    registry.note_sent(node)  # (as it is pickled for its copies)
+    monkeypatch.setattr(registry, "LOOK_EVERY_S", 3600.0)  # (no look on a run's way in this test's time)
+    with torch.no_grad():
+        node.model.weight.add_(1.0)  # an optimizer's step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        registry.warn_if_changed(graph)
+        assert caught == []  # a run's way: not looked at yet
+        registry.warn_if_changed(graph, thorough=True)  # a map's start
+        registry.warn_if_changed(graph, thorough=True)
+    assert [str(w.message).split(" holds")[0] for w in caught] == ["node `scores`"]

@@ -20,27 +20,23 @@ class Holds(Node):
         return Done(x)
 
 
-def test_weights_see_in_place_changes_replacements_and_modules_in_a_list_not_a_look_in_between(monkeypatch):
-    from soma.run import weights as module
-
-    monkeypatch.setattr(module, "LOOK_EVERY_S", 3600.0)  # (a loaded machine may pause a second between lines)
+def test_weights_see_in_place_changes_replacements_and_modules_in_a_list():
     node = Holds()
     weights = Weights.of(node, [])
-    assert weights is not None and not weights.changed(now=True)  # nothing happened
+    assert weights is not None and not weights.changed()  # nothing happened
     node.layers[0].eval()
-    assert not weights.changed(now=True)  # a mode is no weight
+    assert not weights.changed()  # a mode is no weight
     with torch.no_grad():
         node.layers[0].weight.add_(1.0)  # an optimizer step's way: in place
-    assert not weights.changed()  # (looked at a moment ago: not again before LOOK_EVERY_S)
-    assert weights.changed(now=True)
+    assert weights.changed()
     weights.noted()  # sent again (another pool): as it is now
-    assert not weights.changed(now=True)
+    assert not weights.changed()
     node.head.weight = torch.nn.Parameter(torch.zeros(2, 2))  # replaced: the old one is gone
-    assert weights.changed(now=True)
+    assert weights.changed()
     node.layers[1].running_mean.add_(1.0)  # a buffer too
     weights.noted()
     node.layers[1].running_mean.add_(1.0)
-    assert weights.changed(now=True)
+    assert weights.changed()
 
 
 def test_a_node_holding_no_module_has_no_weights():
