@@ -206,6 +206,9 @@ def test_a_job_cancelled_right_after_it_reached_a_busy_worker_never_runs(tmp_pat
     with soma.Local(workers=2) as local:
         for attempt in range(3):
             gate = f"gate{attempt}"
+            # (the last try's cancelled input may still be counted out at its worker until its answer is read:
+            # then both inputs went to the other worker, one behind the other, 1 in 10 beside other work)
+            wait_for(lambda: local.snapshot().jobs == [0, 0], 30, "both workers idle")
             held = [local.submit(busy, (f"busy{attempt}-{k}", gate)) for k in range(2)]
             wait_for(lambda: all(os.path.exists(os.path.join(folder, f"busy{attempt}-{k}")) for k in range(2)),
                      30, "both workers busy")
@@ -238,21 +241,41 @@ def test_a_job_cancelled_right_after_it_reached_an_idle_worker_never_runs(tmp_pa
             assert not os.path.exists(touched), f"try {attempt}: the cancelled input ran"
 
 
+def test_inputs_cancelled_behind_each_others_tasks_never_run(tmp_path):
+    """Two inputs submitted and cancelled while their worker was stopped: Task a, Task b, Cancel a, Cancel b
+    wait in its socket. The worker looked behind Task a only up to Task b, so a ran (5 of 5; 42-63 of 100
+    cancelled submits ran, a helper found): it reads past the Tasks behind now."""
+    from tests.local.nodes import MarksThenWaits, TouchFile
+
+    folder = str(tmp_path)
+    echo = Graph.somatize(MarksThenWaits(folder))
+    with soma.Local(workers=1) as local:
+        assert local.run(echo, ("hello", None), timeout=60) == "hello"  # (its worker is up)
+        for attempt in range(3):
+            touched = [os.path.join(folder, f"ran{attempt}-{k}") for k in range(3)]
+            graphs = [Graph.somatize(TouchFile(path)) for path in touched]
+            _cancel_while_workers_stopped(local, graphs, [attempt] * len(graphs), jobs=len(graphs))
+            for k in range(4):  # (its queue is behind us after these)
+                assert local.run(echo, (f"after{attempt}-{k}", None), timeout=60) == f"after{attempt}-{k}"
+            assert [os.path.exists(path) for path in touched] == [False] * 3, f"try {attempt}: cancelled inputs ran"
+
+
 def _cancel_while_workers_stopped(local, graph, x, jobs: int, then=lambda: None) -> None:
     """Submit `x` and cancel it while every worker is stopped (SIGSTOP), so that its Task and its Cancel wait
-    in the worker's socket together; `jobs`: what the snapshot counts out at the workers with it. `then`
-    runs as the workers go on."""
+    in the worker's socket together (`graph` and `x` lists: each submitted, then each cancelled); `jobs`: what
+    the snapshot counts out at the workers with them. `then` runs as the workers go on."""
     import signal
 
+    graphs, xs = (graph, x) if isinstance(graph, list) else ([graph], [x])
     pids = local.pids()
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: all(_stopped(pid) for pid in pids), 30, "the workers stopped, every thread")
-        future = local.submit(graph, x)
+        futures = [local.submit(g, each) for g, each in zip(graphs, xs)]
         seen = local.snapshot()  # (taken by the host's loop: what was posted before it has been sent)
-        assert sum(seen.jobs) == jobs and seen.waiting == 0, seen  # the Task went to a worker
-        assert future.cancel() and future.cancelled()
+        assert sum(seen.jobs) == jobs and seen.waiting == 0, seen  # the Tasks went to a worker
+        assert all(f.cancel() and f.cancelled() for f in futures)
         local.snapshot()  # (and its Cancel too, to ZeroMQ: its I/O thread writes it to the socket next)
         time.sleep(0.3)  # (nothing to wait on for that write: the workers are stopped, nothing else moves)
     finally:

@@ -43,6 +43,7 @@ PROMOTE_S = 0.002  # a receiver that has run jobs this long hands the receiving 
 TICK_S = 0.002  # how often a follower looks, while jobs keep coming (a wakeup each: not too often)
 ACTIVE_S = 0.1  # after this long without a job, followers sleep until the next one
 MAX_THREADS = 64  # serving threads: one per piece running at once, and one receiving
+BEHIND = 256  # messages read_behind handles at most before the Task's own jobs start
 _STOP = object()  # next_turn's answer when the worker is stopping
 
 
@@ -65,7 +66,6 @@ class Worker:
         self.inbox.connect(args.tasks)
         self.receiver = transport.Receiver(self.inbox)
         self.spins = False  # the receiving thread looks for the next Task before it sleeps (see `receive`)
-        self.behind = None  # a Task `read_behind` found, for the next `receive`
         # Who does what (all under `cv`): one thread receives; threads take runnable lanes.
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)  # (taken as `with self.lock`: one call, not three)
@@ -161,7 +161,7 @@ class Worker:
                 self.trim_if_idle()
             elif type(message) is Task:
                 lane = self.accept(message)
-                self.read_behind()
+                self.read_behind(holding=lane is not None)
                 if lane is not None:
                     # From now on a follower may take the receiving over (after PROMOTE_S): not before, while
                     # this thread still reads the socket in read_behind (one socket, one thread at a time).
@@ -185,6 +185,8 @@ class Worker:
                     return _STOP
                 if self.lanes.runnable:
                     self.running += 1
+                    if self.receiving is me:  # (a follower takes the receiving over after PROMOTE_S, as from accept)
+                        self.receiver_busy_since = time.monotonic()
                     return self.lanes.runnable.popleft()
                 if self.receiving is None or self.receiving is me:
                     self.receiving, self.receiver_busy_since = me, None
@@ -210,9 +212,6 @@ class Worker:
         # While chunks are here, look at least every PART_S whether one holds outputs behind a long input.
         # (spinning while Tasks come quickly and the machine has a core to spare: a run after run keeps this
         # vCPU awake, see transport.Receiver.wait; asked as a Task arrives, when this side's threads are calm)
-        message, self.behind = self.behind, None
-        if message is not None:
-            return message
         frame = self.receiver.wait(PART_MS if self.lanes.chunks else POLL_MS, self.spins)
         if frame is None:
             return None
@@ -221,19 +220,29 @@ class Worker:
             self.spins = not transport.cores_wanted()
         return message
 
-    def read_behind(self) -> None:
-        """Handle what is queued behind a Task before its jobs start, up to the next Task (kept for `receive`).
+    def read_behind(self, holding: bool) -> None:
+        """Handle what is queued behind a Task before its jobs start: a Cancel, Free or GiveBack acts, a Task's
+        jobs are queued (other threads take them; `holding`: this thread holds a lane of its own to run).
         Why: a Task that waited (its worker busy, or stopped a moment by a loaded machine) has its Cancel right
         behind it, and run at once it started first: `future.cancel()` of an input not started returned True,
-        and the node ran. After every Task, not only while another lane runs: a worker that finished its other
-        input just before it read the Task ran it (1 in 3 of the test's tries, Dec 7). A look costs ~1.5 µs."""
-        while self.behind is None:
-            frame = self.receiver.queued()
-            if frame is None:
-                return
-            message = protocol.parse(self.secret, frame, "the host")
+        and the node ran. After every Task, not only while another lane runs (a worker that finished its other
+        input just before it read the Task ran it: 1 in 3 of the test's tries, Dec 7), and past the Tasks behind
+        it, whose jobs another thread may start as soon as they are queued: so what is read is cancelled first
+        (Task a, Task b, Cancel a, Cancel b: a ran, and b too where another thread took it). A look costs ~1.5 µs;
+        at most BEHIND messages, so that a flood of them does not keep this thread from its own lane."""
+        messages = []
+        while len(messages) < BEHIND and (frame := self.receiver.queued()) is not None:
+            messages.append(protocol.parse(self.secret, frame, "the host"))
+        if not messages:
+            return
+        cancels = {i for m in messages if type(m) is Cancel for i in m.jobs}
+        if cancels:  # (the jobs waiting here, the first Task's among them, and those of the Tasks read)
+            with self.lock:
+                self.lanes.cancel(cancels)
+                self.lanes.cancel_coming([m for m in messages if type(m) is Task], cancels)
+        for message in messages:
             if type(message) is Task:
-                self.behind = message
+                self.accept(message, claim=False, holding=holding)
             else:
                 self.handle(message)
 
@@ -259,8 +268,9 @@ class Worker:
             warn("soma.worker", "soma worker %s: dropped a %s message a host should not send", self.id,
                  type(message).__name__)
 
-    def accept(self, task: Task):
-        """Register the task's code and pieces, queue its jobs; this thread takes the first runnable lane."""
+    def accept(self, task: Task, claim: bool = True, holding: bool = False):
+        """Register the task's code and pieces, queue its jobs; this thread takes the first runnable lane (`claim`;
+        else each runnable lane gets a thread, `holding`: this thread holds a lane already, read_behind's)."""
         try:
             if task.forget:
                 self.forget(task.forget)
@@ -281,13 +291,14 @@ class Worker:
             runnable = self.lanes.runnable
             if not runnable:
                 return None
-            mine = runnable.popleft()
+            mine = runnable.popleft() if claim else None
             waking = now >= self.active_until
             self.active_until = now + ACTIVE_S
             # Someone must receive while this thread runs jobs, and every other runnable lane needs a thread.
-            wanted = 1 + len(runnable)
-            free = self.serving - 1 - self.running  # threads other than this one, not running a lane
-            self.running += 1
+            running_here = claim or holding
+            wanted = running_here + len(runnable)
+            free = self.serving - 1 - (self.running - holding)  # threads other than this one, not running a lane
+            self.running += claim
             for _ in range(min(wanted - free, MAX_THREADS - self.serving)):
                 self.serving += 1
                 threading.Thread(target=self.serve_forever, name=f"lane {self.serving - 1}", daemon=True).start()
