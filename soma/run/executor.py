@@ -30,6 +30,7 @@ import time
 import weakref
 
 from ..errors import RunTimeout, SomaError
+from .aio import FutureSink, InputFuture
 from .arguments import checked_retries, checked_timeout
 from .base import RunnerBase, closed_message
 from .batching import max_batch_of
@@ -84,15 +85,26 @@ class Executor(RunnerBase):
         g = self.accepting(g, "Executor.run")
         return self._run(g, g.devices(), x, timeout, index=None)
 
-    def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> cf.Future:
-        """`run(g, x)` on one of the Executor's threads: a `concurrent.futures.Future` at once."""
+    def submit(self, g, x, *, timeout: float | None = None, retries: int = 0) -> InputFuture:
+        """`run(g, x)` on one of the Executor's threads: a `concurrent.futures.Future` at once.
+
+        `future.cancel()` cancels the input, as on every runner: one that has not started never starts (also
+        one on a thread, waiting for its node's copy behind another input), one running stops before its next
+        node and its result is dropped. Before Dec 7 it was the thread pool's own future: once a thread held
+        the input it said "running", `cancel()` was False and the node ran (5 of 5 waiting behind a slow one;
+        cancelling the task awaiting `arun` the same)."""
         checked_retries(retries)
         timeout = checked_timeout(timeout)
         g = self.accepting(g, "Executor.submit")
         devices = g.devices()
         interpreter = self._interpreter(g, devices)
-        return self._submit_inputs(interpreter, [(self._run, g, devices, x, timeout, None, thread_modes(), None,
-                                                  interpreter)])[0]
+        state = RunState()
+        taken = self._submit_inputs(interpreter, [(self._run, g, devices, x, timeout, None, thread_modes(), state,
+                                                   interpreter)])[0]
+        future = InputFuture()
+        future.on_cancel = lambda: _give_up(taken, state)
+        taken.add_done_callback(lambda done, sink=FutureSink(future): _settle(sink, done))
+        return future
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
             resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
@@ -194,6 +206,20 @@ class Executor(RunnerBase):
 _own = threading.local()  # on an Executor's own threads, `executor`: a weak reference to it
 
 
+def _settle(sink: FutureSink, done: cf.Future) -> None:
+    """A submitted input's outcome, from the thread pool's future to the caller's (unless cancelled)."""
+    if not done.cancelled():
+        exc = done.exception()
+        sink.put((None, False, exc) if exc is not None else (None, True, done.result()))
+
+
+def _give_up(taken: cf.Future, state: RunState) -> None:
+    """A submitted input is no longer wanted: not taken by a thread, it never is; taken, it never starts its next
+    node (the interpreter looks at `state.cancelled` as it enters a node, and again once it holds its copy)."""
+    state.cancelled = True
+    taken.cancel()
+
+
 def _mark(executor_ref) -> None:
     """Each of an Executor's threads knows whose it is: a map started on one (inside a node) is refused."""
     _own.executor = executor_ref
@@ -262,7 +288,12 @@ class ExecutorInflight(Inflight):
         import asyncio
 
         wrapped = {asyncio.wrap_future(f): f for f in self.running}
-        done, _ = await asyncio.wait(list(wrapped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait(list(wrapped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # (also when the task iterating the amap is cancelled here: the map is closed next)
+            for f in wrapped:  # the copies not done: an input's outcome is read from its own future, at a later
+                if not f.done():  # wait, never from this copy, which asyncio would print as "Future exception
+                    f.add_done_callback(_read)  # was never retrieved" when its input fails or is cancelled
         return [outcome for f in done for outcome in self._outcomes(wrapped[f])]
 
     def _outcomes(self, future) -> list:
@@ -291,3 +322,9 @@ class ExecutorInflight(Inflight):
             if given_up is not None:
                 given_up.set()  # a batch waiting for the node's lock: never calls it
         self.running.clear()
+
+
+def _read(f) -> None:
+    """A copy of an input's future that nobody awaits any more: its exception counts as read."""
+    if not f.cancelled():
+        f.exception()

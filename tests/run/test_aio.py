@@ -157,6 +157,60 @@ def test_cancelling_the_awaiting_task_cancels_its_input(local, tmp_path):
     assert local.run(Graph.somatize(AddOne()), 1) == 2  # usable
 
 
+def test_cancelling_inputs_waiting_behind_busy_copies_never_runs_them(runner, tmp_path):
+    """SPEC 7.6 on every runner: `future.cancel()` of an input not started is True and the node never runs it,
+    and so is cancelling the task awaiting `arun`. The Executor gave the thread pool's own future: an input on a
+    thread, waiting for the node's copy behind a slow one, said "running", `cancel()` was False and the node ran
+    it (5 of 5, and 48 of 60 cancelled `arun`s, a helper found)."""
+    g = Graph.somatize(MarkAndSleep(tmp_path, 0.5))
+    busy = [runner.submit(g, k) for k in range(2)]
+    wait_for(lambda: len(os.listdir(tmp_path)) >= 1, what="an input to start")
+    waiting = [runner.submit(g, k) for k in range(2, 6)]
+    assert [f.cancel() for f in waiting] == [True] * 4 and all(f.cancelled() for f in waiting)
+
+    async def go():
+        tasks = [asyncio.create_task(runner.arun(g, k)) for k in range(6, 10)]
+        await asyncio.sleep(0.05)  # (each task has submitted its input: they wait behind the busy ones)
+        for task in tasks:
+            task.cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    assert all(isinstance(r, asyncio.CancelledError) for r in asyncio.run(go()))
+    assert sorted(f.result(timeout=60) for f in busy) == [0, 1]
+    time.sleep(1.5)  # long enough for the cancelled inputs to have run behind the busy ones, had they not been dropped
+    assert sorted(os.listdir(tmp_path)) == ["started-0", "started-1"]
+
+
+def test_cancelling_the_task_iterating_an_amap_leaves_no_unread_exception(runner, tmp_path):
+    """The Executor's amap wrapped each input's future for asyncio at every wait and left the copies behind: as
+    the cancelled map cancelled its inputs, asyncio printed "Future exception was never retrieved ...
+    Cancelled: the input was given up before node `mark_and_sleep` ran" with a traceback (3 of 3)."""
+    import gc
+
+    g = Graph.somatize(MarkAndSleep(tmp_path, 0.02))
+    unread = []
+
+    async def go():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unread.append(context))
+
+        async def consume():
+            async for _ in runner.amap(g, range(300)):
+                pass
+
+        task = asyncio.create_task(consume())
+        while len(os.listdir(tmp_path)) < 4:  # (the map is under way: several inputs started)
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)  # (what was running when the map was left ends meanwhile)
+        gc.collect()  # (an unread exception is reported as its future goes)
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    assert unread == []
+
+
 def test_asyncio_timeout_around_arun_is_a_cancellation(local, tmp_path):
     async def go():
         with pytest.raises(TimeoutError):
