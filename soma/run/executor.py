@@ -98,13 +98,20 @@ class Executor(RunnerBase):
         g = self.accepting(g, "Executor.submit")
         devices = g.devices()
         interpreter = self._interpreter(g, devices)
-        state = RunState()
-        taken = self._submit_inputs(interpreter, [(self._run, g, devices, x, timeout, None, thread_modes(), state,
-                                                   interpreter)])[0]
-        future = InputFuture()
+        state, future = RunState(), InputFuture()
+        taken = self._submit_inputs(interpreter, [(self._run_into, FutureSink(future), g, devices, x, timeout,
+                                                   thread_modes(), state, interpreter)])[0]
         future.on_cancel = lambda: _give_up(taken, state)
-        taken.add_done_callback(lambda done, sink=FutureSink(future): _settle(sink, done))
         return future
+
+    def _run_into(self, sink: FutureSink, g, devices: dict, x, timeout, modes, state, interpreter) -> None:
+        """A submitted input, on a thread: its outcome goes straight into the caller's future (`sink`)."""
+        try:
+            value = self._run(g, devices, x, timeout, None, modes, state, interpreter)
+        except BaseException as exc:  # (a node's KeyboardInterrupt too: it is the future's, as in a thread pool)
+            sink.put((None, False, exc))
+        else:
+            sink.put((None, True, value))
 
     def map(self, g, xs, *, window=None, ordered=True, progress=False, timeout=None, retries=0, errors="raise",
             resume=None, checkpoint=None, checkpoint_every=DEFAULT_EVERY_S):
@@ -204,13 +211,6 @@ class Executor(RunnerBase):
 
 
 _own = threading.local()  # on an Executor's own threads, `executor`: a weak reference to it
-
-
-def _settle(sink: FutureSink, done: cf.Future) -> None:
-    """A submitted input's outcome, from the thread pool's future to the caller's (unless cancelled)."""
-    if not done.cancelled():
-        exc = done.exception()
-        sink.put((None, False, exc) if exc is not None else (None, True, done.result()))
 
 
 def _give_up(taken: cf.Future, state: RunState) -> None:
