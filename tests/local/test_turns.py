@@ -198,3 +198,39 @@ def test_a_holder_asleep_while_a_thread_that_runs_no_job_computes_keeps_its_turn
         assert computing_over, f"went {at - start:.3f} s in, while the holder still waited for the computing thread"
     else:
         assert not computing_over, f"went {at - start:.3f} s in, after the computing thread's {computes_s} s"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="turns measure from /proc")
+def test_a_thread_waiting_for_a_core_keeps_the_process_from_looking_quiet(monkeypatch):
+    """The kernel adds a thread's wait for a core to its schedstat only once the wait ends: a GIL holder kept off
+    the cores for a whole window added nothing, the process looked quiet, and a waiting job went in beside the
+    job that waited for that holder (the test above, [0.4]: 1 in ~15 runs of this file beside two CPU burners,
+    Dec 7; 110 ms of a 125 ms window unaccounted). Here no schedstat moves (what the kernel shows while that
+    thread waits) and another thread is runnable: the waiting job waits until none is."""
+    from soma.local.worker import turns as turns_module
+
+    monkeypatch.setattr(turns_module, "_schedstat", lambda fd: (0, 0))  # (nothing moves: as during that wait)
+    monkeypatch.setattr(turns_module, "STUCK_S", 60.0)  # (only the runnable thread may hold the job up here)
+    runnable, looks = threading.Event(), []
+    runnable.set()
+
+    def reads(fd):
+        looks.append(runnable.is_set())
+        return runnable.is_set()
+    monkeypatch.setattr(turns_module, "_runnable", reads, raising=False)  # (without the fix: fails below)
+    turns, release, entered = Turns(), threading.Event(), []
+    holder = threading.Thread(target=job, args=(turns, 1, lambda: release.wait(30)))
+    holder.start()
+    deadline = time.monotonic() + 30
+    while not turns.holders and time.monotonic() < deadline:
+        time.sleep(0.001)
+    waiting = threading.Thread(target=job, args=(turns, 2, lambda: entered.append(runnable.is_set())))
+    waiting.start()
+    while len(looks) < 3 and not entered and time.monotonic() < deadline:  # (three windows refused: it waits)
+        time.sleep(0.001)
+    runnable.clear()
+    waiting.join(30)
+    release.set()
+    holder.join(30)
+    assert entered == [False], (entered, looks)  # it went in only once no other thread was runnable
+    assert looks[:3] == [True, True, True], looks

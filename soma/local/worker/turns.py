@@ -53,7 +53,12 @@ ms), and the holder, asleep on that GIL, looked blocked in long stretches: a
 wave's two pure-Python branches ran at once in 1 of ~40 waves beside two CPU
 burners (Dec 6). A thread that holds the GIL is on a CPU or waiting for one; the
 threads that wait for it sleep; so a process that computed under QUIET (a fifth)
-of the window holds nobody up. Not HOLDS: a pure-Python thread that shares the GIL
+of the window holds nobody up, unless a thread other than the one looking is runnable at
+the look (`_ProcessClock.others_runnable`): the kernel adds a thread's wait for a core
+to its schedstat only once the wait ends, so a GIL holder kept off the cores for a
+whole window (seen: 110 of 125 ms, beside two CPU burners) read as quiet, and the
+test's waiting job went in while the holder still waited for it (1 in ~15 runs of
+test_turns.py there, Dec 7). Not HOLDS: a pure-Python thread that shares the GIL
 with the waiting job's looks (each /proc read lets go of the GIL and takes it back
 after a switch interval) was seen at 58 % of the window in a test. STUCK_S still
 bounds the wait (a thread that is no job's may compute for ever).
@@ -171,7 +176,8 @@ class Turns:
             return None
         if (now[4] - look[4] < QUIET * window  # (nobody here computed: nobody held the GIL they may wait for)
                 and len(self.running) * window - (busy - look[0])
-                >= 2e9 * sys.getswitchinterval() * (wakes - look[1])):
+                >= 2e9 * sys.getswitchinterval() * (wakes - look[1])
+                and not self.process.others_runnable()):  # (nor waits for a core now: not counted until it ends)
             return None  # (they slept for 2 switch intervals a wake or more: not for the GIL)
         return busy, wakes, now[2], quiet_since, now[4]
 
@@ -204,11 +210,16 @@ def _schedstat(fd: int) -> tuple:
 class _ProcessClock:
     """ns that all of this process's threads have computed or waited for a core (each thread's schedstat, from
     /proc/self/task; a thread's descriptor opened once): whether anyone here computed, GIL holders included.
-    Read only while a job waits for its turn (every CHECK_S), so its few preads a thread cost little."""
+    Read only while a job waits for its turn (every CHECK_S), so its few preads a thread cost little.
+
+    A wait for a core is added to a thread's schedstat when it ends (the kernel accounts it as the thread gets a
+    core), so a thread kept waiting for one adds nothing while it waits: `others_runnable` reads whether any
+    thread but the caller is runnable now (on a CPU, or waiting for one)."""
 
     def __init__(self):
         self.fds: dict = {}  # thread id (a /proc/self/task entry) → [its schedstat descriptor, ns last read]
         self.gone = 0  # ns of the threads that ended since they were first read (the clock never runs back)
+        self.stats: dict = {}  # thread id → its /proc/self/task/<tid>/stat descriptor (others_runnable)
 
     def busy(self) -> int:
         try:
@@ -227,6 +238,9 @@ class _ProcessClock:
             self.gone += last
             total += last
             os.close(fd)
+            stat = self.stats.pop(tid, None)
+            if stat is not None:
+                os.close(stat)
         for tid, entry in fds.items():
             try:
                 entry[1] = _schedstat(entry[0])[0]
@@ -234,3 +248,30 @@ class _ProcessClock:
                 pass  # (a thread ending: its last reading stands)
             total += entry[1]
         return total
+
+    def others_runnable(self) -> bool:
+        """Whether a thread of this process other than the caller is runnable now (state R: on a CPU, or waiting
+        for one), among those `busy` has read."""
+        me = str(threading.get_native_id())
+        for tid in list(self.fds):
+            if tid == me:
+                continue
+            fd = self.stats.get(tid)
+            if fd is None:
+                try:
+                    fd = self.stats[tid] = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
+                except OSError:
+                    continue
+            if _runnable(fd):
+                return True
+        return False
+
+
+def _runnable(fd: int) -> bool:
+    """Whether the thread whose /proc/.../stat `fd` is is runnable (R), read now; False once it has ended."""
+    try:
+        stat = os.pread(fd, 1024, 0)
+    except OSError:
+        return False
+    fields = stat.rpartition(b")")[2].split()
+    return bool(fields) and fields[0] == b"R"
