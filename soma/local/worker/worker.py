@@ -165,7 +165,8 @@ class Worker:
                 if lane is not None:
                     # From now on a follower may take the receiving over (after PROMOTE_S): not before, while
                     # this thread still reads the socket in read_behind (one socket, one thread at a time).
-                    self.receiver_busy_since = time.monotonic()
+                    with self.lock:
+                        self.going_off()
                     self.run_lane(lane, receiver=me)
                     with self.lock:
                         self.running -= 1
@@ -185,8 +186,8 @@ class Worker:
                     return _STOP
                 if self.lanes.runnable:
                     self.running += 1
-                    if self.receiving is me:  # (a follower takes the receiving over after PROMOTE_S, as from accept)
-                        self.receiver_busy_since = time.monotonic()
+                    if self.receiving is me:  # (the receiver goes off to run a lane itself)
+                        self.going_off()
                     return self.lanes.runnable.popleft()
                 if self.receiving is None or self.receiving is me:
                     self.receiving, self.receiver_busy_since = me, None
@@ -196,12 +197,20 @@ class Worker:
                 if busy is not None and now - busy > PROMOTE_S:
                     self.receiving, self.receiver_busy_since = me, None  # the busy one follows when done
                     return None
-                if now < self.active_until:
+                if now < self.active_until or busy is not None:  # (jobs came lately, or the receiver is off)
                     self.cv.wait(TICK_S)
                 else:
                     self.idle += 1
                     self.cv.wait()
                     self.idle -= 1
+
+    def going_off(self) -> None:
+        """The receiving thread goes off to run a lane (under the lock): a follower takes the receiving over after
+        PROMOTE_S, one asleep untimed woken to look (held up past ACTIVE_S, in read_behind on a loaded machine,
+        the receiver went off to a long job with every follower asleep and nobody to read the socket)."""
+        self.receiver_busy_since = time.monotonic()
+        if self.idle:
+            self.cv.notify()
 
     def trim_if_idle(self) -> None:
         # (running: idle for 0 s, so only a want of room is heard: a worker running a long input gives back
