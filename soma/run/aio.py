@@ -36,8 +36,16 @@ class InputFuture(cf.Future):
         self.on_cancel = None  # what cancels the input itself (set by the runner once it is in flight)
 
     def cancel(self) -> bool:
+        if self.cancelled():
+            return True
         if not super().cancel():
             return False
+        # Nobody else calls set_running_or_notify_cancel on it (no thread pool takes it), and `cf.wait` and
+        # `cf.as_completed` count a cancelled future done only once notified: they waited out their timeout.
+        try:
+            self.set_running_or_notify_cancel()
+        except RuntimeError:  # (another thread's cancel, at the same time, notified them: and tells the runner)
+            return True
         if self.on_cancel is not None:
             self.on_cancel()
         return True

@@ -102,6 +102,7 @@ class Executor(RunnerBase):
         taken = self._submit_inputs(interpreter, [(self._run_into, FutureSink(future), g, devices, x, timeout,
                                                    thread_modes(), state, interpreter)])[0]
         future.on_cancel = lambda: _give_up(taken, state)
+        taken.add_done_callback(lambda done: done.cancelled() and future.cancel())  # (close(): it never ran)
         return future
 
     def _run_into(self, sink: FutureSink, g, devices: dict, x, timeout, modes, state, interpreter) -> None:
@@ -291,9 +292,9 @@ class ExecutorInflight(Inflight):
         try:
             done, _ = await asyncio.wait(list(wrapped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:  # (also when the task iterating the amap is cancelled here: the map is closed next)
-            for f in wrapped:  # the copies not done: an input's outcome is read from its own future, at a later
-                if not f.done():  # wait, never from this copy, which asyncio would print as "Future exception
-                    f.add_done_callback(_read)  # was never retrieved" when its input fails or is cancelled
+            for f in wrapped:  # an input's outcome is read from its own future, now or at a later wait, never
+                f.add_done_callback(_read)  # from this copy, which asyncio would print as "Future exception
+                # was never retrieved" as it goes, when its input failed or was cancelled
         return [outcome for f in done for outcome in self._outcomes(wrapped[f])]
 
     def _outcomes(self, future) -> list:

@@ -260,6 +260,37 @@ def test_inputs_cancelled_behind_each_others_tasks_never_run(tmp_path):
             assert [os.path.exists(path) for path in touched] == [False] * 3, f"try {attempt}: cancelled inputs ran"
 
 
+def test_a_burst_of_tasks_read_behind_one_keeps_the_workers_threads(tmp_path):
+    """60 inputs of 60 graphs (a lane each) waiting in a stopped worker's socket, every other one cancelled:
+    read behind the first Task, the others wait their turn at the receiving thread, as they would in the socket
+    (a first version queued them at once, and each lane got a thread of its own: 5 -> 35, for good; 900 made 64),
+    and none of the cancelled ones runs."""
+    from tests.local.nodes import TouchFile
+
+    folder = str(tmp_path)
+    with soma.Local(workers=1) as local:
+        (pid,) = local.pids()
+        assert local.run(Graph.somatize(TouchFile(os.path.join(folder, "first"))), 0, timeout=60) == 0
+        before = len(os.listdir(f"/proc/{pid}/task"))
+        graphs = [Graph.somatize(TouchFile(os.path.join(folder, f"ran{k}"))) for k in range(60)]
+        import signal
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: _stopped(pid), 30, "the worker stopped, every thread")
+            futures = [local.submit(g, k) for k, g in enumerate(graphs)]
+            local.snapshot()  # (the Tasks sent)
+            assert all(f.cancel() for f in futures[1::2])
+            local.snapshot()  # (and the Cancels)
+            time.sleep(0.3)  # (nothing to wait on for ZeroMQ's write: the worker is stopped)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [f.result(timeout=60) for f in futures[0::2]] == list(range(0, 60, 2))
+        ran = sorted(n for n in os.listdir(folder) if n.startswith("ran"))
+        assert ran == sorted(f"ran{k}" for k in range(0, 60, 2))  # (the cancelled ones did not)
+        assert len(os.listdir(f"/proc/{pid}/task")) <= before + 2, "the worker kept a thread per lane read behind"
+
+
 def _cancel_while_workers_stopped(local, graph, x, jobs: int, then=lambda: None) -> None:
     """Submit `x` and cancel it while every worker is stopped (SIGSTOP), so that its Task and its Cancel wait
     in the worker's socket together (`graph` and `x` lists: each submitted, then each cancelled); `jobs`: what

@@ -549,3 +549,28 @@ def test_a_branchs_system_exit_passes_through_whatever_branch_failed_before_it(e
     with pytest.raises(SystemExit) as info:
         Executor().run(Graph.somatize(branches[0] | branches[1]), 0)
     assert info.value.code == 3
+
+
+def test_close_ends_the_futures_of_inputs_still_queued():
+    """`close()` with submitted inputs still waiting for a thread: each one's future is cancelled, and the task
+    awaiting its `arun` ends, at once. Since submit's futures were soma's (Dec 7) the pool's cancel reached
+    nobody: they never ended (7 of 7), a helper found."""
+    import asyncio
+
+    started = threading.Event()
+    executor = soma.Executor(threads=1)
+    g = Graph.somatize(soma.fn(lambda x: started.set() or time.sleep(x) or x, name="nap"))
+    futures = [executor.submit(g, 0.3) for _ in range(4)]
+    assert started.wait(30)  # (the first holds the one thread: the others wait for it)
+    executor.close()
+    assert futures[0].result(timeout=30) == 0.3
+    assert [f.cancelled() for f in futures[1:]] == [True] * 3
+
+    async def go():
+        async with soma.Executor(threads=1) as inner:
+            tasks = [asyncio.create_task(inner.arun(g, 0.3)) for _ in range(3)]
+            await asyncio.sleep(0.05)
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+
+    got = asyncio.run(go())
+    assert got[0] == 0.3 and all(isinstance(r, asyncio.CancelledError) for r in got[1:]), got

@@ -14,11 +14,13 @@ shared-memory store (segments.py). This module owns the threads and the lock.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
 import threading
 import time
+from collections import deque
 
 import zmq
 
@@ -43,7 +45,7 @@ PROMOTE_S = 0.002  # a receiver that has run jobs this long hands the receiving 
 TICK_S = 0.002  # how often a follower looks, while jobs keep coming (a wakeup each: not too often)
 ACTIVE_S = 0.1  # after this long without a job, followers sleep until the next one
 MAX_THREADS = 64  # serving threads: one per piece running at once, and one receiving
-BEHIND = 256  # messages read_behind handles at most before the Task's own jobs start
+BEHIND = 256  # messages read_behind keeps read ahead at most
 _STOP = object()  # next_turn's answer when the worker is stopping
 
 
@@ -66,6 +68,7 @@ class Worker:
         self.inbox.connect(args.tasks)
         self.receiver = transport.Receiver(self.inbox)
         self.spins = False  # the receiving thread looks for the next Task before it sleeps (see `receive`)
+        self.behind: deque = deque()  # messages read_behind read, handled in order by `receive` (its thread's)
         # Who does what (all under `cv`): one thread receives; threads take runnable lanes.
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)  # (taken as `with self.lock`: one call, not three)
@@ -161,7 +164,7 @@ class Worker:
                 self.trim_if_idle()
             elif type(message) is Task:
                 lane = self.accept(message)
-                self.read_behind(holding=lane is not None)
+                self.read_behind()
                 if lane is not None:
                     # From now on a follower may take the receiving over (after PROMOTE_S): not before, while
                     # this thread still reads the socket in read_behind (one socket, one thread at a time).
@@ -221,6 +224,8 @@ class Worker:
         # While chunks are here, look at least every PART_S whether one holds outputs behind a long input.
         # (spinning while Tasks come quickly and the machine has a core to spare: a run after run keeps this
         # vCPU awake, see transport.Receiver.wait; asked as a Task arrives, when this side's threads are calm)
+        if self.behind:
+            return self.behind.popleft()
         frame = self.receiver.wait(PART_MS if self.lanes.chunks else POLL_MS, self.spins)
         if frame is None:
             return None
@@ -229,31 +234,25 @@ class Worker:
             self.spins = not transport.cores_wanted()
         return message
 
-    def read_behind(self, holding: bool) -> None:
-        """Handle what is queued behind a Task before its jobs start: a Cancel, Free or GiveBack acts, a Task's
-        jobs are queued (other threads take them; `holding`: this thread holds a lane of its own to run).
+    def read_behind(self) -> None:
+        """Read what is queued behind a Task before its jobs start (kept in order for `receive`, at most BEHIND),
+        and cancel now the jobs its Cancels name: of that Task, and of the Tasks read (`Lanes.cancel_coming`).
         Why: a Task that waited (its worker busy, or stopped a moment by a loaded machine) has its Cancel right
         behind it, and run at once it started first: `future.cancel()` of an input not started returned True,
         and the node ran. After every Task, not only while another lane runs (a worker that finished its other
         input just before it read the Task ran it: 1 in 3 of the test's tries, Dec 7), and past the Tasks behind
-        it, whose jobs another thread may start as soon as they are queued: so what is read is cancelled first
-        (Task a, Task b, Cancel a, Cancel b: a ran, and b too where another thread took it). A look costs ~1.5 µs;
-        at most BEHIND messages, so that a flood of them does not keep this thread from its own lane."""
-        messages = []
-        while len(messages) < BEHIND and (frame := self.receiver.queued()) is not None:
-            messages.append(protocol.parse(self.secret, frame, "the host"))
-        if not messages:
-            return
-        cancels = {i for m in messages if type(m) is Cancel for i in m.jobs}
-        if cancels:  # (the jobs waiting here, the first Task's among them, and those of the Tasks read)
+        it (Task a, Task b, Cancel a, Cancel b: a ran). The Tasks read wait their turn at this thread, as they
+        would in the socket: queued at once, each lane got a thread (a burst of 900 made 64 for good). A look
+        costs ~1.5 µs."""
+        behind = self.behind
+        read = len(behind)
+        while len(behind) < BEHIND and (frame := self.receiver.queued()) is not None:
+            behind.append(protocol.parse(self.secret, frame, "the host"))
+        cancels = {i for m in itertools.islice(behind, read, None) if type(m) is Cancel for i in m.jobs}
+        if cancels:  # (each Cancel is also handled in its turn: a chunk's inputs are answered then)
             with self.lock:
                 self.lanes.cancel(cancels)
-                self.lanes.cancel_coming([m for m in messages if type(m) is Task], cancels)
-        for message in messages:
-            if type(message) is Task:
-                self.accept(message, claim=False, holding=holding)
-            else:
-                self.handle(message)
+                self.lanes.cancel_coming([m for m in behind if type(m) is Task], cancels)
 
     def handle(self, message) -> None:
         """Act on a message other than a Task (`accept`'s)."""
@@ -277,9 +276,8 @@ class Worker:
             warn("soma.worker", "soma worker %s: dropped a %s message a host should not send", self.id,
                  type(message).__name__)
 
-    def accept(self, task: Task, claim: bool = True, holding: bool = False):
-        """Register the task's code and pieces, queue its jobs; this thread takes the first runnable lane (`claim`;
-        else each runnable lane gets a thread, `holding`: this thread holds a lane already, read_behind's)."""
+    def accept(self, task: Task):
+        """Register the task's code and pieces, queue its jobs; this thread takes the first runnable lane."""
         try:
             if task.forget:
                 self.forget(task.forget)
@@ -300,14 +298,13 @@ class Worker:
             runnable = self.lanes.runnable
             if not runnable:
                 return None
-            mine = runnable.popleft() if claim else None
+            mine = runnable.popleft()
             waking = now >= self.active_until
             self.active_until = now + ACTIVE_S
             # Someone must receive while this thread runs jobs, and every other runnable lane needs a thread.
-            running_here = claim or holding
-            wanted = running_here + len(runnable)
-            free = self.serving - 1 - (self.running - holding)  # threads other than this one, not running a lane
-            self.running += claim
+            wanted = 1 + len(runnable)
+            free = self.serving - 1 - self.running  # threads other than this one, not running a lane
+            self.running += 1
             for _ in range(min(wanted - free, MAX_THREADS - self.serving)):
                 self.serving += 1
                 threading.Thread(target=self.serve_forever, name=f"lane {self.serving - 1}", daemon=True).start()
