@@ -27,6 +27,8 @@ import weakref
 from .mapping import MapLoop, opened
 from .resuming import DEFAULT_EVERY_S, aremaining, remaining
 
+_TELLING = threading.Lock()  # (one for every InputFuture: a cancel is rare, a lock per future is not free)
+
 
 class InputFuture(cf.Future):
     """A Future for one input of a runner: `cancel()` also tells the runner it is no longer wanted."""
@@ -34,18 +36,19 @@ class InputFuture(cf.Future):
     def __init__(self):
         super().__init__()
         self.on_cancel = None  # what cancels the input itself (set by the runner once it is in flight)
+        self.told = False  # its cancel was told (to waiters and the runner): by one cancel() of many at once
 
     def cancel(self) -> bool:
-        if self.cancelled():
-            return True
         if not super().cancel():
             return False
+        with _TELLING:
+            if self.told:
+                return True
+            self.told = True
         # Nobody else calls set_running_or_notify_cancel on it (no thread pool takes it), and `cf.wait` and
         # `cf.as_completed` count a cancelled future done only once notified: they waited out their timeout.
-        try:
-            self.set_running_or_notify_cancel()
-        except RuntimeError:  # (another thread's cancel, at the same time, notified them: and tells the runner)
-            return True
+        # Once only: a second call logs CRITICAL "Future ... in unexpected state" (two threads cancelling).
+        self.set_running_or_notify_cancel()
         if self.on_cancel is not None:
             self.on_cancel()
         return True

@@ -391,3 +391,34 @@ def test_the_example_server_answers_concurrent_clients():
     server = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(server)
     assert asyncio.run(server.main(requests=40, clients=4)) > 0  # (it checks every answer itself)
+
+
+def test_two_threads_cancelling_one_future_tell_the_runner_and_its_waiters_once(caplog):
+    """Both get True; the runner hears it once; `cf.wait` sees it done; and concurrent.futures logs nothing
+    (a second notify logged CRITICAL "Future ... in unexpected state": the Executor's close() cancelling while
+    its caller did, a helper found)."""
+    import logging
+    import sys
+
+    from soma.run.aio import InputFuture
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch between any two lines: the race, every few tries)
+    told_twice = 0
+    try:
+        with caplog.at_level(logging.WARNING, logger="concurrent.futures"):
+            for _ in range(2000):
+                future, told, answers = InputFuture(), [], []
+                future.on_cancel = lambda told=told: told.append(1)
+                gate = threading.Barrier(2)
+                threads = [threading.Thread(target=lambda f=future: (gate.wait(), answers.append(f.cancel())))
+                           for _ in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                assert answers == [True, True] and cf.wait([future], timeout=30).not_done == set()
+                told_twice += len(told) != 1
+    finally:
+        sys.setswitchinterval(switch)
+    assert told_twice == 0 and caplog.records == []
