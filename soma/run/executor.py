@@ -165,7 +165,10 @@ class Executor(RunnerBase):
         futures: list = []
         try:
             for call in calls:
-                future = threads.submit(*call)
+                try:
+                    future = threads.submit(*call)
+                except RuntimeError as err:  # (closed on another thread since `_threads` gave the pool)
+                    raise SomaError(closed_message("Executor")) from err
                 futures.append(future)
                 future.add_done_callback(self._input_over)
                 if len(futures) <= announced:

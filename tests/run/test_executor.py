@@ -574,3 +574,35 @@ def test_close_ends_the_futures_of_inputs_still_queued():
 
     got = asyncio.run(go())
     assert got[0] == 0.3 and all(isinstance(r, asyncio.CancelledError) for r in got[1:]), got
+
+
+def test_a_submit_racing_close_on_another_thread_says_the_executor_is_closed():
+    """A submit between the Executor handing out its thread pool and `close()` shutting it down raised the pool's
+    bare RuntimeError ("cannot schedule new futures after shutdown"), 2 of 10 tries with 16 threads submitting:
+    now the SomaError every closed Executor gives."""
+    from soma.errors import SomaError
+
+    g = Graph.somatize(soma.fn(lambda x: x, name="echo"))
+    for _ in range(10):
+        executor = soma.Executor(threads=2)
+        errors, go = [], threading.Event()
+
+        def submitting():
+            go.wait()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    executor.submit(g, 1)
+                except BaseException as err:
+                    errors.append(err)
+                    return
+
+        threads = [threading.Thread(target=submitting) for _ in range(16)]
+        for t in threads:
+            t.start()
+        go.set()
+        time.sleep(0.02)  # (the scenario: submits under way when close comes, not a wait for a condition)
+        executor.close()
+        for t in threads:
+            t.join(60)
+        assert len(errors) == 16 and all(type(e) is SomaError and "is closed" in str(e) for e in errors), errors
