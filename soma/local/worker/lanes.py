@@ -4,8 +4,8 @@
     a serving thread ── Lanes.take_turn(lane) ──▶ the lane's next entry, or a batching piece's next entries
                         up to its max_batch inputs (fill_turn), with the ids the host cancelled meanwhile
     Cancel ── Lanes.cancel(ids): what still waits is dropped when its turn comes (answered Cancelled);
-              the chunks that hold one of them are answered now (chunks.answer_now); cancel_coming(ids):
-              the same for jobs of Tasks read with their Cancels, before they are queued (read_behind)
+              the chunks that hold one of them are answered now (chunks.answer_now); with `coming`, the
+              same for jobs of Tasks read with their Cancels, before they are queued (read_behind)
     GiveBack ─ Lanes.give_back(ids): waiting jobs named are dropped (given back), and the chunks named
     forget ── Lanes.forget(known): idle lanes of pieces the host let go are dropped
 
@@ -72,19 +72,17 @@ class Lanes:
             self.cancelled -= dropped
         return turn, dropped
 
-    def cancel(self, wanted: set) -> list:
+    def cancel(self, wanted: set, coming: list = ()) -> list:
         """Only what still waits in a lane can be dropped (a Cancel comes after its Task, on the same socket):
-        the rest has started or is done, and its id need not be kept. Returns the chunks that hold one of the
-        ids (for chunks.answer_now: what of them has not started is answered at once)."""
-        self.cancelled.update(i for lane in self.lanes.values() for entry in lane.jobs for i in ids_of(entry)
+        the rest has started or is done, and its id need not be kept; and the jobs of `coming`, Tasks read with
+        the Cancel but not queued yet (Worker.read_behind: each comes to a turn, so none is kept for good).
+        Returns the chunks that hold one of the ids (for chunks.answer_now: what of them has not started is
+        answered at once; a chunk's cancels are its own)."""
+        waiting = (entry for lane in self.lanes.values() for entry in lane.jobs)
+        read = (entry for task in coming for entry in task.jobs)
+        self.cancelled.update(i for entries in (waiting, read) for entry in entries for i in ids_of(entry)
                               if i in wanted)
         return [run for run in self.chunks if run.named(wanted)]
-
-    def cancel_coming(self, tasks: list, wanted: set) -> None:
-        """Cancel the jobs of `tasks` named in `wanted`: Tasks read with their Cancels, maybe not queued yet
-        (Worker.read_behind), dropped when their turn comes, whichever thread takes it. Only ids of jobs in
-        these Tasks: each comes to a turn, so none is kept for good (a chunk's cancels are its own)."""
-        self.cancelled.update(i for task in tasks for entry in task.jobs for i in ids_of(entry) if i in wanted)
 
     def give_back(self, wanted: set) -> tuple:
         """`(ids of the waiting jobs named: dropped, the chunks named)`: the host takes these inputs back if

@@ -236,7 +236,7 @@ class Worker:
 
     def read_behind(self) -> None:
         """Read what is queued behind a Task before its jobs start (kept in order for `receive`, at most BEHIND),
-        and cancel now the jobs its Cancels name: of that Task, and of the Tasks read (`Lanes.cancel_coming`).
+        and cancel now the jobs its Cancels name: of that Task, and of the Tasks read (`Lanes.cancel`).
         Why: a Task that waited (its worker busy, or stopped a moment by a loaded machine) has its Cancel right
         behind it, and run at once it started first: `future.cancel()` of an input not started returned True,
         and the node ran. After every Task, not only while another lane runs (a worker that finished its other
@@ -251,8 +251,7 @@ class Worker:
         cancels = {i for m in itertools.islice(behind, read, None) if type(m) is Cancel for i in m.jobs}
         if cancels:  # (each Cancel is also handled in its turn: a chunk's inputs are answered then)
             with self.lock:
-                self.lanes.cancel(cancels)
-                self.lanes.cancel_coming([m for m in behind if type(m) is Task], cancels)
+                self.lanes.cancel(cancels, coming=[m for m in behind if type(m) is Task])
 
     def handle(self, message) -> None:
         """Act on a message other than a Task (`accept`'s)."""
