@@ -250,12 +250,14 @@ def unlink_quietly(name: str) -> None:
         pass
 
 
-def unlink_all(prefix: str, owner: int | None = None, keep: set | frozenset = frozenset()) -> int:
-    """Unlink this pool's segment files, in /dev/shm and its spill directory (one owner's only, when `owner`
-    is given), except `keep`; the whole pool's also removes its spill directory and its room-wanted flag."""
+def unlink_all(prefix: str, owner: int | None = None, keep: set | frozenset = frozenset(),
+               spill: str | None = None) -> int:
+    """Unlink this pool's segment files, in /dev/shm and its spill directory (`spill`: this process's
+    `spill_dir(prefix)` unless given; one owner's only, when `owner` is given), except `keep`; the whole
+    pool's also removes its spill directory and its room-wanted flag."""
     head = f"{prefix}-" if owner is None else f"{prefix}-{owner}-"
     removed = 0
-    spill = spill_dir(prefix)
+    spill = spill or spill_dir(prefix)
     for where in (SHM_DIR, spill):
         try:
             names = os.listdir(where)

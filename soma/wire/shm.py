@@ -35,6 +35,8 @@ Who frees what, and when (the rules `docs/local.md` explains at length):
   views are dead. Workers report dead receipts to the host (`releases()`).
 * When the pool closes, or a worker dies, its files are unlinked. Mappings
   survive an unlink, so results a caller still holds stay valid after `close()`.
+  When every process of a pool died at once, the next pool unlinks them
+  (`soma.wire.lifeline`).
 * Where /dev/shm has no room for a segment, its file goes to the pool's spill
   directory on disk instead (`soma.wire.room`: what is given back and waited for
   first, and why a file): the same rules hold for it, except that it is never

@@ -15,12 +15,12 @@ pool calls nothing above it (what happens comes back as return values and events
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 
 from ..._log import warn
 from ...wire import codec, failures, protocol, transport
+from ...wire.lifeline import Lifeline, sweep
 from ...wire.protocol import ChunkPart, Hello, Result, Stop, Task
 from ...wire.shm import pool_prefix, unlink_all
 from .events import Arrived, Gone, Outcomes, Ready, Undecodable
@@ -46,6 +46,8 @@ class WorkerPool:
         self.prefix = pool_prefix(self.host_pid, os.urandom(4).hex())
         self.run_dir = tempfile.mkdtemp(prefix="soma-")  # 0700: only this user can reach the sockets
         os.chmod(self.run_dir, 0o700)
+        self.lifeline = Lifeline(self.prefix, self.run_dir)  # (held before any segment is made)
+        sweep(self.prefix)  # what earlier pools killed at once left (soma.wire.lifeline)
         self.endpoints = (f"ipc://{self.run_dir}/tasks", f"ipc://{self.run_dir}/results")
         self.workers: list = [None] * len(devices)
         self.closing = False
@@ -350,8 +352,7 @@ class WorkerPool:
             self.close_results()
             self._zctx.term()
         self.segments.close()
-        unlink_all(self.prefix)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.lifeline.end()
 
     # -- shared memory (the host's own segments: leases.HostSegments) -------------------------------------
     def get_store(self, create: bool = True):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import signal
 import threading
 import time
@@ -26,8 +25,8 @@ import zmq
 
 from ..._log import warn
 from ...wire import protocol, transport
+from ...wire.lifeline import remove_pool
 from ...wire.protocol import Cancel, Free, GiveBack, JobSpec, Stop, Task
-from ...wire.shm import unlink_all
 from ...wire.status import StatusPage
 from . import chunks as chunking
 from .chunks import ChunkRun
@@ -112,8 +111,7 @@ class Worker:
         while not self.stopping.wait(WATCHDOG_S):
             if os.getppid() != self.host_pid:
                 # The host cannot clean up any more: whoever notices does (several workers may; all is idempotent).
-                unlink_all(self.prefix)
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+                remove_pool(self.prefix, self.run_dir, spill=None)
                 os._exit(0)
 
     def terminated(self, signum, _frame) -> None:
