@@ -95,7 +95,7 @@ class Local(RunnerBase):
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._programs_lock = threading.Lock()
         self._last_program = (_nothing, None, None, None)  # (weak ref to a graph, placement version, whole, program)
-        self._registry = NodeRegistry()
+        self._registry = NodeRegistry(shared_workers=True)
 
     # -- life ------------------------------------------------------------------------------------
     def start(self) -> "Local":

@@ -50,6 +50,34 @@ class CodeFiles:
         return [path for path, then in zip(self.paths, self.then) if (now := look(path)) is not None and now != then]
 
 
+class SentFiles:
+    """The code files a pool's workers may have imported, each one's digest when the pool first sent a node of it.
+
+    Where every node shares the worker processes (Local), a module is imported once per worker, for the first
+    node of it: a new node of a module edited, or reloaded in this process (`importlib.reload`, `%autoreload`),
+    since then runs the module as the workers imported it, not as this process has it now (a tester's
+    notebook: the new node answered with the old code, silently). Ray gives each node actors of its own: they
+    import the module afresh."""
+
+    __slots__ = ("first",)
+
+    def __init__(self):
+        self.first: dict = {}  # path → its digest when this pool first sent a node of it
+
+    def sent(self, files: CodeFiles) -> list[str]:
+        """`files` are a node's, being sent to this pool: those whose content is not what it was when the pool
+        first sent a node of them; noted so on `files` (later looks compare with what the workers have)."""
+        stale = []
+        then = list(files.then)
+        for i, (path, now) in enumerate(zip(files.paths, then)):
+            first = self.first.setdefault(path, now)
+            if first is not None and now is not None and first != now:
+                then[i] = first
+                stale.append(path)
+        files.then = tuple(then)
+        return stale
+
+
 class Look:
     """One look at the files: each read (`_digest`) once however many nodes ask."""
 

@@ -36,7 +36,7 @@ import weakref
 from collections import deque
 
 from ..errors import NodeError
-from .codefiles import CodeFiles, Look
+from .codefiles import CodeFiles, Look, SentFiles
 from .identity import ByNode
 from .weights import Weights
 
@@ -44,8 +44,10 @@ LOOK_EVERY_S = 1.0  # between two looks at a graph's weights and code files on a
 
 
 class NodeRegistry:
-    def __init__(self):
+    def __init__(self, shared_workers: bool = False):
         self._lock = threading.Lock()
+        # (Local: every node's copies share the workers, which import a module once: `SentFiles`)
+        self._files = SentFiles() if shared_workers else None
         self._key_by_id: dict[int, int] = {}  # id(node) → key
         self._entries: dict[int, list] = {}  # key → [ref to the node, pickled code or None, id(node)]
         self._keys = itertools.count(1)
@@ -79,7 +81,14 @@ class NodeRegistry:
                 raise NodeError.failed(node_id, f"it cannot be sent to a worker: {type(err).__name__}: {err} (keep "
                                                 f"unpicklable things such as locks, sockets and open files out of "
                                                 f"the node, or create them in setup)") from err
-            note_sent(node)
+            reads = note_sent(node)
+            if self._files is not None and reads is not None and reads.files is not None:
+                stale = self._files.sent(reads.files)
+                if stale:
+                    reads.warned = True
+                    _warn_code_changed(node_id, stale, "this pool's workers, where the node's copies run, imported "
+                                                       "it for a node sent before (a reload in this process does "
+                                                       "not reach them)")
         return entry[1]
 
     def take_dead(self) -> list[int]:
@@ -116,7 +125,7 @@ class Reads:
     itself for numbers, strings and None, else the object's id (no reference kept: a tensor is not held alive).
     Found once, when the node is pickled; `changed()` only reads each name again (~1 µs for a few)."""
 
-    __slots__ = ("names", "sources", "then", "weights", "files", "warned")
+    __slots__ = ("names", "sources", "then", "weights", "files", "warned", "noted_at")
 
     def __init__(self, node):
         names, sources = [], []
@@ -136,6 +145,7 @@ class Reads:
         self.weights = Weights.of(node, [_read(source, name) for source, name in sources])
         self.files = CodeFiles.of(functions)  # the files of its code that workers import (not __main__'s)
         self.warned = False  # its node was warned about (once each, until it is sent again)
+        self.noted_at = time.monotonic()  # when its weights and files were noted (looked at, in effect)
 
     def _now(self) -> tuple:
         return tuple(_bound(_read(source, name)) for source, name in self.sources)
@@ -164,14 +174,16 @@ def _bound(value):
     return ("value", value) if type(value) in _KEPT else ("id", id(value))
 
 
-def note_sent(node) -> None:
-    """`node` is being pickled for its copies: what its code reads now is what they see."""
+def note_sent(node) -> "Reads | None":
+    """`node` is being pickled for its copies: what its code reads now is what they see. Its Reads (None for a
+    node without __weakref__: not followed)."""
     reads = _sent.get(node)
     if reads is None:
         try:
-            _sent.put(node, Reads(node))
+            reads = Reads(node)
+            _sent.put(node, reads)
         except TypeError:  # a node without __weakref__: not followed
-            pass
+            return None
     else:  # pickled again (another pool): the graphs that hold it keep this one Reads
         reads.then = reads._now()
         if reads.weights is not None:
@@ -179,6 +191,8 @@ def note_sent(node) -> None:
         if reads.files is not None:
             reads.files.noted()
         reads.warned = False
+        reads.noted_at = time.monotonic()
+    return reads
 
 
 _last_read: tuple = (lambda: None, [], [], [0.0])  # (a weak reference to the graph run last, its lists: _by_graph)
@@ -228,14 +242,17 @@ def _warn_if_weights_or_code_changed(looking: list) -> None:
                            "run the old weights",
                   "the new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool")
         elif reads.files is not None and (edited := reads.files.changed(look)):
-            warnings.warn(f"node `{node_id}` runs code of {', '.join(edited)}, which changed on disk since the node "
-                          f"was sent to its copies on worker processes: those run the code as their worker imported "
-                          f"it, and a worker that imports it from now on (one that had not run the node yet, or a "
-                          f"replacement) imports the new, so the pool may run both (docs/api.md, \"Copies\"); to "
-                          f"run the new code, start a new pool", UserWarning, stacklevel=_outside_soma())
+            _warn_code_changed(node_id, edited, "the node was sent to its copies on worker processes")
         else:
             continue
         reads.warned = True
+
+
+def _warn_code_changed(node_id: str, edited: list, since: str) -> None:
+    warnings.warn(f"node `{node_id}` runs code of {', '.join(edited)}, which changed on disk since {since}: those "
+                  f"run the code as their worker imported it, and a worker that imports it from now on (one that had "
+                  f"not run the node yet, or a replacement) imports the new, so the pool may run both (docs/api.md, "
+                  f"\"Copies\"); to run the new code, start a new pool", UserWarning, stacklevel=_outside_soma())
 
 
 def _warn(node_id: str, said: str, fix: str) -> None:
@@ -274,7 +291,9 @@ def _reading(graph) -> tuple:
                 reading.append((node_id, reads))
             if reads.weights is not None or reads.files is not None:
                 looking.append((node_id, reads))
-    lists = (reading, looking, [time.monotonic()])  # (when last looked at: as they were sent)
+    # (when last looked at: as they were sent; not as these lists are made, at the run after: a file edited
+    # between the run that sent them and the next was seen a second after that one, by a third run)
+    lists = (reading, looking, [min((reads.noted_at for _, reads in looking), default=0.0)])
     if complete:
         _by_graph[graph] = lists
     return lists

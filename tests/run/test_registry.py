@@ -90,6 +90,16 @@ def test_each_graphs_code_files_are_looked_at_however_often_another_graph_runs(t
             sys.modules.pop(name, None)
 
 
+class Scores(Node):
+    """A node holding a torch module (its weights are watched)."""
+
+    def __init__(self, torch):
+        self.model = torch.nn.Linear(2, 1)
+
+    def forward(self, x, ctx):
+        return Done(x)
+
+
 def test_a_graphs_weights_are_looked_at_on_its_clock_and_at_a_maps_start(monkeypatch):
     """Weights are looked at on the graph's one clock, as its code files are (each node's own clock before): a
     run within LOOK_EVERY_S of the last look does not look (a large model has hundreds of tensors), a map's
@@ -100,14 +110,7 @@ def test_a_graphs_weights_are_looked_at_on_its_clock_and_at_a_maps_start(monkeyp
     from soma import Graph
     from soma.run import registry
 
-    class Scores(Node):
-        def __init__(self):
-            self.model = torch.nn.Linear(2, 1)
-
-        def forward(self, x, ctx):
-            return Done(x)
-
-    node = Scores()
+    node = Scores(torch)
     graph = Graph.somatize(node)
     registry.note_sent(node)  # (as it is pickled for its copies)
     monkeypatch.setattr(registry, "LOOK_EVERY_S", 3600.0)  # (no look on a run's way in this test's time)
@@ -119,4 +122,28 @@ def test_a_graphs_weights_are_looked_at_on_its_clock_and_at_a_maps_start(monkeyp
         assert caught == []  # a run's way: not looked at yet
         registry.warn_if_changed(graph, thorough=True)  # a map's start
         registry.warn_if_changed(graph, thorough=True)
+    assert [str(w.message).split(" holds")[0] for w in caught] == ["node `scores`"]
+
+
+def test_a_graphs_first_run_after_its_nodes_were_sent_looks_when_its_clock_says_so(monkeypatch):
+    """The clock starts when the nodes were sent, not at the run after (which makes the graph's lists): weights
+    changed between the run that sent the node and the next, a look's time later, are said at that next run (a
+    second later before Dec 7, by a third run)."""
+    import time
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    from soma import Graph
+    from soma.run import registry
+
+    node = Scores(torch)
+    graph = Graph.somatize(node)
+    monkeypatch.setattr(registry, "LOOK_EVERY_S", 0.2)
+    registry.note_sent(node)  # (as it is pickled for its copies, on the run that sent it)
+    with torch.no_grad():
+        node.model.weight.add_(1.0)
+    time.sleep(0.25)  # (a look's time since it was sent: what is asserted is only that this run looks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        registry.warn_if_changed(graph)  # the next run: its lists are made now
     assert [str(w.message).split(" holds")[0] for w in caught] == ["node `scores`"]

@@ -1,5 +1,6 @@
 """What a user trips over once the README works: each mistake gets a clear answer, or just works."""
 
+import contextlib
 import dataclasses
 import traceback
 
@@ -562,19 +563,11 @@ def test_a_nodes_module_edited_on_disk_after_it_was_sent_is_warned_about_once(ru
     """A worker imports a node's module once: edited on disk since (or reloaded: `%autoreload` in a notebook),
     the workers that have it run the old code and a worker started since (a replacement) the new, so one pool
     could answer both ways; Local and Ray say so once, naming the file."""
-    import importlib
     import os
-    import sys
     import warnings
 
-    if isinstance(runner, soma.Ray):
-        pytest.skip("Ray's actors search the driver's sys.path as it was when Ray started: not the test's folder")
-    module = f"versioned_{type(runner).__name__.lower()}"
-    path = tmp_path / f"{module}.py"
-    path.write_text(VERSIONED.format(version="v1"))
-    sys.path.insert(0, str(tmp_path))
-    try:
-        node = importlib.import_module(module).Versioned()
+    with _versioned_module(runner, tmp_path, "versioned") as (path, module):
+        node = module.Versioned()
         assert runner.run(node, 0) == "v1"
         modified = os.stat(path).st_mtime_ns + 1_000_000_000
         os.utime(path, ns=(modified, modified))  # touched, not changed (a save without an edit): no warning
@@ -601,6 +594,61 @@ def test_a_nodes_module_edited_on_disk_after_it_was_sent_is_warned_about_once(ru
                         f"worker that imports it from now on (one that had not run the node yet, or a replacement) "
                         f"imports the new, so the pool may run both (docs/api.md, \"Copies\"); to run the new code, start a new pool"]
         assert {w.filename for w in caught} == {__file__}
+
+
+def test_a_new_node_of_a_module_reloaded_since_the_pools_workers_imported_it_is_warned_about_at_its_first_run(
+        runner, tmp_path, monkeypatch):
+    """A notebook's loop: run a node, edit its module, `importlib.reload` it (or `%autoreload`), make a new node,
+    run it. In-process the new node runs the new code; Local's workers imported the module once, for the first
+    node, and the new node's copies there run it as it was (before Dec 7 silently: the new node answered with the
+    old code and nothing said so). Its first run says so; so does the old node's next run."""
+    import importlib
+    import os
+    import warnings
+
+    monkeypatch.setattr("soma.run.registry.LOOK_EVERY_S", 0.0)  # (every run looks: the test takes no second)
+    with _versioned_module(runner, tmp_path, "reloaded") as (path, module):
+        old = module.Versioned()
+        assert runner.run(old, 0) == "v1"
+        path.write_text(VERSIONED.format(version="v2"))
+        modified = os.stat(path).st_mtime_ns + 1_000_000_000
+        os.utime(path, ns=(modified, modified))  # (a second later, whatever the file system's clock grain)
+        new = importlib.reload(module).Versioned()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got_new = runner.run(new, 0)
+            said_at_first_run = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+            got_old = runner.run(old, 0)  # (its graph's files are looked at on this run: LOOK_EVERY_S is 0)
+        said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        if isinstance(runner, soma.Executor):
+            assert (got_new, got_old) == ("v2", "v1") and said == []  # each object's own class, as Python has it
+            return
+        assert got_old == "v1" and got_new in ("v1", "v2")  # (a worker that had not imported it imports v2)
+        tail = (": those run the code as their worker imported it, and a worker that imports it from now on (one "
+                "that had not run the node yet, or a replacement) imports the new, so the pool may run both "
+                "(docs/api.md, \"Copies\"); to run the new code, start a new pool")
+        assert said_at_first_run == [f"node `versioned` runs code of {path}, which changed on disk since this "
+                                     f"pool's workers, where the node's copies run, imported it for a node sent "
+                                     f"before (a reload in this process does not reach them)" + tail]
+        assert said[1:] == [f"node `versioned` runs code of {path}, which changed on disk since the node was sent "
+                            f"to its copies on worker processes" + tail]
+        assert {w.filename for w in caught} == {__file__}
+
+
+@contextlib.contextmanager
+def _versioned_module(runner, tmp_path, name: str):
+    """`(path, module)`: a module of `VERSIONED` at "v1", importable from `tmp_path` while the block runs."""
+    import importlib
+    import sys
+
+    if isinstance(runner, soma.Ray):
+        pytest.skip("Ray's actors search the driver's sys.path as it was when Ray started: not the test's folder")
+    name = f"{name}_{type(runner).__name__.lower()}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(VERSIONED.format(version="v1"))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield path, importlib.import_module(name)
     finally:
         sys.path.remove(str(tmp_path))
-        sys.modules.pop(module, None)
+        sys.modules.pop(name, None)
