@@ -2,13 +2,11 @@
 next pool, and a live pool's files never are, whatever pid namespace it runs in. Real hosts, killed for real."""
 
 import json
-import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 
 import psutil
 import pytest
@@ -16,7 +14,7 @@ import pytest
 import soma
 from soma.wire import lifeline
 from soma.wire.shm import SHM_DIR, pool_prefix
-from tests.conftest import ROOT, shm_names, wait_for
+from tests.conftest import ROOT, shm_names
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,25 +55,59 @@ def _gone(pid):
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+# Run where /dev/shm is a tmpfs of this test's own (the small_shm fixture): another program on this machine starting
+# a pool meanwhile would sweep the killed pool first (as it should), and the test could not see what was left.
+_KILLED = """
+import logging, os, signal, subprocess, sys, tempfile, time
+import soma
+from soma.wire import lifeline
+
+host_py = os.path.join(tempfile.mkdtemp(prefix="host-"), "host.py")
+with open(host_py, "w") as f:
+    f.write(HOST)
+proc = subprocess.Popen([sys.executable, host_py, os.getcwd()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        text=True)
+host, *rest = proc.stdout.readline().split()
+*workers, prefix, run_dir = rest
+for pid in [int(host), *map(int, workers)]:  # every process of the pool at once
+    os.kill(pid, SIG)
+proc.wait(30)
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+deadline = time.monotonic() + 30
+while any(alive(int(w)) for w in workers) and time.monotonic() < deadline:
+    time.sleep(0.01)
+left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+assert any(not n.endswith(lifeline.SUFFIX) for n in left), left  # (the host's segments at least)
+assert os.path.isdir(run_dir)
+said = []
+handler = logging.Handler()
+handler.emit = lambda record: said.append(record.getMessage())
+logging.getLogger("soma.shm").addHandler(handler)
+with soma.Local(workers=1) as local:
+    local.start()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], os.listdir("/dev/shm")
+    assert not os.path.exists(run_dir)
+print("HOST", host)
+print("SAID", said)
+"""
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_what_a_pool_killed_with_all_its_workers_left_is_removed_by_the_next_pool(tmp_path, caplog, sig):
+def test_what_a_pool_killed_with_all_its_workers_left_is_removed_by_the_next_pool(small_shm, sig):
     # Every process of the pool at once (a container's OOM kill, `systemctl stop`, `pkill python`): nobody is left
     # to clean up. Before the lifeline its segments and socket directory stayed until a reboot.
-    proc, host, workers, prefix, run_dir = _start_host(tmp_path)
-    for pid in [host, *workers]:
-        os.kill(pid, sig)
-    proc.wait(30)
-    wait_for(lambda: all(_gone(p) for p in workers), seconds=10, what="the workers to die")
-    left = shm_names(prefix)
-    assert any(not n.endswith(lifeline.SUFFIX) for n in left), left  # (the host's segments at least)
-    assert os.path.isdir(run_dir)
-    with caplog.at_level(logging.WARNING, logger="soma.shm"):
-        with soma.Local(workers=1) as local:
-            assert not shm_names(prefix), shm_names(prefix)
-            assert not os.path.exists(run_dir)
-            assert local.snapshot().shm_prefix != prefix
-    said = [r.getMessage() for r in caplog.records if "earlier pool" in r.getMessage()]
-    assert said and f"host pid {host}" in said[0] and "segment" in said[0], said
+    done = small_shm(f"HOST = {_HOST!r}\nSIG = {int(sig)}\n" + _KILLED)
+    host = done.stdout.split("HOST ")[1].split()[0]
+    said = done.stdout.split("SAID ")[1]
+    assert "earlier pool(s) left when all their processes were killed at once" in said, done.stdout
+    assert f"(host pid {host})" in said and "segment(s)" in said, done.stdout
 
 
 _NEW_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc"]
@@ -118,28 +150,46 @@ def _dead_pool(tmp_path, content=None) -> str:
     return prefix
 
 
-def test_sweeps_at_once_remove_each_dead_pool_once_and_never_raise(tmp_path, caplog):
-    dead = [_dead_pool(tmp_path) for _ in range(3)]
-    errors = []
-    start = threading.Barrier(8)
+_SWEEPS_AT_ONCE = """
+import json, logging, os, threading
+from soma.wire import lifeline
+from soma.wire.shm import SHM_DIR, pool_prefix
 
-    def sweep():
-        start.wait()
-        try:
-            lifeline.sweep("soma-0-none")
-        except BaseException as err:  # (sweep must never raise: it is housekeeping)
-            errors.append(err)
+dead = []
+for _ in range(3):  # a pool's files as a pool whose processes all died leaves them: a segment, an unheld lifeline
+    prefix = pool_prefix(os.getpid(), os.urandom(4).hex())
+    with open(os.path.join(SHM_DIR, f"{prefix}-{os.getpid()}-1"), "wb") as f:
+        f.write(b"x" * 4096)
+    with open(lifeline.path_of(prefix), "w") as f:
+        f.write(json.dumps({}))
+    dead.append(prefix)
+counted, errors = [], []
+handler = logging.Handler()
+handler.emit = lambda record: counted.append(record.args[2])  # (the segments one sweep removed)
+logging.getLogger("soma.shm").addHandler(handler)
+start = threading.Barrier(8)
 
-    with caplog.at_level(logging.WARNING, logger="soma.shm"):
-        threads = [threading.Thread(target=sweep) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    assert not errors
-    assert not any(shm_names(p) for p in dead)
-    removed = [r for r in caplog.records if "earlier pool" in r.getMessage()]
-    assert sum(r.args[2] for r in removed) == 3, [r.getMessage() for r in removed]  # each pool's segment once
+def sweep():
+    start.wait()
+    try:
+        lifeline.sweep("soma-0-none")
+    except BaseException as err:  # (sweep must never raise: it is housekeeping)
+        errors.append(err)
+
+threads = [threading.Thread(target=sweep) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(30)
+assert not errors, errors
+assert not os.listdir(SHM_DIR), os.listdir(SHM_DIR)
+assert sum(counted) == 3, counted  # each pool's segment removed, and said, once
+print("SWEPT ONCE")
+"""
+
+
+def test_sweeps_at_once_remove_each_dead_pool_once_and_never_raise(small_shm):
+    assert "SWEPT ONCE" in small_shm(_SWEEPS_AT_ONCE).stdout
 
 
 def test_a_lifeline_never_points_a_sweep_outside_the_pool(tmp_path):
