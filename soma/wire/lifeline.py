@@ -12,25 +12,32 @@ the pool's life; the kernel lets go of it when the last descriptor of that file 
 ended, and every namespace that sees the file sees the lock. A pool starting (`sweep`) tries each other pool's
 lifeline with an exclusive lock that does not wait: it gets it only when no live process holds the file, and
 then removes that pool's files (`remove_pool`: its segments, its spill directory and its socket directory, whose
-paths the lifeline holds), the lifeline last. A pool without a lifeline (a soma from before Dec 7) is left alone.
+paths the lifeline holds), the lifeline last. Only this user's lifelines are tried (another user's pools are
+theirs to sweep), only plain files, without waiting to open them. A pool without a lifeline (a soma from before
+Dec 7) is left alone. What stays: a host killed after its pool started with /dev/shm full to the last page (no
+room to write the paths) leaves its socket directory, and a spill directory `$SOMA_SPILL_DIR` put elsewhere than
+the sweeping pool's; a pool some process forked from its host still lives in is kept until that process ends
+(it holds the lifeline too).
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
 import re
 import shutil
 import stat
+import time
 
 from .._log import warn
 from ..errors import size_text
 from .room import SHM_DIR, spill_dir, unlink_all
 
 SUFFIX = ".alive"
-_LIFELINE = re.compile(rf"^(soma-\d+-[0-9a-f]+){re.escape(SUFFIX)}$")
+STARTING = ".starting"  # a lifeline's name while its host makes it
+STALE_START_S = 60.0  # a lifeline still being made after this long was being made by a host that died
+_LIFELINE = re.compile(rf"^(soma-\d+-[0-9a-f]+)({re.escape(SUFFIX)}|{re.escape(STARTING)})$")
 _RUN_DIR = re.compile(r"^soma-[A-Za-z0-9_]+$")  # (tempfile.mkdtemp(prefix="soma-"): the pool's socket directory)
 
 
@@ -45,27 +52,28 @@ class Lifeline:
         self.prefix = prefix
         self.run_dir = run_dir
         self.fd = None
-        path = path_of(prefix)
+        # Made under another name, locked, then renamed: under its own name a lifeline is held from its first
+        # moment, so a sweep never takes a pool that is starting (made under its name, then locked, a sweep
+        # between the two took it and said it removed a dead pool, naming a live one: a tester's).
+        starting = os.path.join(SHM_DIR, prefix + STARTING)
         try:
-            while self.fd is None:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH)
-                    if os.fstat(fd).st_nlink:
-                        self.fd, fd = fd, None
-                finally:
-                    if fd is not None:
-                        os.close(fd)  # a sweep took it between its creation and our lock (it was empty): again
+            fd = os.open(starting, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as err:
-            # No lifeline (no /dev/shm, or not even room for a few bytes): the pool works, but its files cannot be
-            # told apart from a live pool's if all its processes are killed at once.
-            warn("soma.shm", "soma: could not make %s (%s: %s); if this pool's processes are all killed at once, "
-                 "its files in /dev/shm stay until removed by hand", path, type(err).__name__, err)
+            _no_lifeline(starting, err)
             return
         try:
-            os.write(self.fd, json.dumps({"run_dir": run_dir, "spill_dir": spill_dir(prefix)}).encode())
-        except OSError:
-            pass  # (/dev/shm full to the last page: a sweep still finds the segments by name, not the directories)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                os.write(fd, json.dumps({"run_dir": run_dir, "spill_dir": spill_dir(prefix)}).encode())
+            except OSError:
+                pass  # (/dev/shm full to the last page: a sweep still finds the segments by name, not the directories)
+            os.rename(starting, path_of(prefix))
+        except OSError as err:
+            os.close(fd)
+            _unlink_quietly(starting)
+            _no_lifeline(starting, err)
+            return
+        self.fd = fd
 
     def end(self) -> None:
         """The pool closed: remove its files, the lifeline last, and let go of it."""
@@ -75,6 +83,20 @@ class Lifeline:
             self.fd = None
 
 
+def _no_lifeline(path: str, err: OSError) -> None:
+    # No lifeline (no /dev/shm, or no room in it for a file): the pool works, but its files cannot be told apart
+    # from a live pool's if all its processes are killed at once.
+    warn("soma.shm", "soma: could not make %s (%s: %s); if this pool's processes are all killed at once, its files "
+         "in /dev/shm stay until removed by hand", path, type(err).__name__, err)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def remove_pool(prefix: str, run_dir: str | None, spill: str | None) -> int:
     """Remove pool `prefix`'s files: its segments (in /dev/shm and in `spill`), its socket directory `run_dir`,
     its lifeline last. Idempotent: the host's close, a worker whose host died, and a later pool's sweep may all
@@ -82,10 +104,7 @@ def remove_pool(prefix: str, run_dir: str | None, spill: str | None) -> int:
     removed = unlink_all(prefix, spill=spill)
     if run_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
-    try:
-        os.unlink(path_of(prefix))
-    except FileNotFoundError:
-        pass
+    _unlink_quietly(path_of(prefix))
     return removed
 
 
@@ -99,10 +118,14 @@ def sweep(own_prefix: str) -> None:
     swept = []  # (host pid, segments removed, their bytes)
     for name in names:
         found = _LIFELINE.match(name)
-        if found and found.group(1) != own_prefix:
-            removed = _remove_if_dead(found.group(1), names)
-            if removed is not None:
-                swept.append((found.group(1).split("-")[1], *removed))
+        if found is None or found.group(1) == own_prefix:
+            continue
+        if found.group(2) == STARTING:
+            _remove_if_stale_start(os.path.join(SHM_DIR, name))
+            continue
+        removed = _remove_if_dead(found.group(1), names)
+        if removed is not None:
+            swept.append((found.group(1).split("-")[1], *removed))
     if swept:
         warn("soma.shm", "soma: removed what %d earlier pool(s) left when all their processes were killed at once "
              "(host pid %s): %d segment(s), %s of /dev/shm", len(swept), ", ".join(pid for pid, _, _ in swept),
@@ -123,21 +146,10 @@ def _bytes_of(prefix: str, names: list) -> int:
 def _remove_if_dead(prefix: str, names: list) -> tuple[int, int] | None:
     """Remove pool `prefix`'s files when nobody holds its lifeline: `(segments removed, their bytes in /dev/shm)`;
     None when it lives (or another sweep, or its own close, got there first)."""
-    path = path_of(prefix)
+    fd = _unheld(path_of(prefix))
+    if fd is None:
+        return None
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None  # (gone already; or another user's: not ours to look at)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return None  # a live process of that pool holds it
-            raise
-        # Still the file of that name? (another sweep may have removed it between our open and our lock)
-        if os.fstat(fd).st_nlink == 0:
-            return None
         paths = _paths_in(fd)
         size = _bytes_of(prefix, names)
         return remove_pool(prefix, _checked_run_dir(paths.get("run_dir")),
@@ -146,6 +158,42 @@ def _remove_if_dead(prefix: str, names: list) -> tuple[int, int] | None:
         return None
     finally:
         os.close(fd)
+
+
+def _remove_if_stale_start(path: str) -> None:
+    """A lifeline a host was making (`Lifeline`) when it died, STALE_START_S old and held by nobody: removed
+    silently (no segment was made before it had its name)."""
+    fd = _unheld(path)
+    if fd is not None:
+        try:
+            if time.time() - os.fstat(fd).st_mtime > STALE_START_S:
+                _unlink_quietly(path)
+        finally:
+            os.close(fd)
+
+
+def _unheld(path: str) -> int | None:
+    """A descriptor of the lifeline at `path`, locked exclusively: nobody else holds it. None when a process
+    holds it, or it is gone, or it is not a plain file of this user's (a FIFO of that name blocked every pool's
+    start in `open`, a tester's; another user's pools are theirs to sweep: their socket directory is not ours
+    to remove)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_nlink:  # (still the file of that name: not removed by another sweep meanwhile)
+                fd, held = None, fd
+                return held
+    except OSError:
+        pass  # (held by a live process of that pool: EWOULDBLOCK; anything else: not ours to judge, left alone)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return None
 
 
 def _paths_in(fd: int) -> dict:
