@@ -72,7 +72,9 @@ usual, and the fix shows up as XPASS (a failure) until the mark goes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.util
 import os
 import shutil
@@ -514,3 +516,26 @@ def wait_for(condition, seconds: float = 10.0, what: str = "condition") -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def module_at(tmp_path, name: str, source: str, **version):
+    """`(write, module)`: module `name` of `source` formatted with `version`, importable while the block runs;
+    `write(reload=True, **version)` edits it on disk (a second later, whatever the file system's clock grain)
+    and reloads it (as `importlib.reload`: a new class; IPython's %autoreload patches the old one in place)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source.format(**version))
+    stamp = [os.stat(path).st_mtime_ns]
+
+    def write(reload=True, **again):
+        path.write_text(source.format(**again))
+        stamp[0] += 1_000_000_000
+        os.utime(path, ns=(stamp[0], stamp[0]))
+        return importlib.reload(sys.modules[name]) if reload else sys.modules[name]
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield write, importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)

@@ -88,7 +88,6 @@ class Local(RunnerBase):
         self._start_lock = threading.Lock()
         self._pool: WorkerPool | None = None
         self._loop: HostLoop | None = None
-        self._closed = False
         self._closer = None  # the thread whose close() closes it; the others wait for it (_close_done)
         self._close_done = threading.Event()
         # graph → (placement version, its program for run, its program for map)
@@ -96,6 +95,7 @@ class Local(RunnerBase):
         self._programs_lock = threading.Lock()
         self._last_program = (_nothing, None, None, None)  # (weak ref to a graph, placement version, whole, program)
         self._registry = NodeRegistry(shared_workers=True)
+        self.sent_files = self._registry.files  # (the code files its workers may have imported: RunnerBase)
 
     # -- life ------------------------------------------------------------------------------------
     def start(self) -> "Local":

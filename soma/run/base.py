@@ -24,6 +24,7 @@ class RunnerBase(AsyncRunner, Traced):
 
     _closed = False  # set by close(): no run, map, submit, arun or amap is taken after it
     copies_nodes = True  # nodes run as copies made from them (Local, Ray; not the Executor): see `accepting`
+    sent_files = None  # where nodes share worker processes (Local): the code files they may have imported
 
     def start(self):
         if self._closed:
@@ -45,7 +46,8 @@ class RunnerBase(AsyncRunner, Traced):
             raise SomaError(closed_message(type(self).__name__))
         graph = as_graph(g, where)
         if self.copies_nodes:  # a node's copies keep what its code read when it was sent: say when that changed
-            warn_if_changed(graph, thorough=where.endswith("map"))  # (a map's start looks at weights too)
+            # (a map's start looks at weights too)
+            warn_if_changed(graph, thorough=where.endswith("map"), files=self.sent_files)
         return graph
 
     async def arun(self, g, x, *, timeout: float | None = None, retries: int = 0):

@@ -11,16 +11,30 @@ looks again. A file is read again only when its modification time or size moved
 (`_digest`), so `touch`, a save without an edit or a checkout there and back is
 no change. The registry looks at most every LOOK_EVERY_S on a run's way and at
 each map's start, each file once a look (`Look`), whatever number of nodes share it.
-`__main__`'s code travels by value, with the node: not watched.
+The files: those of the node's functions and of the modules of its classes (the
+registry finds them: its bases, the torch modules it holds); not libraries'.
+`__main__`'s code travels by value, with the node: not watched. Where nodes share
+the workers (Local), a pool also keeps every version it sent of each (`SentFiles`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
 
 _DIGESTS: dict = {}  # path → (mtime_ns, size, digest) when last read: read again only when either moved
+
+
+@functools.cache
+def _libraries() -> tuple:
+    """Where libraries live (torch's modules, numpy's): not looked at (nobody edits them under a running pool,
+    and a large model's submodules come from dozens of their files)."""
+    import sysconfig
+
+    return tuple({os.path.join(p, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                  if (p := sysconfig.get_paths().get(key))})
 
 
 class CodeFiles:
@@ -33,48 +47,55 @@ class CodeFiles:
         self.noted()
 
     @classmethod
-    def of(cls, functions: list) -> "CodeFiles | None":
-        """Of the node's own functions (its forward, forward_batch, setup; a soma.fn's function), those not of
-        `__main__`, whose file is there to look at; None when none is."""
+    def of(cls, functions: list, classes: list = ()) -> "CodeFiles | None":
+        """The files of the node's own functions (its forward, forward_batch, setup; a soma.fn's function) and
+        of the modules of `classes` (registry._classes_of), but `__main__`'s and libraries' (the standard
+        library's, site-packages'), that are there to look at; None when none is."""
         main = sys.modules.get("__main__")
-        paths = sorted({f.__code__.co_filename for f in functions
-                        if sys.modules.get(f.__module__) is not main and os.path.isfile(f.__code__.co_filename)})
+        files = {f.__code__.co_filename for f in functions if sys.modules.get(f.__module__) is not main}
+        for kind in classes:
+            module = sys.modules.get(kind.__module__)
+            if module is not None and module is not main:
+                files.add(getattr(module, "__file__", None))
+        paths = sorted(p for p in files if isinstance(p, str) and not p.startswith(_libraries()) and os.path.isfile(p))
         return cls(paths) if paths else None
 
     def noted(self) -> None:
         """The node is sent (again: another pool): its copies run these files as they are now."""
         self.then = tuple(_digest(path) for path in self.paths)
 
-    def changed(self, look: "Look") -> list[str]:
-        """The files whose content is not what it was when noted (a file gone is not: nothing to compare)."""
-        return [path for path, then in zip(self.paths, self.then) if (now := look(path)) is not None and now != then]
+    def changed(self, look: "Look", sent: "SentFiles | None" = None) -> list[str]:
+        """The files whose content is not what it was when noted (a file gone is not: nothing to compare); with
+        the `sent` of the pool asking, not what every version its workers may have imported was (none: that pool
+        never sent a node of it, and the one it sends is looked at then)."""
+        return [path for path, then in zip(self.paths, self.then)
+                if (now := look(path)) is not None and (sent.seen.get(path, {now}) if sent else {then}) != {now}]
 
 
 class SentFiles:
-    """The code files a pool's workers may have imported, each one's digest when the pool first sent a node of it.
+    """The code files a pool's workers may have imported: each one's digests when the pool sent a node of it.
 
     Where every node shares the worker processes (Local), a module is imported once per worker, for the first
-    node of it: a new node of a module edited, or reloaded in this process (`importlib.reload`, `%autoreload`),
-    since then runs the module as the workers imported it, not as this process has it now (a tester's
-    notebook: the new node answered with the old code, silently). Ray gives each node actors of its own: they
-    import the module afresh."""
+    node of it that worker runs: a new node of a module edited, or reloaded in this process (`importlib.reload`,
+    `%autoreload`), since then runs the module as the workers imported it, not as this process has it now (a
+    tester's notebook: the new node answered with the old code, silently). Every version sent is kept: a file
+    edited and edited back may still run as the edit in a worker that imported it meanwhile. Ray gives each node
+    actors of its own: they import the module afresh."""
 
-    __slots__ = ("first",)
+    __slots__ = ("seen",)
 
     def __init__(self):
-        self.first: dict = {}  # path → its digest when this pool first sent a node of it
+        self.seen: dict = {}  # path → the digests it had when this pool sent nodes of it
 
     def sent(self, files: CodeFiles) -> list[str]:
-        """`files` are a node's, being sent to this pool: those whose content is not what it was when the pool
-        first sent a node of them; noted so on `files` (later looks compare with what the workers have)."""
+        """`files` are a node's, being sent to this pool: those whose workers may run another version of them."""
         stale = []
-        then = list(files.then)
-        for i, (path, now) in enumerate(zip(files.paths, then)):
-            first = self.first.setdefault(path, now)
-            if first is not None and now is not None and first != now:
-                then[i] = first
-                stale.append(path)
-        files.then = tuple(then)
+        for path, now in zip(files.paths, files.then):
+            if now is not None:
+                versions = self.seen.setdefault(path, set())
+                versions.add(now)
+                if len(versions) > 1:
+                    stale.append(path)
         return stale
 
 

@@ -25,6 +25,8 @@ once) changed on disk, or the weights of a torch module it holds changed in plac
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import os
 import sys
@@ -47,7 +49,7 @@ class NodeRegistry:
     def __init__(self, shared_workers: bool = False):
         self._lock = threading.Lock()
         # (Local: every node's copies share the workers, which import a module once: `SentFiles`)
-        self._files = SentFiles() if shared_workers else None
+        self.files = SentFiles() if shared_workers else None
         self._key_by_id: dict[int, int] = {}  # id(node) → key
         self._entries: dict[int, list] = {}  # key → [ref to the node, pickled code or None, id(node)]
         self._keys = itertools.count(1)
@@ -82,8 +84,8 @@ class NodeRegistry:
                                                 f"unpicklable things such as locks, sockets and open files out of "
                                                 f"the node, or create them in setup)") from err
             reads = note_sent(node)
-            if self._files is not None and reads is not None and reads.files is not None:
-                stale = self._files.sent(reads.files)
+            if self.files is not None and reads is not None and reads.files is not None:
+                stale = self.files.sent(reads.files)
                 if stale:
                     reads.warned = True
                     _warn_code_changed(node_id, stale, "this pool's workers, where the node's copies run, imported "
@@ -143,7 +145,8 @@ class Reads:
         self.then = self._now()
         # the torch modules it holds or reads, whose weights its copies keep (soma.run.weights)
         self.weights = Weights.of(node, [_read(source, name) for source, name in sources])
-        self.files = CodeFiles.of(functions)  # the files of its code that workers import (not __main__'s)
+        # the files of its code that workers import (not __main__'s): its functions', its classes' modules
+        self.files = CodeFiles.of(functions, _classes_of(node, self.weights))
         self.warned = False  # its node was warned about (once each, until it is sent again)
         self.noted_at = time.monotonic()  # when its weights and files were noted (looked at, in effect)
 
@@ -199,14 +202,16 @@ _last_read: tuple = (lambda: None, [], [], [0.0])  # (a weak reference to the gr
 _by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph → (reading, looking, looked): _reading
 
 
-def warn_if_changed(graph, thorough: bool = False) -> None:
+def warn_if_changed(graph, thorough: bool = False, files: SentFiles | None = None) -> None:
     """Warn, once per node, when something a node's code reads from outside it names another object than when
     the node was sent to its copies (the copies still see the old one; looked at on every call, ~1 µs for a few
     names), or the weights of a torch module it holds or reads changed in place (`soma.run.weights`), or its
     code's files changed on disk (`soma.run.codefiles`): weights and files are looked at on one clock a graph,
     every LOOK_EVERY_S on a run's way and at each map's start (`thorough`). A graph's lists of what to look at
     are made once all its nodes have been sent: a graph whose nodes read nothing and hold nothing to look at
-    costs one lookup a call, and one clock reading when they do."""
+    costs one lookup a call, and one clock reading when they do. `files`: the asking pool's (Local's), whose
+    workers may have imported code files in versions other than the one noted when a node was last sent (to
+    another pool, say)."""
     global _last_read
     last_graph, reading, looking, looked = _last_read  # (one tuple: read whole, never half of two threads' writes)
     if last_graph() is not graph:  # (the graph run last is looked up without a new weak reference)
@@ -228,10 +233,10 @@ def warn_if_changed(graph, thorough: bool = False) -> None:
         now = time.monotonic()
         if thorough or now - looked[0] >= LOOK_EVERY_S:
             looked[0] = now
-            _warn_if_weights_or_code_changed(looking)
+            _warn_if_weights_or_code_changed(looking, files)
 
 
-def _warn_if_weights_or_code_changed(looking: list) -> None:
+def _warn_if_weights_or_code_changed(looking: list, files: SentFiles | None) -> None:
     look = Look()  # (each file read once a look, however many nodes share it)
     for node_id, reads in looking:
         if reads.warned:
@@ -241,7 +246,7 @@ def _warn_if_weights_or_code_changed(looking: list) -> None:
                            "load_state_dict) since the node was sent to its copies on worker processes: they still "
                            "run the old weights",
                   "the new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool")
-        elif reads.files is not None and (edited := reads.files.changed(look)):
+        elif reads.files is not None and (edited := reads.files.changed(look, files)):
             _warn_code_changed(node_id, edited, "the node was sent to its copies on worker processes")
         else:
             continue
@@ -300,11 +305,34 @@ def _reading(graph) -> tuple:
 
 
 def _functions_of(node) -> list:
-    """The node's own code: a soma.fn node's function (its `func`), and its class's forward, forward_batch and
-    setup; soma's own functions left out."""
+    """The node's own code: a soma.fn node's function (its `func`, through functools.partial and decorators
+    that say what they wrap), and its class's forward, forward_batch and setup; soma's own functions left out."""
     kind = type(node)
-    found = [getattr(node, "__dict__", {}).get("func")] + [getattr(kind, name, None) for name in _CALLED]
+    found = [_unwrapped(getattr(node, "__dict__", {}).get("func"))] + [getattr(kind, name, None) for name in _CALLED]
     return [f for f in found if type(f) is types.FunctionType and not f.__module__.startswith("soma.")]
+
+
+def _unwrapped(func):
+    while isinstance(func, functools.partial):
+        func = func.func
+    try:
+        return inspect.unwrap(func) if callable(func) else func
+    except ValueError:  # (a cycle of __wrapped__)
+        return func
+
+
+def _classes_of(node, weights) -> list:
+    """The classes whose modules hold the node's code beyond the functions above: its class and its bases (a
+    forward inherited from another file calling a method of this one), a soma.fn node's callable object's, and
+    those of the torch modules it holds, their submodules' included (`soma.torch.Module(Model())`: Model's);
+    soma's own left out (and, by CodeFiles, torch's and every library's)."""
+    found = [*type(node).__mro__, *type(_unwrapped(getattr(node, "__dict__", {}).get("func"))).__mro__]
+    for ref in weights.modules if weights is not None else ():
+        module = ref()
+        if module is not None:
+            found += [c for sub in module.modules() for c in type(sub).__mro__]
+    return [c for c in dict.fromkeys(found) if c.__module__ != "soma" and not c.__module__.startswith("soma.")
+            and c.__module__ != "builtins"]
 
 
 def _global_names(code) -> set:

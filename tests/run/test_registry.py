@@ -3,6 +3,7 @@ tests/run/test_user_mistakes.py)."""
 
 import dataclasses
 import gc
+import os
 
 import pytest
 
@@ -147,3 +148,56 @@ def test_a_graphs_first_run_after_its_nodes_were_sent_looks_when_its_clock_says_
         warnings.simplefilter("always")
         registry.warn_if_changed(graph)  # the next run: its lists are made now
     assert [str(w.message).split(" holds")[0] for w in caught] == ["node `scores`"]
+
+
+HELPERS = """
+import functools
+
+
+def g(x, k):
+    return x + k
+
+
+def wraps(func):
+    @functools.wraps(func)
+    def inner(x):
+        return func(x)
+    return inner
+
+
+@wraps
+def h(x):
+    return x
+
+
+class Base:
+    pass
+"""
+
+
+def test_the_files_watched_are_those_of_the_nodes_function_through_wrappers_and_of_its_classes(tmp_path):
+    """A soma.fn of a functools.partial, of a decorated function, a node whose base class lives in another
+    module: their files are watched too (before Dec 7 only a plain function's and the node's own methods')."""
+    import functools
+    import importlib
+    import sys
+
+    import soma
+    from soma.run import registry
+
+    (tmp_path / "watched_helpers.py").write_text(HELPERS)
+    (tmp_path / "watched_node.py").write_text("import watched_helpers\nfrom soma import Done\n\n\n"
+                                              "class Sub(watched_helpers.Base, __import__('soma').Node):\n"
+                                              "    def forward(self, x, ctx):\n        return Done(x)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        helpers, node_module = (importlib.import_module(n) for n in ("watched_helpers", "watched_node"))
+        for node, files in [(soma.fn(functools.partial(helpers.g, k=1)), ["watched_helpers.py"]),
+                            (soma.fn(helpers.h), ["watched_helpers.py"]),
+                            (node_module.Sub(), ["watched_helpers.py", "watched_node.py"])]:
+            reads = registry.note_sent(node)
+            assert [os.path.basename(p) for p in reads.files.paths] == files, node
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("watched_helpers", "watched_node"):
+            sys.modules.pop(name, None)

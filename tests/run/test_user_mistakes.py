@@ -8,6 +8,7 @@ import pytest
 
 import soma
 from soma import Done, Graph, GraphError, Node, NodeError
+from tests.conftest import module_at
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -638,17 +639,8 @@ def test_a_new_node_of_a_module_reloaded_since_the_pools_workers_imported_it_is_
 @contextlib.contextmanager
 def _versioned_module(runner, tmp_path, name: str):
     """`(path, module)`: a module of `VERSIONED` at "v1", importable from `tmp_path` while the block runs."""
-    import importlib
-    import sys
-
     if isinstance(runner, soma.Ray):
         pytest.skip("Ray's actors search the driver's sys.path as it was when Ray started: not the test's folder")
     name = f"{name}_{type(runner).__name__.lower()}"
-    path = tmp_path / f"{name}.py"
-    path.write_text(VERSIONED.format(version="v1"))
-    sys.path.insert(0, str(tmp_path))
-    try:
-        yield path, importlib.import_module(name)
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop(name, None)
+    with module_at(tmp_path, name, VERSIONED, version="v1") as (_, module):
+        yield tmp_path / f"{name}.py", module
