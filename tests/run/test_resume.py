@@ -456,13 +456,36 @@ def run_to_the_end(process, folder) -> None:
 
 @pytest.fixture
 def ray_address(request):
-    """The session's Ray, which the Ray job joins as a new driver (a Ray of its own costs ~10 s a start)."""
+    """The session's Ray, which the Ray job joins as a new driver (a Ray of its own costs ~10 s a start).
+
+    A driver the test SIGKILLs cannot remove its actors' start records (soma.ray.records: the next actor on the
+    machine sweeps them once an hour old), so the test does, once Ray has ended the dead jobs' actors: the suite
+    leaves nothing in /dev/shm (a machine whose /dev/shm had no records folder before the suite failed CI)."""
     if request.node.callspec.params["runner_name"] != "ray":
-        return None
+        yield None
+        return
     request.getfixturevalue("ray_runner")
     import ray
 
-    return ray.get_runtime_context().gcs_address
+    from soma.ray import records
+
+    before = set(_records(records.folder()))
+    yield ray.get_runtime_context().gcs_address
+    left = {name: pid for name, pid in _records(records.folder()).items() if name not in before}
+    wait_for(lambda: all(process_gone(pid) for pid in left.values()), 60, "Ray to end the killed jobs' actors")
+    records.remove_all(list(left))
+
+
+def _records(where: str) -> dict:
+    """The start records in `where`: actor id → the pid its record names."""
+    found = {}
+    for name in os.listdir(where) if os.path.isdir(where) else ():
+        try:
+            with open(os.path.join(where, name)) as f:
+                found[name] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 RUNNERS = ["executor", "local", pytest.param("ray", marks=pytest.mark.timeout(300))]
