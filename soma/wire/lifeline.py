@@ -77,7 +77,7 @@ class Lifeline:
 
     def end(self) -> None:
         """The pool closed: remove its files, the lifeline last, and let go of it."""
-        remove_pool(self.prefix, self.run_dir, spill_dir(self.prefix))
+        remove_pool(self.prefix, self.run_dir, None)  # (None: this process's spill directory, the pool's)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -111,7 +111,8 @@ def test_what_a_pool_killed_with_all_its_workers_left_is_removed_by_the_next_poo
     assert f"(host pid {host})" in said and "segment(s)" in said, done.stdout
 
 
-_NEW_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc"]
+# (--kill-child: if the test kills unshare, its child, the host, dies too, and with it, pid 1 there, its workers)
+_NEW_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
 
 
 @pytest.mark.parametrize("launcher", [[], _NEW_PID_NAMESPACE], ids=["same-pid-namespace", "other-pid-namespace"])
