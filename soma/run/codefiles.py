@@ -14,7 +14,9 @@ each map's start, each file once a look (`Look`), whatever number of nodes share
 The files: those of the node's functions and of the modules of its classes (the
 registry finds them: its bases, the torch modules it holds); not libraries'.
 `__main__`'s code travels by value, with the node: not watched. Where nodes share
-the workers (Local), a pool also keeps every version it sent of each (`SentFiles`).
+the workers (Local), a pool also keeps every version it sent of each (`SentFiles`),
+and the folders its workers import them from (`roots`: a module found through a
+relative sys.path entry, '' in a notebook, is not found there after an os.chdir).
 """
 
 from __future__ import annotations
@@ -40,25 +42,32 @@ def _libraries() -> tuple:
 class CodeFiles:
     """The files of a node's own code that workers import, and their digests when it was sent."""
 
-    __slots__ = ("paths", "then")
+    __slots__ = ("paths", "then", "roots")
 
-    def __init__(self, paths: list):
+    def __init__(self, paths: list, roots: list = ()):
         self.paths = paths
+        self.roots = roots  # the folders their modules are imported from (`_import_root`)
         self.noted()
 
     @classmethod
     def of(cls, functions: list, classes: list = ()) -> "CodeFiles | None":
         """The files of the node's own functions (its forward, forward_batch, setup; a soma.fn's function) and
         of the modules of `classes` (registry._classes_of), but `__main__`'s and libraries' (the standard
-        library's, site-packages'), that are there to look at; None when none is."""
+        library's, site-packages'), that are there to look at; None when none is. With the folders the modules of
+        both are imported from (`roots`)."""
         main = sys.modules.get("__main__")
         files = {f.__code__.co_filename for f in functions if sys.modules.get(f.__module__) is not main}
-        for kind in classes:
-            module = sys.modules.get(kind.__module__)
-            if module is not None and module is not main:
-                files.add(getattr(module, "__file__", None))
-        paths = sorted(p for p in files if isinstance(p, str) and not p.startswith(_libraries()) and os.path.isfile(p))
-        return cls(paths) if paths else None
+        of_classes = [m for c in classes if (m := sys.modules.get(c.__module__)) is not None and m is not main]
+        files.update(getattr(module, "__file__", None) for module in of_classes)
+        modules = [m for f in functions if (m := sys.modules.get(f.__module__)) is not None and m is not main]
+        modules = dict.fromkeys(modules + of_classes)
+        libraries = _libraries()
+        paths = sorted(p for p in files if isinstance(p, str) and not p.startswith(libraries) and os.path.isfile(p))
+        if not paths:
+            return None
+        roots = [root for module in modules
+                 if (root := _import_root(module)) and not os.path.join(root, "").startswith(libraries)]
+        return cls(paths, list(dict.fromkeys(roots)))
 
     def noted(self) -> None:
         """The node is sent (again: another pool): its copies run these files as they are now."""
@@ -82,13 +91,15 @@ class SentFiles:
     edited and edited back may still run as the edit in a worker that imported it meanwhile. Ray gives each node
     actors of its own: they import the module afresh."""
 
-    __slots__ = ("seen",)
+    __slots__ = ("seen", "roots")
 
     def __init__(self):
         self.seen: dict = {}  # path → the digests it had when this pool sent nodes of it
+        self.roots: dict = {}  # the folders the modules of the nodes sent are imported from (as keys, in order)
 
     def sent(self, files: CodeFiles) -> list[str]:
         """`files` are a node's, being sent to this pool: those whose workers may run another version of them."""
+        self.roots.update(dict.fromkeys(files.roots))
         stale = []
         for path, now in zip(files.paths, files.then):
             if now is not None:
@@ -97,6 +108,25 @@ class SentFiles:
                 if len(versions) > 1:
                     stale.append(path)
         return stale
+
+
+def _import_root(module) -> str | None:
+    """The folder `module` is imported from: its file's folder less one more per package it is in (`a.b` in
+    /r/a/b.py: /r); None when the file's place does not match the module's name (one loaded from a path under
+    another name: not importable by its name anywhere)."""
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str) or not os.path.isabs(file):
+        return None
+    folder, base = os.path.split(file)
+    names = module.__name__.split(".")
+    if base.split(".")[0] != "__init__":
+        if base.split(".")[0] != names.pop():
+            return None
+    for name in reversed(names):
+        folder, last = os.path.split(folder)
+        if last != name:
+            return None
+    return folder
 
 
 class Look:

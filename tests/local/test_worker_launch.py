@@ -168,6 +168,35 @@ def test_the_working_directory_on_sys_path_changed_by_chdir_after_the_pool_start
     assert done.stdout == "2\n"
 
 
+def test_a_module_imported_through_the_working_directory_before_an_os_chdir_is_found_by_the_workers(tmp_path):
+    """A notebook's way: `from models import Net` ('' on sys.path: the notebook's folder), `os.chdir("../data")`,
+    then a pool: the workers searched '' as the new folder and failed with ModuleNotFoundError, while the host had
+    the module. The folder each node's module was imported from goes with its code; a base class's module and
+    a package's module (`pkg.sub`: the folder above `pkg`) are found the same way."""
+    code, data = tmp_path / "code", tmp_path / "data"
+    (code / "pkg").mkdir(parents=True)
+    data.mkdir()
+    (code / "base_here.py").write_text("from soma import Done, Node\n\n\nclass Base(Node):\n"
+                                       "    def forward(self, x, ctx):\n        return Done(self.step(x))\n")
+    (code / "pkg" / "__init__.py").write_text("")
+    (code / "pkg" / "sub.py").write_text("from base_here import Base\n\n\nclass Deep(Base):\n"
+                                         "    def step(self, x):\n        return x * 10\n")
+    (code / "models_here.py").write_text("from base_here import Base\n\n\nclass Net(Base):\n"
+                                         "    def step(self, x):\n        return x + 1\n")
+    done = _run_script(tmp_path, """
+        import os, sys, soma
+        sys.path.insert(0, "")
+        os.chdir(sys.argv[1])
+        from models_here import Net
+        from pkg.sub import Deep
+        os.chdir(sys.argv[2])
+        with soma.Local(workers=1, start_timeout=20) as local:
+            print(local.run(Net(), 1), local.run(Deep(), 2), list(local.map(Net(), range(3))))
+        """, argv=[str(code), str(data)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "2 20 [1, 2, 3]\n"
+
+
 def test_a_sys_path_entry_with_a_colon_in_it_reaches_the_workers(tmp_path):
     """A folder named `colon:dir` (a script's own folder, sys.path[0]) on the sys.path workers start with, and on
     the one sent later: it was joined with ':' and split back into two folders that do not exist."""

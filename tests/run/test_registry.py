@@ -201,3 +201,31 @@ def test_the_files_watched_are_those_of_the_nodes_function_through_wrappers_and_
         sys.path.remove(str(tmp_path))
         for name in ("watched_helpers", "watched_node"):
             sys.modules.pop(name, None)
+
+
+def test_the_folder_a_module_is_imported_from_is_found_only_where_its_name_matches_its_place(tmp_path):
+    """`_import_root`: what a worker must search to import a node's module by its name (the folder above a
+    package); a module loaded from a file under another name is importable nowhere by that name: no folder."""
+    import importlib.util
+    import types
+
+    from soma.run.codefiles import _import_root
+
+    def module(name, file):
+        made = types.ModuleType(name)
+        made.__file__ = file
+        return made
+
+    assert _import_root(module("net", "/r/code/net.py")) == "/r/code"
+    assert _import_root(module("pkg.sub.net", "/r/code/pkg/sub/net.py")) == "/r/code"
+    assert _import_root(module("pkg", "/r/code/pkg/__init__.py")) == "/r/code"
+    assert _import_root(module("fast", "/r/code/fast.cpython-312-x86_64-linux-gnu.so")) == "/r/code"
+    assert _import_root(module("pkg.net", "/r/code/other/net.py")) is None
+    assert _import_root(module("net", "/r/code/network.py")) is None
+    assert _import_root(module("net", "net.py")) is None  # (relative: nothing to tell a worker)
+    assert _import_root(types.ModuleType("built_in")) is None
+    (tmp_path / "file_of_mine.py").write_text("X = 1\n")
+    spec = importlib.util.spec_from_file_location("renamed", tmp_path / "file_of_mine.py")
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    assert _import_root(loaded) is None

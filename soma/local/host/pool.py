@@ -192,7 +192,7 @@ class WorkerPool:
                     code[key] = self.registry.code(node_id, key)
         held, room_s = self.segments.for_task(items)  # (first: its frees are current)
         frees = self._book.take_frees(worker.pid) if self._book.frees else []
-        path = worker.path_news() if code else None  # (the code is what searches it: procs.py)
+        path = worker.path_news(self.registry.files.roots) if code else None  # (the code searches it: procs.py)
         task = Task(code, pieces, [item.spec for item in items], frees, worker.forget, held, room_s, path)
         sent_ok = self._send(worker, protocol.pack(self.secret, task))
         if not sent_ok:

@@ -38,15 +38,18 @@ class WorkerProcess:
         self.sys_path = sys_path  # the host's sys.path as this worker searches it (host_sys_path: path_news)
         self._status = None
 
-    def path_news(self) -> list | None:
-        """The host's sys.path when it changed since this worker was given it (at its start, or with code
-        since); None when it did not.
+    def path_news(self, roots=()) -> list | None:
+        """The host's sys.path, then the folders of `roots` it lacks, when that changed since this worker was
+        given it (at its start, or with code since); None when it did not.
 
         Called only with node code on its way (a run that sends none compares nothing): a notebook that
         appends a folder after the pool started, then imports a node from it, sends the node with the new path,
         and the worker searches it before it loads the code, as a worker started now would. Compared as the
-        worker searches it (relative entries made absolute): after an os.chdir, '' names another folder."""
+        worker searches it (relative entries made absolute): after an os.chdir, '' names another folder.
+        `roots`: where the modules of the nodes sent are imported from (codefiles.SentFiles), last: a module
+        imported through '' before an os.chdir is still found (the host has it, the workers import it)."""
         now = host_sys_path()
+        now += [root for root in roots if root not in now]
         return None if now == self.sys_path else now
 
     def alive(self, recheck_s: float = 0.0) -> bool:
