@@ -256,8 +256,9 @@ class Dispatch:
 
 def entries(jobs: list) -> list:
     """How jobs going to one worker travel, as lists of jobs: each job alone, and a batching node alone's
-    untraced ones in bundles of at most its max_batch (those sent before in a bundle, whose worker left
-    before starting them: in that bundle again). The sends are counted by these; the loop encodes them."""
+    untraced ones in bundles of at most its max_batch (those sent before, whose worker left before starting
+    them, as they went: in that bundle again, or alone when encoded alone). The sends are counted by these;
+    the loop encodes them."""
     if len(jobs) == 1 and (jobs[0].places is not None or not jobs[0].piece.bundle):
         return [[jobs[0]]]  # (a run's one job: alone)
     out, fresh, again = [], {}, {}
@@ -266,6 +267,8 @@ def entries(jobs: list) -> list:
             out.append([job])  # a chunk: one entry (sending.py)
         elif job.packed is not None:
             again.setdefault(id(job.packed), []).append(job)
+        elif job.spec is not None:  # (encoded alone, as a bundle of one: its value is in its spec, not `value`.
+            out.append([job])  # In a bundle now it went as None: a worker's death, then a wrong answer, Dec 7)
         elif job.piece.bundle and not job.traced:
             fresh.setdefault(job.piece, []).append(job)
         else:
