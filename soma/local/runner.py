@@ -201,7 +201,7 @@ class Local(RunnerBase):
         loop, g, program = self._ready(g, "Local.submit")
         future = InputFuture()
         flow = loop.start_one(program, x, FutureSink(future), self._trace, retries, g)
-        future.on_cancel = lambda: loop.cancel([flow])
+        future.cancels_with(lambda: loop.cancel([flow]))
         if timeout is not None:
             deadline = _Deadline(loop, flow, future, timeout)
             future.add_done_callback(deadline.disarm)

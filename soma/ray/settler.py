@@ -54,7 +54,7 @@ class Settler:
         future = InputFuture()
         deadline = time.monotonic() + timeout if timeout is not None else None
         one = Submitted(self.driver.tries(graph, submission, timeout, deadline), future, source)
-        future.on_cancel = lambda: self.events.put(("cancel", one.tries, None))
+        future.cancels_with(lambda: self.events.put(("cancel", one.tries, None)))
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="ray settler", daemon=True)
