@@ -1,6 +1,6 @@
 """A FastAPI app on uvicorn with a soma graph behind its endpoint: tokenize in Python, then a batched torch model.
 
-    pip install 'soma[serve]'          (fastapi, uvicorn; torch too)
+    pip install torch==2.13.0 numpy 'soma[serve]'   (the extra: fastapi, uvicorn; the model: torch)
     python examples/serve.py [PORT]    (127.0.0.1; then:
         curl -H 'content-type: application/json' -d '{"text": "a few words"}' 127.0.0.1:PORT/predict)
 

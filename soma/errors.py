@@ -114,7 +114,9 @@ class SharedMemoryFull(NodeError):
         is (`caller_holds`), where else it looked (`elsewhere`)."""
         if not err.held:
             return cls.reserving(node, err.nbytes, what, err.elsewhere)
-        again = cls.failed(node, f"{err.args[0]} (for {what})")
+        said = err.args[0]  # ("... could not reserve 20.0 MiB in /dev/shm, which has ...": whose value, said there)
+        again = cls.failed(node, said.replace(" in /dev/shm, ", f" in /dev/shm for {what}, ", 1) if " in /dev/shm, "
+                           in said else f"{said} (for {what})")
         again.nbytes, again.held = err.nbytes, err.held
         return again
 

@@ -233,6 +233,11 @@ def _flat(expr: Expr, kind: type) -> tuple:
 class Node:
     """Subclass and implement `forward(self, x, ctx)`, returning `Done(value)`."""
 
+    # A batching node's (one that defines `forward_batch`): at most `max_batch` inputs a call, waiting at most
+    # `batch_wait` seconds after the first for more (SPEC 2); a subclass sets its own. Other nodes never read them.
+    max_batch = 32
+    batch_wait = 0.002
+
     def forward(self, x, ctx):
         raise NotImplementedError(f"{type(self).__name__} must implement forward(self, x, ctx)")
 
@@ -350,11 +355,11 @@ def is_batch_wait(value) -> bool:
 def _check_batching(node_id: str, node, cls: str) -> None:
     """A batching node's `max_batch` (an int >= 1) and `batch_wait` (seconds >= 0), refused now when they are not
     (a negative max_batch hung Local; None, 2.5 or "4" raised deep in a run, differently on each runner)."""
-    most = getattr(node, "max_batch", 1)  # (unset: soma.run.batching's default)
+    most = getattr(node, "max_batch", Node.max_batch)
     if not is_max_batch(most):
         raise GraphError(f"node `{node_id}` ({cls}) has max_batch = {most!r}: it must be an int >= 1, the most inputs "
                          f"one forward_batch call gets")
-    wait = getattr(node, "batch_wait", 0)
+    wait = getattr(node, "batch_wait", Node.batch_wait)
     if not is_batch_wait(wait):
         raise GraphError(f"node `{node_id}` ({cls}) has batch_wait = {wait!r}: it must be the seconds (a number >= 0) "
                          f"a batch may wait for more inputs to join it")

@@ -26,11 +26,12 @@ import threading
 import time
 
 from ..errors import NodeError
+from ..node import Node
 from ..values import Done, unwrap
 from .postcondition import check_postcondition
 
-MAX_BATCH = 32  # a batching node's default `max_batch`
-BATCH_WAIT = 0.002  # ... and `batch_wait`, in seconds
+MAX_BATCH = Node.max_batch  # a batching node's default `max_batch` (a Node's class attribute)
+BATCH_WAIT = Node.batch_wait  # ... and `batch_wait`, in seconds
 
 
 def is_batching(node) -> bool:

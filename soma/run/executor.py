@@ -33,7 +33,7 @@ from ..errors import RunTimeout, SomaError
 from .aio import FutureSink, InputFuture
 from .arguments import checked_retries, checked_timeout
 from .base import RunnerBase, closed_message
-from .batching import max_batch_of
+from .batching import is_batching, max_batch_of
 from .inprocess import run_plan
 from .interpreter import Interpreter, RunState
 from .mapping import Inflight, map_outputs, save_open
@@ -101,7 +101,7 @@ class Executor(RunnerBase):
         state, future = RunState(), InputFuture()
         taken = self._submit_inputs(interpreter, [(self._run_into, FutureSink(future), g, devices, x, timeout,
                                                    thread_modes(), state, interpreter)])[0]
-        future.on_cancel = lambda: _give_up(taken, state)
+        future.cancels_with(lambda: _give_up(taken, state))
         taken.add_done_callback(lambda done: done.cancelled() and future.cancel())  # (close(): it never ran)
         return future
 
@@ -128,10 +128,11 @@ class Executor(RunnerBase):
     def _inflight(self, g, timeout) -> "ExecutorInflight":
         owner = getattr(_own, "executor", None)
         if owner is not None and owner() is self:
-            raise SomaError(f"a map on this soma.Executor was started inside a node it runs (on its thread "
-                            f"{threading.current_thread().name}): the map's inputs need the Executor's threads, "
-                            f"which the outer inputs hold, so it would wait forever; run the inner graph with "
-                            f"`run` (on this thread), or map it on another soma.Executor")
+            raise SomaError(f"a map on this soma.Executor was started on one of its own threads "
+                            f"({threading.current_thread().name}: inside a node it runs, or in a done-callback of "
+                            f"one of its futures): the map's inputs need the Executor's threads, which the inputs "
+                            f"calling it hold, so it could wait forever; run the graph with `run` (on this "
+                            f"thread), chain inputs with `submit`, or map it on another soma.Executor")
         return ExecutorInflight(self, g, g.devices(), timeout)
 
     def _async_inflight(self, g, timeout, retries):
@@ -225,7 +226,8 @@ def _give_up(taken: cf.Future, state: RunState) -> None:
 
 
 def _mark(executor_ref) -> None:
-    """Each of an Executor's threads knows whose it is: a map started on one (inside a node) is refused."""
+    """Each of an Executor's threads knows whose it is: a map started on one (inside a node, or in a done-callback
+    of a future, which runs on the thread that set its result) is refused."""
     _own.executor = executor_ref
 
 
@@ -255,8 +257,7 @@ class ExecutorInflight(Inflight):
 
     def parallelism(self) -> int:
         # A pipeline has a stage per node, and a batching node wants a batch's worth of inputs at it.
-        batches = [getattr(self.g.node(n), "max_batch", 1) for n in self.g.nodes()
-                   if callable(getattr(self.g.node(n), "forward_batch", None))]
+        batches = [max_batch_of(self.g.node(n)) for n in self.g.nodes() if is_batching(self.g.node(n))]
         return min(self.executor.threads, max([len(self.g.nodes())] + batches))
 
     def start(self, indices: list, xs: list) -> None:

@@ -38,6 +38,7 @@ from .resuming import (
     Checkpoint,
     Consumed,
     checked,
+    checked_every,
     consumed_count,
     fingerprint,
     identity,
@@ -229,6 +230,7 @@ class MapLoop:
         self.length = length_of(xs)
         self._graph_print = None  # fingerprint(graph), made when a state is first wanted
         self._identity = None  # resuming.identity(...), the same
+        checked_every(checkpoint_every)
         self.checkpoint = Checkpoint(checkpoint, checkpoint_every) if checkpoint is not None else None
         if self.checkpoint is not None:
             self.stepping = threading.Lock()

@@ -253,12 +253,18 @@ def without(next_index: int, after: list, index: int) -> tuple[int, list]:
 
 # -- checkpoint=PATH ---------------------------------------------------------------------------------
 
+def checked_every(every) -> float:
+    """`checkpoint_every`, checked whether or not a checkpoint is given (as every other option of map is)."""
+    if isinstance(every, bool) or not isinstance(every, (int, float)) or not every >= 0:  # (NaN too)
+        raise ValueError(f"map's checkpoint_every must be a number of seconds >= 0, got {every!r}")
+    return float(every)
+
+
 class Checkpoint:
     """The file of `checkpoint=PATH`: its state, written atomically at most every `every` seconds."""
 
     def __init__(self, path, every):
-        if isinstance(every, bool) or not isinstance(every, (int, float)) or every < 0:
-            raise ValueError(f"map's checkpoint_every must be a number of seconds >= 0, got {every!r}")
+        every = checked_every(every)
         self.path = os.path.abspath(os.fspath(path))
         self.temporary = self.path + ".tmp"  # one fixed name: a write cut short is overwritten by the next
         self.folder = os.path.dirname(self.path)

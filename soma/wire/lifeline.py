@@ -126,9 +126,10 @@ def sweep(own_prefix: str) -> None:
         removed = _remove_if_dead(found.group(1), names)
         if removed is not None:
             swept.append((found.group(1).split("-")[1], *removed))
+    swept = [one for one in swept if one[1]]  # (a host killed alone: its workers removed their segments themselves)
     if swept:
-        warn("soma.shm", "soma: removed what %d earlier pool(s) left when all their processes were killed at once "
-             "(host pid %s): %d segment(s), %s of /dev/shm", len(swept), ", ".join(pid for pid, _, _ in swept),
+        warn("soma.shm", "soma: removed what %d earlier pool(s) left when they were killed (host pid %s): "
+             "%d segment(s), %s of /dev/shm", len(swept), ", ".join(pid for pid, _, _ in swept),
              sum(n for _, n, _ in swept), size_text(sum(b for _, _, b in swept)))
 
 

@@ -172,6 +172,7 @@ with soma.Local(workers=1) as local:
         local.run(Graph.somatize(Make()), (3, 20))
     except SharedMemoryFull as err:
         assert "node `make` failed" in str(err) and "the results this program keeps hold 60." in str(err), err
+        assert " in /dev/shm for its output, which has " in str(err) and str(err).endswith("`--shm-size=8g`)"), err
     else:
         raise AssertionError("no SharedMemoryFull while the caller holds 60 MiB of results")
     for i, a in enumerate(held):

@@ -309,3 +309,23 @@ def test_a_failing_batch_after_a_per_item_stage_fails_each_of_its_inputs_with_it
     assert all(str(o).startswith("node `fails_on` failed: ValueError: bad batch [") for o in failed)
     assert [o for i, o in enumerate(out) if not isinstance(o, NodeError)] == \
         [i for i in range(24) if i not in {o.index for o in failed}]
+
+
+class DefaultSizes(Node):
+    """A batching node that leaves max_batch and batch_wait to their defaults: each input, and its call's size."""
+
+    def forward_batch(self, xs, ctx):
+        time.sleep(0.005)  # (inputs queue behind it)
+        return Done([(x, len(xs)) for x in xs])
+
+
+def test_a_batching_node_with_the_default_max_batch_takes_up_to_32(runner):
+    """SPEC 2: `max_batch` and `batch_wait` are class attributes, 32 and 0.002 unless a node sets them. The
+    Executor's map sized its window for a max_batch of 1 when the node did not set one: batches of 2 at most,
+    100 calls for 200 inputs, where a node saying `max_batch = 32` got 7."""
+    assert (Node.max_batch, Node.batch_wait) == (32, 0.002)
+    assert (DefaultSizes.max_batch, DefaultSizes.batch_wait) == (32, 0.002)
+    out = list(runner.map(DefaultSizes(), range(200)))
+    assert [x for x, _ in out] == list(range(200))
+    sizes = [size for _, size in out]
+    assert max(sizes) <= 32 and max(sizes) > 2, sorted(set(sizes))

@@ -505,8 +505,8 @@ def test_a_map_started_inside_a_node_on_the_same_executors_thread_is_refused_not
     Refused, saying why and what to do; `run` inside a node, and a map from a node run by `run` (the caller's
     thread), work."""
     with Executor(threads=2) as ex:
-        with pytest.raises(NodeError, match=r"a map on this soma.Executor was started inside a node it runs \(on its "
-                                             r"thread input_\d+\): .* run the inner graph with `run`"):
+        with pytest.raises(NodeError, match=r"a map on this soma.Executor was started on one of its own threads "
+                                             r"\(input_\d+: inside a node it runs, .*\): .* run the graph with `run`"):
             list(ex.map(MapsOn(ex), [2, 2, 2], window=2))
         assert ex.run(MapsOn(ex), 3) == [1, 2, 3]  # (run: on the caller's thread)
 

@@ -51,3 +51,12 @@ def test_errors_yield_puts_each_failure_in_its_place_and_goes_on(runner):
 def test_errors_must_be_raise_or_yield(runner):
     with pytest.raises(ValueError, match=r"^map's errors must be 'raise' or 'yield', got 'skip'$"):
         runner.map(Graph.somatize(FailOdd()), [1], errors="skip")
+
+
+def test_checkpoint_every_must_be_seconds_with_or_without_a_checkpoint(runner):
+    """It was checked only with `checkpoint=` (and NaN passed even then), where every other option of map is
+    refused whatever else is given."""
+    for bad in (-1, "x", float("nan"), True, None):
+        with pytest.raises(ValueError, match=r"^map's checkpoint_every must be a number of seconds >= 0, got "):
+            runner.map(Graph.somatize(FailOdd()), [2], checkpoint_every=bad)
+    assert list(runner.map(Graph.somatize(FailOdd()), [2], checkpoint_every=0)) == [2]
