@@ -3,7 +3,8 @@
 Hypothesis's stateful testing plays the loop: it starts inputs on real programs (compiled from real graphs),
 spawns workers and has them say hello, answers jobs (ok, failed, or handed back unstarted), kills workers at
 any point (with or without a readable status page), cancels and expires inputs, and carries out every action
-the core asks for as the loop would. After each step it checks the invariants:
+the core asks for as the loop would: its Sends encoded as the loop encodes them (host/sending.py), and each worker
+answering from what its input decodes to, as a worker does. After each step it checks the invariants:
 
   * every input ends at most once, with its own outcome (the plan computed on its input) or a named error;
   * nothing is sent to a worker that is not ready (a starting worker's jobs are parked until its hello);
@@ -42,8 +43,10 @@ from soma.local.host.events import (  # noqa: E402
 )
 from soma.local.host.flows import Chunk, Flow  # noqa: E402
 from soma.local.host.program import compile_program, pieces  # noqa: E402
+from soma.local.host.sending import BundleSend, encode  # noqa: E402
 from soma.plan import Seq, Step, Wave  # noqa: E402
 from soma.run.mapping import Span  # noqa: E402
+from soma.wire import codec  # noqa: E402
 
 
 class A(Node):
@@ -135,6 +138,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.outcomes = {}  # index → (ok, value)
         self.next_index = 0
         self.sink = Sink(self)
+        self.travelled = {}  # job id → the input its last Send carried, decoded (what its worker runs on)
 
     # -- the loop's side: carrying out actions ---------------------------------------------------------
     def delivered(self, item):
@@ -153,6 +157,7 @@ class CoreMachine(RuleBasedStateMachine):
             if type(action) is Send:
                 assert self.core.state[action.slot] == READY, f"sent to w{action.slot}, {self.core.state[action.slot]}"
                 self.inbox[action.slot] += action.jobs
+                self.carry(action)
                 for job in action.jobs:
                     if job.places is not None:
                         self.sent[id(job)] = sorted(job.pending)
@@ -173,6 +178,23 @@ class CoreMachine(RuleBasedStateMachine):
             else:
                 raise AssertionError(f"unknown action {action!r}")
 
+    def carry(self, send: Send) -> None:
+        """Encode a Send's inputs as the loop does (small values: inline, no store) and note what each job's
+        input decodes to (a job sent again after its worker's death goes as it was encoded the first time: a
+        batching node's lone input encoded alone went again in a bundle as None, Dec 7)."""
+        items, failed, _ = encode(lambda create=True: None, send.groups)
+        assert not failed, failed
+        decoder = codec.Decoder(lambda create=True: None)
+        for item in items:
+            if type(item) is BundleSend:
+                if item.packed.places is not None:
+                    continue  # (a chunk's: its worker runs its places' inputs, answer_chunk)
+                for job_id, x in zip(item.ids, decoder.unpack(item.packed.payload)):
+                    if job_id:
+                        self.travelled[job_id] = x
+            else:
+                self.travelled[item.id] = decoder.unpack(item.spec[2])
+
     def answer(self, slot: int, job, ok: bool):
         if job.places is not None:
             self.answer_chunk(slot, job, ok)
@@ -180,7 +202,7 @@ class CoreMachine(RuleBasedStateMachine):
         if job.id in self.cancelled_ids[slot] and job.id not in self.started[slot]:
             arrived = Arrived(job.id, True, Cancelled(), None, 0.0, None)
         elif ok:
-            arrived = Arrived(job.id, True, evaluate(job.piece, job.value), None, 1e-4, None)
+            arrived = Arrived(job.id, True, evaluate(job.piece, self.travelled[job.id]), None, 1e-4, None)
         else:
             arrived = Arrived(job.id, False, NodeError.failed(job.piece.entry, "boom"), None, 1e-4, None)
         self.inbox[slot].remove(job)
@@ -558,6 +580,29 @@ def test_starts_taken_at_once_are_placed_at_once_a_batching_nodes_inputs_in_bund
                                                                                                          (1, 4)]
     one_by_one = sends(lambda core, program, flows: [core.start(program, [flow]) for flow in flows])
     assert len(one_by_one) > 2 and max(n for _, n in one_by_one) < 4, one_by_one
+
+
+def test_a_batching_nodes_lone_input_whose_worker_died_goes_again_with_its_own_value():
+    """The sequence behind a server's None answers (Dec 7), played on the machine: a batching node's lone input
+    goes alone (encoded alone), its worker dies before starting it, more inputs come while the replacement
+    starts (parked with it), and at its hello they all go: the lone one went in their bundle as None."""
+    m = CoreMachine()
+    m.spawn_all()
+    m.hello(0)
+    m.hello(1)
+    batch = PROGRAMS.index(next(p for p in PROGRAMS if pieces(p)[0].bundle))
+    m.start(batch, 1, 0, False)
+    slot = 0 if m.inbox[0] else 1
+    m.start(batch, 1, 0, False)
+    m.start(batch, 4, 0, False)
+    m.die(slot, True)  # (nothing it had was started: all of it waits again, parked for the replacement)
+    m.start(batch, 4, 0, False)
+    m.hello(slot)
+    for s in (0, 1):
+        while m.inbox[s]:
+            m.answer(s, m.inbox[s][0], True)
+    m.outcomes_are_right()
+    assert sorted(m.outcomes) == list(range(10))
 
 
 def test_an_event_out_of_order_is_a_named_error():
