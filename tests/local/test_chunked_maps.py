@@ -19,6 +19,8 @@ import pytest
 
 from soma import Done, Graph, Node
 from soma.errors import NodeError, RunTimeout, WorkerDied
+from tests.conftest import wait_for
+from tests.nodes import AddOne
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -352,3 +354,24 @@ def test_leaving_a_chunked_map_early_drops_the_inputs_of_its_chunks_not_started(
     assert list(local.map(g, range(-1000, 0))) == list(range(-1000, 0))
     late = [name for name in os.listdir(folder) if float((folder / name).read_text()) > closed]
     assert len(late) < N // 10, f"{len(late)} inputs started after the map was closed"
+
+
+def test_maps_whose_inputs_cannot_be_sent_leave_nothing_counted_out_and_later_maps_run(local):
+    """A map's chunk whose every input failed to encode: a copy of its job failed in each place, and the job,
+    out at its worker in the core's books, was never sent nor given back. Each such map left a worker's load
+    up by one for good; after three to five (between good maps) no chunk found room at any worker, and every
+    later map of the graph waited for ever with the workers idle (found by a tester's Hypothesis run)."""
+    unsendable = threading.Lock()
+    g = Graph.somatize(AddOne())
+    for _ in range(8):
+        with pytest.raises(NodeError, match="its input cannot be sent to a worker"):
+            list(local.map(g, [unsendable] * 3))
+        some = list(local.map(g, [unsendable, 1, unsendable], ordered=False, errors="yield"))
+        assert sorted(type(y).__name__ for y in some) == ["NodeError", "NodeError", "int"] and 2 in some
+        assert list(local.map(g, [1, 2, 3], timeout=30)) == [2, 3, 4]
+
+    def settled():
+        snap = local.snapshot()
+        return snap.inputs == 0 and snap.jobs == [0] * len(snap.jobs) and snap.waiting == 0
+
+    wait_for(settled, 30, "nothing counted out at the workers")

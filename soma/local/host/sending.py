@@ -175,7 +175,10 @@ def _pack_chunk(get_store, job) -> None:
 
 def _chunk_split(get_store, job) -> list:
     """A chunk whose inputs cannot be encoded as one list: `[(a job of the place of each input that cannot be
-    encoded, its NodeError)]` (each fails by itself: core.unsent); the job keeps the others, encoded together."""
+    encoded, its NodeError)]` (each fails by itself: core.unsent); the job keeps the others, encoded together,
+    or, when none can be, the last input that cannot: it fails with it, and with it the job is over (a copy
+    failed in its place, and the job, out at its worker in the core's books, was never sent nor given back:
+    its worker's load stayed up by one for good, and after a few such maps no chunk found room, Dec 7)."""
     failed, places, kept = [], [], []
     for place, x in zip(job.places, job.value):
         try:
@@ -191,6 +194,10 @@ def _chunk_split(get_store, job) -> list:
             _pack_chunk(get_store, job)
         except NodeError as err:  # (each alone went, all together not: they fail together, never silently)
             failed += [(_alone(job, place), err) for place in places]
+    if job.packed is None and failed:  # (no input of it goes: the job itself fails with the last)
+        last, err = failed[-1]
+        job.value, job.places, job.pending = None, last.places, last.pending
+        failed[-1] = (job, err)
     return failed
 
 
