@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ..wire.buffers import castable
+from ..wire.buffers import array_of, castable
 
 _shared_out_of_band = False
 
@@ -130,8 +130,9 @@ class _Exact:
             return bytearray, (bytes(value),)
         format, shape, readonly = value.format, value.shape, value.readonly
         numpy = sys.modules.get("numpy")
-        if not castable(value) and numpy is not None:  # (a struct's, float16's, ...: as the array it views)
-            return _view_of, (numpy.array(value), readonly)
+        array = array_of(numpy, value) if not castable(value) and numpy is not None else None
+        if array is not None:  # (a struct's, float16's, ...: as the array it views)
+            return _view_of, (numpy.array(array), readonly)
         data = value.tobytes()
         return _memoryview_of, (data if readonly else bytearray(data), format, shape, readonly)
 

@@ -228,10 +228,21 @@ def _value_pickler():
                     return _part, (len(self._parts) - 1,)
                 if kind is memoryview:  # (pickle refuses them)
                     return _reduce_memoryview(obj)
+                if kind is self._ndarray and not obj.flags.writeable:  # (objects in it: numpy's pickle, which
+                    rebuild, args, state = obj.__reduce_ex__(5)  # makes it writable; an exact array's handle
+                    return rebuild, args, state, None, None, _set_read_only  # says so)
                 return super().reducer_override(obj)
 
         _PICKLER = ValuePickler
     return _PICKLER
+
+
+def _set_read_only(array, state) -> None:
+    """A read-only numpy array of objects, made again by numpy's own reduction, gets its state, and is read-only
+    again (a node could write into what its caller sent read-only). A state setter, not a wrapper: pickle has
+    the array in its memo by then, so one that holds itself still pickles."""
+    array.__setstate__(state)
+    array.flags.writeable = False
 
 
 def _out_of_band(enc, oob: list, buffer) -> bool:
@@ -290,16 +301,28 @@ def _reduce_memoryview(obj: memoryview) -> tuple:
     if not castable(obj):
         numpy = sys.modules.get("numpy")
         if numpy is not None:
-            try:
-                array = numpy.asarray(obj)
-            except (TypeError, ValueError, NotImplementedError):
-                array = None
+            array = array_of(numpy, obj)
             if array is not None and not array.dtype.hasobject:
                 return memoryview, (array,)
     if obj.c_contiguous:
         return _memoryview, (pickle.PickleBuffer(obj), format, obj.shape, False)
     data = obj.tobytes() if obj.readonly else bytearray(obj.tobytes())
     return _memoryview, (pickle.PickleBuffer(data), format, obj.shape, obj.readonly)
+
+
+def array_of(numpy, view: memoryview):
+    """The numpy array `view` views (no copy), or None when numpy cannot read it. numpy cannot read back some
+    formats it writes itself, a packed struct's (empty, or made by `frombuffer`: `T{h:a:B:b:}` without its
+    `=`, "Item size 3 ... does not match the dtype V item size 4"): those are read with the dtype of the array
+    the view was made from (they were refused as unsendable)."""
+    try:
+        return numpy.asarray(view)
+    except (TypeError, ValueError, NotImplementedError, RuntimeError):
+        pass
+    base = getattr(view, "obj", None)
+    if type(base) is not numpy.ndarray or base.dtype.itemsize != view.itemsize or not view.c_contiguous:
+        return None
+    return numpy.frombuffer(view.cast("B"), dtype=base.dtype).reshape(view.shape)
 
 
 _CASTS = frozenset("bBchHiIlLqQnNfd?P")  # the formats memoryview.cast makes (not "e", "Zd", "2s", "T{...}")

@@ -332,3 +332,22 @@ def test_thousand_array_runs_leave_shm_and_fds_flat(local):
     local.run(Graph.somatize(Identity()), 0)
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
     assert len(shm_names(local.snapshot().shm_prefix)) <= shm_before + 4
+
+
+def test_an_array_of_objects_sent_read_only_arrives_read_only(local):
+    """numpy's pickle (an array holding objects goes so) makes an array writable: a node could write into what its
+    caller sent read-only, where an array of numbers arrives read-only (found by a tester's Hypothesis run)."""
+    kinds = {"objects": np.array([1, "x", None, (2,)], dtype=object),
+             "struct-with-object": np.zeros(3, dtype=[("a", "i4"), ("o", "O")])}
+    for name, array in kinds.items():
+        frozen = array.copy()
+        frozen.flags.writeable = False
+        for sent in (array, frozen):
+            out = local.run(Graph.somatize(Identity()), sent)
+            assert out.dtype == sent.dtype and out.tolist() == sent.tolist(), name
+            assert out.flags.writeable == sent.flags.writeable, (name, sent.flags.writeable)
+    holds_itself = np.empty(2, dtype=object)
+    holds_itself[0], holds_itself[1] = holds_itself, "x"
+    holds_itself.flags.writeable = False
+    out = local.run(Graph.somatize(Identity()), holds_itself)
+    assert out[0] is out and out[1] == "x" and not out.flags.writeable
