@@ -26,12 +26,8 @@ import threading
 import time
 
 from ..errors import NodeError
-from ..node import Node
 from ..values import Done, unwrap
 from .postcondition import check_postcondition
-
-MAX_BATCH = Node.max_batch  # a batching node's default `max_batch` (a Node's class attribute)
-BATCH_WAIT = Node.batch_wait  # ... and `batch_wait`, in seconds
 
 
 def is_batching(node) -> bool:
@@ -40,11 +36,11 @@ def is_batching(node) -> bool:
 
 
 def max_batch_of(node) -> int:
-    return int(getattr(node, "max_batch", MAX_BATCH))
+    return int(node.max_batch)  # (soma.Node's class attribute, unless the node sets its own)
 
 
 def batch_wait_of(node) -> float:
-    return float(getattr(node, "batch_wait", BATCH_WAIT))
+    return float(node.batch_wait)
 
 
 class Entry:
