@@ -506,14 +506,15 @@ class Interpreter:
         return outcomes
 
     def _call_batch(self, node, node_id: str, device, guard, xs: list, spans, given_up=None) -> list:
-        if not xs:
+        n = len(xs)  # (counted now: the node may empty or extend its list, `xs.clear()` to let inputs go early)
+        if not n:
             return []
         ctx = Ctx(node_id, device, self.worker, self.allocate)
         failure = None
         try:
             with guard.lock:  # one batch at a time per node object
                 if given_up is not None and given_up.is_set():  # (it waited for the lock behind other calls)
-                    return failing(len(xs), lambda: Cancelled(node_id))
+                    return failing(n, lambda: Cancelled(node_id))
                 if not guard.ready:
                     self.setup(node, node_id, ctx, spans)
                     guard.ready = True
@@ -523,12 +524,12 @@ class Interpreter:
                     failure = exc
         except NodeError as setup_failed:  # every input of the batch fails with its setup's error
             failed = setup_failed
-            return failing(len(xs), lambda: _caused(NodeError(failed.node, failed.args[0],
+            return failing(n, lambda: _caused(NodeError(failed.node, failed.args[0],
                                                               remote_traceback=failed.remote_traceback),
                                                     failed.__cause__))
         if failure is not None:  # each input its own NodeError, the node's exception its cause
-            return failing(len(xs), lambda: _caused(self.node_failed(node_id, failure, device=device), failure))
-        return batch_outputs(node_id, out, len(xs), device)
+            return failing(n, lambda: _caused(self.node_failed(node_id, failure, device=device), failure))
+        return batch_outputs(node_id, out, n, device)
 
     def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:
         """The NodeError for an exception a node raised (a full /dev/shm has its own)."""

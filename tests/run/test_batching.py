@@ -329,3 +329,32 @@ def test_a_batching_node_with_the_default_max_batch_takes_up_to_32(runner):
     assert [x for x, _ in out] == list(range(200))
     sizes = [size for _, size in out]
     assert max(sizes) <= 32 and max(sizes) > 2, sorted(set(sizes))
+
+
+class EmptiesItsList(Node):
+    """Answers each input, then empties the list it was given (to let the inputs go early) or grows it (as
+    scratch space): the list is the node's."""
+
+    max_batch = 4
+
+    def __init__(self, how: str):
+        self.how = how
+
+    def forward_batch(self, xs, ctx):
+        out = [(x, "seen") for x in xs]
+        if self.how == "clear":
+            xs.clear()
+        else:
+            xs.append("scratch")
+        return Done(out)
+
+
+def test_a_batching_node_may_change_the_list_it_was_given(runner):
+    """The outputs were counted against the list as the node left it: emptied, the Executor's run raised a raw
+    TypeError and its map spun for ever, Local said "lost its output (a bug in soma)"; grown, a correct node was
+    told it "returned 1 outputs for 2 inputs" (found by a tester)."""
+    for how in ("clear", "append"):
+        g = Graph.somatize(Pre() >> EmptiesItsList(how))
+        assert runner.run(g, 2) == (3, "seen")
+        assert list(runner.map(g, range(10), timeout=60)) == [(x + 1, "seen") for x in range(10)]
+        assert runner.submit(g, 5).result(timeout=60) == (6, "seen")
