@@ -148,15 +148,26 @@ class LocalInflight(Inflight):
         return got
 
     def expire(self, index: int) -> BaseException:
-        flow = self.flows.get(index)
-        if flow is not None and type(flow) is not Chunk:
-            del self.flows[index]
-            return self.loop.expire(flow, self.timeout)
-        at = bisect_right(self.chunk_firsts, index) - 1
-        chunk = self.chunk_list[at] if at >= 0 else None
-        if chunk is None or index >= chunk.index + chunk.count:  # (its chunk ended and was swept: nothing runs)
-            return RunTimeout.after(self.timeout, {}, [], None)
-        return self.loop.expire(chunk, self.timeout, index - chunk.index)
+        return self.expire_all([index])[0]
+
+    def expire_all(self, indices: list) -> list:
+        """Each input's flow (or its chunk and place there), stopped together (HostLoop.expire)."""
+        stopping, errors = [], {}
+        for index in indices:
+            flow = self.flows.get(index)
+            if flow is not None and type(flow) is not Chunk:
+                del self.flows[index]
+                stopping.append((index, flow, None))
+                continue
+            at = bisect_right(self.chunk_firsts, index) - 1
+            chunk = self.chunk_list[at] if at >= 0 else None
+            if chunk is None or index >= chunk.index + chunk.count:  # (its chunk ended and was swept: nothing runs)
+                errors[index] = RunTimeout.after(self.timeout, {}, [], None)
+            else:
+                stopping.append((index, chunk, index - chunk.index))
+        stopped = self.loop.expire([(flow, place) for _, flow, place in stopping], self.timeout)
+        errors.update((index, err) for (index, _, _), err in zip(stopping, stopped))
+        return [errors[index] for index in indices]
 
     def _keep_chunks(self, started: dict) -> None:
         """Remember chunks just started (first index → Chunk, ascending) for `expire`; sweep those that ended."""

@@ -182,7 +182,10 @@ class Local(RunnerBase):
             except KeyboardInterrupt:  # (cancelled by the loop: the traceback stops here, not deep in its receiving)
                 raise KeyboardInterrupt from None
             if not ok:
-                raise value
+                try:
+                    raise value
+                finally:  # (the error's traceback holds this frame: the frame must not hold the error, a cycle)
+                    value = None
             return value
         finally:
             if trace is not None:
@@ -306,7 +309,7 @@ class _Deadline:
         flow, future = self.flow, self.future
         if flow is None or future is None:  # (done: disarmed, maybe between these two reads)
             return
-        err = self.loop.expire(flow, self.timeout)
+        err = self.loop.expire([(flow, None)], self.timeout)[0]
         if not future.done():
             FutureSink(future).put((None, False, err))
 

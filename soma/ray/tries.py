@@ -153,7 +153,10 @@ def returned(settled: tuple):
     ok, value = settled
     if ok:
         return value
-    raise value
+    try:
+        raise value
+    finally:  # (the error's traceback holds this frame: the frame must not hold the error, a cycle)
+        value = settled = None
 
 
 def next_try(driver, graph: ActorGraph, submission: Submission, ok: bool, value):

@@ -98,9 +98,13 @@ class Meeting:
                 self.leading = True
         if lead:
             self._lead(entry)
+        value, entry.value = entry.value, None  # (an error raised holds this frame: nothing here may hold it)
         if not entry.ok:
-            raise entry.value
-        return entry.value
+            try:
+                raise value
+            finally:
+                value = None
+        return value
 
     def _lead(self, mine: Entry) -> None:
         """Run batches until the one holding `mine` is done; then let a waiter lead the next."""
@@ -112,7 +116,8 @@ class Meeting:
                 with self.settled:
                     for entry, (ok, value) in zip(batch, outcomes):
                         entry.ok, entry.value, entry.done = ok, value, True
-                    batch = []
+                    # (a failure's traceback reaches this frame: it must not hold what holds the failure)
+                    batch, outcomes, entry, value = [], None, None, None
                     self.leading = not mine.done
                     self.settled.notify_all()  # each of the batch wakes with its own; a waiter may lead next
                     if mine.done:

@@ -102,7 +102,10 @@ class Executor(RunnerBase):
         taken = self._submit_inputs(interpreter, [(self._run_into, FutureSink(future), g, devices, x, timeout,
                                                    thread_modes(), state, interpreter)])[0]
         future.cancels_with(lambda: _give_up(taken, state))
-        taken.add_done_callback(lambda done: done.cancelled() and future.cancel())  # (close(): it never ran)
+        # (close(): it never ran.) Weakly: a failure's traceback reaches the thread pool's work item, and with it
+        # `taken` and this callback: holding the future, it was a cycle that kept the input until gc.
+        weak = weakref.ref(future)
+        taken.add_done_callback(lambda done: done.cancelled() and (f := weak()) is not None and f.cancel())
         return future
 
     def _run_into(self, sink: FutureSink, g, devices: dict, x, timeout, modes, state, interpreter) -> None:

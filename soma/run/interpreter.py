@@ -22,6 +22,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 
 from ..ctx import Ctx
 from ..errors import Cancelled, NodeError, SharedMemoryFull, traceback_text
@@ -343,7 +344,10 @@ class Interpreter:
 
             ok, value = wave_outcome(on_threads([branch(run) for run in branches], kept))
             if not ok:
-                raise value
+                try:
+                    raise value
+                finally:  # (the error's traceback holds this frame: the frame must not hold the error, a cycle)
+                    value = None
             return value
         return run_wave
 
@@ -362,18 +366,20 @@ class Interpreter:
         if found is not None:
             return found
         node, device = self.nodes[node_id], self.devices.get(node_id)
-        guard, caught, setup, failed = self._guard(node_id, node), self._caught, self.setup, self.node_failed
+        guard, caught, me = self._guard(node_id, node), self._caught, weakref.ref(self)
         acquire, release, unchecked = guard.lock.acquire, guard.lock.release, UNCHECKED
+        # (`me`, weakly: these functions are kept in `_forwards`, and holding the interpreter they were a cycle
+        # that kept a dropped graph's nodes, their weights too, until the garbage collector ran)
         ctx = Ctx(node_id, device, self.worker, self.allocate)  # (one for every input: it says the same to all)
 
         def called(x, spans: list | None = None):  # (the node's lock held: by `forward`, or by the caller)
             if not guard.ready:
-                setup(node, node_id, ctx, spans)
+                me().setup(node, node_id, ctx, spans)
                 guard.ready = True
             try:
                 out = node.forward(x, ctx)
             except caught as exc:
-                raise failed(node_id, exc, device=device) from exc
+                raise me().node_failed(node_id, exc, device=device) from exc
             if type(out) is not Done:
                 raise NodeError.failed(node_id, f"forward returned {type(out).__name__}, not Done")
             value = out.value
@@ -420,6 +426,7 @@ class Interpreter:
             # What the node itself raised (under the NodeError that names it), or soma's own verdict.
             cause = exc.__cause__ if type(exc) is NodeError and exc.__cause__ is not None else exc
             outcome = type(cause).__name__
+            cause = None  # (a cycle through the traceback: it held the input and the node's locals until gc)
             raise
         finally:
             state.leave(node_id)
@@ -441,8 +448,7 @@ class Interpreter:
             setup(ctx)
         except self._caught as exc:
             outcome = type(exc).__name__
-            err = self.node_failed(node_id, exc, doing="setup raised")
-            raise err from exc
+            raise self.node_failed(node_id, exc, doing="setup raised") from exc
         finally:
             if spans is not None:
                 spans.append(span(node_id, start, outcome, "setup"))
@@ -503,7 +509,10 @@ class Interpreter:
         if traced is not None and taken:
             failed = next((type(v).__name__ for ok, v in results if not ok), "ok")
             traced.append(span(node_id, start, failed, "batch") + [[entries[i].state.index for i in taken]])
-        return outcomes
+        try:
+            return outcomes
+        finally:  # (a failure's traceback reaches this frame, through _call_batch's: it must not hold them)
+            outcomes = results = result = entries = entry = xs = None
 
     def _call_batch(self, node, node_id: str, device, guard, xs: list, spans, given_up=None) -> list:
         n = len(xs)  # (counted now: the node may empty or extend its list, `xs.clear()` to let inputs go early)
@@ -524,11 +533,17 @@ class Interpreter:
                     failure = exc
         except NodeError as setup_failed:  # every input of the batch fails with its setup's error
             failed = setup_failed
-            return failing(n, lambda: _caused(NodeError(failed.node, failed.args[0],
-                                                              remote_traceback=failed.remote_traceback),
-                                                    failed.__cause__))
+            try:
+                return failing(n, lambda: _caused(NodeError(failed.node, failed.args[0],
+                                                            remote_traceback=failed.remote_traceback),
+                                                  failed.__cause__))
+            finally:  # (the error's traceback holds this frame: the frame must not hold the error, a cycle)
+                failed = None
         if failure is not None:  # each input its own NodeError, the node's exception its cause
-            return failing(n, lambda: _caused(self.node_failed(node_id, failure, device=device), failure))
+            try:
+                return failing(n, lambda: _caused(self.node_failed(node_id, failure, device=device), failure))
+            finally:
+                failure = None
         return batch_outputs(node_id, out, n, device)
 
     def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:

@@ -97,6 +97,12 @@ class Inflight:
         """Input `index` ran out of time: stop it, and return the error to raise for it."""
         raise NotImplementedError
 
+    def expire_all(self, indices: list) -> list:
+        """Inputs that ran out of time at once (a batch's, started together): each stopped as `expire` stops one,
+        their errors in order. A runner that stops a worker for one of them looks at all of them first (Local:
+        the first one's replaced worker took its batch's others with it, which then said "still running: none")."""
+        return [self.expire(index) for index in indices]
+
     def close(self) -> None:
         """The map is over: cancel what has not started, let the rest finish, release everything."""
 
@@ -153,6 +159,9 @@ class MapIterator:
         (a `break` does the same once the iterator is let go of)."""
         self._outputs.close()
         self._loop.close()  # (a map never iterated has no generator frame to close it)
+
+
+_RAISED = object()  # MapLoop.source_error once raised: the map is over, and the error let go
 
 
 def _drive(loop: "MapLoop", source):
@@ -394,7 +403,12 @@ class MapLoop:
                 ok, value = entry
                 if not ok:
                     if not self.yield_errors:  # (only ordered maps keep such an entry: see finished)
-                        raise _indexed(value, index)  # (not consumed: a state says to run it again)
+                        if self.failure is not None:  # (the map ends here: its earliest failure's error let go)
+                            self.failure = (self.failure[0], None)
+                        try:
+                            raise _indexed(value, index)  # (not consumed: a state says to run it again)
+                        finally:  # (the error's traceback holds this frame: the frame must not hold it)
+                            value = entry = failure = None
                     value = _indexed(value, index)
                 values = (value,)
             # Each value in its turn, its books kept here: a Span's values too, without a generator of their own
@@ -430,7 +444,12 @@ class MapLoop:
                 if checkpoint is not None and time.monotonic() >= self.save_at:
                     self.save()
         if not ordered and self.failure is not None and not (self.pending and self.pending.oldest() < self.failure[0]):
-            raise _indexed(self.failure[1], self.failure[0])
+            index, failed = self.failure
+            self.failure = (index, None)  # (the error raised holds this frame, whose `self` must not hold it)
+            try:
+                raise _indexed(failed, index)
+            finally:
+                failed = failure = None
 
     def _settle(self) -> None:
         """The books of the Span being handed out (`handing`) brought up to the value the caller holds."""
@@ -442,8 +461,14 @@ class MapLoop:
         """Whether the map has ended (its source's own exception, if any, is raised here)."""
         if self.pending or self.done or not (self.exhausted or self.failure is not None):
             return False
+        if self.source_error is _RAISED:
+            return True
         if self.source_error is not None:
-            raise self.source_error
+            error, self.source_error = self.source_error, _RAISED  # (its traceback holds this frame, and `self`)
+            try:
+                raise error
+            finally:
+                error = None
         self.completed = True
         return True
 
@@ -472,7 +497,8 @@ class MapLoop:
             expired.append(index)
         if expired:  # (none whose output came in `results`: its own, or in a chunk's Span)
             came = {i for first, _, v in results for i in Span.indices(first, v)}
-            results += [(i, False, self.inflight.expire(i)) for i in expired if i in self.pending and i not in came]
+            late = [i for i in expired if i in self.pending and i not in came]
+            results += [(i, False, err) for i, err in zip(late, self.inflight.expire_all(late))]
         for index, ok, value in results:
             if index not in self.pending:
                 continue

@@ -35,14 +35,18 @@ def on_threads(calls: list, kept: "KeptThreads | None" = None) -> list:
 
     if kept is not None:
         kept.run([lambda i=i: one(i) for i in range(len(calls))])
-        return results
-    threads = [threading.Thread(target=one, args=(i,), name=f"branch {i + 1}", daemon=True)
-               for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    else:
+        threads = [threading.Thread(target=one, args=(i,), name=f"branch {i + 1}", daemon=True)
+                   for i in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    # A copy, and `results` emptied: a failure's traceback holds `one`'s frame, which holds `results` (a cycle
+    # that kept the input and the other branches' outputs until the garbage collector ran).
+    out = list(results)
+    results.clear()
+    return out
 
 
 class KeptThreads:

@@ -163,3 +163,29 @@ def test_an_idle_pools_snapshot_names_no_node_after_a_map_through_a_batching_nod
     assert list(local.map(g, range(600))) == list(range(1, 601))
     wait_for(lambda: local.snapshot().inputs == 0 and not any(local.snapshot().jobs), what="the map's end")
     assert local.snapshot().running == [[], []]
+
+
+class SlowBatches(soma.Node):
+    """A batching node whose every call outlasts the map's timeout."""
+
+    max_batch = 4
+
+    def forward_batch(self, xs, ctx):
+        import time
+
+        time.sleep(30)
+        return soma.Done(list(xs))
+
+
+def test_inputs_of_one_batch_timed_out_together_each_name_the_node_they_ran_in(local):
+    """The first input's timeout replaced its worker, which ended its batch's other inputs before their own
+    timeouts were looked at: they said "run timed out after 1.0 s; still running: none", `.nodes` empty (found
+    by a tester). Inputs that time out at once are now looked at together, before any worker is replaced."""
+    local.start()
+    out = list(local.map(Graph.somatize(SlowBatches()), range(8), timeout=1.0, errors="yield"))
+    assert all(isinstance(err, soma.RunTimeout) for err in out), out
+    assert sorted(err.index for err in out) == list(range(8))
+    # Each ran in it, or waited for it: never neither ("still running: none", nothing waiting).
+    assert all(err.nodes == ("slow_batches",) or err.waiting == ("slow_batches",) for err in out), \
+        [(err.index, str(err)) for err in out]
+    assert any("still running: `slow_batches` (on worker w" in str(err) for err in out)

@@ -303,6 +303,7 @@ class HostCore(WorkerEvents, ChunkEvents):
         if flow.finished:
             return
         flow.finished = True  # its queued jobs are dropped by the next pump
+        flow.jobs.clear()  # (each holds its flow: a cycle that kept their inputs, /dev/shm too, until gc ran)
         self.flows.pop(flow, None)
         if flow.trace is not None and flow.index is not None:  # (a run's span is its caller's, see Local.run)
             outcome = "ok" if ok else ("cancelled" if ok is None else type(value).__name__)

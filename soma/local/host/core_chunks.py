@@ -175,4 +175,5 @@ class ChunkEvents:
             self.out.append(Deliver(chunk.sink, item))
         if not chunk.open and not chunk.finished:
             chunk.finished = True
+            chunk.jobs.clear()  # (as HostCore._finish: each holds its chunk, a cycle)
             self.flows.pop(chunk, None)

@@ -108,7 +108,7 @@ class HostLoop(WorkerLife, MapHints):
         try:
             return self.await_item(sink, timeout)
         except queue.Empty:
-            err = self.expire(flow, timeout)
+            err = self.expire([(flow, None)], timeout)[0]
             item = self.take_nowait(sink)  # it may have ended while it was being stopped
             return item if item is not None else (None, False, err)  # (raised by the caller: a short traceback)
         except KeyboardInterrupt:  # the caller gave up: its input is not wanted any more
@@ -139,12 +139,12 @@ class HostLoop(WorkerLife, MapHints):
         self.pool.forget(keys)
         self.core.forget(keys)
 
-    def expire(self, flow: Flow, timeout: float, place: int | None = None):
-        """The input's time is up (a chunk's: the one at `place`): the RunTimeout that names what still ran
-        (its workers are replaced)."""
+    def expire(self, inputs: list, timeout: float) -> list:
+        """These inputs' time is up (`(flow, place)`: a chunk's input at `place`, else None): each one's RunTimeout
+        naming what still ran, their workers replaced once all are looked at (a batch's inputs each name their node)."""
         with self._held():
-            running = {slot: self.pool.running(slot) for slot in self.core.where(flow)}
-            return self.core.expire(flow, timeout, running, place)
+            running = {slot: self.pool.running(slot) for flow, _ in inputs for slot in self.core.where(flow)}
+            return [self.core.expire(flow, timeout, running, place) for flow, place in inputs]
 
     def at(self, when: float, call) -> None:
         """Call `call()` on the listener thread once time.monotonic() reaches `when` (within ~PUMP_S)."""

@@ -1,0 +1,120 @@
+"""What a caller lets go of dies then, on every runner, with Python's cyclic garbage collector off: an idle server's
+collector may not run for minutes, and what a reference cycle keeps (an input, a result, its /dev/shm, a model's
+weights, GPU memory) is invisible to it. Found by a tester hunting cycles with `gc.disable()` (Dec 7): an error
+raised from a local variable, a future and its cancel hook, a map's loop and its failure, an input's flow and its
+jobs, each event loop that awaited an `arun`."""
+
+import asyncio
+import gc
+import weakref
+
+import pytest
+
+from soma import Done, Graph, Node, NodeError
+from tests.conftest import wait_for
+
+np = pytest.importorskip("numpy")
+pytestmark = pytest.mark.timeout(120)
+
+
+class FailsOnOdd(Node):
+    """Returns its (numpy) input, except where its first value is odd: ValueError."""
+
+    def forward(self, x, ctx):
+        if int(x[0]) % 2:
+            raise ValueError(f"odd {int(x[0])}")
+        return Done(x)
+
+
+class BatchFailsOnOdd(Node):
+    max_batch = 4
+
+    def forward_batch(self, xs, ctx):
+        if any(int(x[0]) % 2 for x in xs):
+            raise ValueError("an odd one in the batch")
+        return Done(list(xs))
+
+
+def _big(value: int):
+    return np.full(1 << 17, float(value))  # 1 MiB: through /dev/shm on Local
+
+
+@pytest.fixture
+def no_gc(runner):
+    if type(runner).__name__ == "Ray":  # (the loop waker's test passes there; these three would fail)
+        pytest.skip("Ray: a Submission and its `batch` list hold each other (soma/ray/submission.py), and with "
+                    "them the input, until the garbage collector runs; not fixed yet (closing note, Dec 7)")
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _all_die(refs: list, what: str) -> None:
+    wait_for(lambda: all(ref() is None for ref in refs), 20, f"{what} to die without the garbage collector")
+
+
+def test_an_input_whose_run_raised_dies_with_its_error(runner, no_gc):
+    """`raise value` from a local: the error's traceback held the frame that held the error."""
+    refs = []
+    for graph in (Graph.somatize(FailsOnOdd()), Graph.somatize(FailsOnOdd() | FailsOnOdd()),
+                  Graph.somatize(BatchFailsOnOdd())):
+        x = _big(1)
+        refs.append(weakref.ref(x))
+        with pytest.raises(NodeError, match="odd"):
+            runner.run(graph, x)
+        del x
+    _all_die(refs, "inputs of failed runs")
+
+
+def test_a_failed_submit_or_arun_lets_go_of_its_future_and_input(runner, no_gc):
+    async def handler(x):  # (a server's: the error caught where it is awaited; one raised out of asyncio.run is
+        try:  # held by asyncio's own cycle, its runner's frame and task)
+            return await runner.arun(FailsOnOdd(), x)
+        except NodeError as err:
+            return str(err)
+
+    refs = []
+    x = _big(3)
+    refs.append(weakref.ref(x))
+    with pytest.raises(NodeError, match="odd"):
+        runner.submit(FailsOnOdd(), x).result(timeout=60)
+    x = _big(5)
+    refs.append(weakref.ref(x))
+    assert "odd 5" in asyncio.run(handler(x))
+    del x
+    _all_die(refs, "inputs of a failed submit and arun")
+
+
+def test_a_map_that_raised_lets_go_of_its_inputs_and_outputs(runner, no_gc):
+    """The map's loop kept its failure, whose traceback held the generator's frame, which held the loop: every
+    output in its window and the whole `xs` stayed (on Local, 105 MiB of /dev/shm for a window of 8 MiB ones)."""
+    refs = []
+    for ordered in (True, False):
+        xs = [_big(2 * i) for i in range(6)] + [_big(7)] + [_big(2 * i) for i in range(6)]
+        refs += [weakref.ref(x) for x in xs]
+        with pytest.raises(NodeError, match="odd 7"):
+            for y in runner.map(FailsOnOdd(), xs, ordered=ordered):
+                refs.append(weakref.ref(y))
+        del xs, y
+    _all_die(refs, "a failed map's inputs and outputs")
+
+
+def test_event_loops_that_awaited_arun_die(runner):
+    """Each loop stayed for the life of the process (a WeakKeyDictionary whose value held its key)."""
+    loops = []
+
+    async def one():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return await runner.arun(FailsOnOdd(), _big(2))
+
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            assert asyncio.run(one())[0] == 2.0
+        _all_die(loops, "event loops")
+    finally:
+        gc.enable()
