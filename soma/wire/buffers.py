@@ -152,6 +152,19 @@ def encode_array(enc, a) -> list:
     return [A_SHM, field, shape, strides, offset - lo, writeable, name, seg_bytes]
 
 
+def array_segments(handle: list) -> list[str]:
+    """The segment an array handle names (one receipt `decode_array` would count), or none: see tensor_segments."""
+    return [handle[6]] if handle[0] == A_SHM else []
+
+
+def pickle_segments(body: bytes, ext_hook) -> list[str]:
+    """The segments a PICKLE extension's body names by buffer (its stream, when in a segment, and its out-of-band
+    buffers), one per receipt `load_pickle` would count; its parts' handles go through `ext_hook`, unpickling
+    nothing (codec.segments_named)."""
+    stream, _, oob = msgpack.unpackb(body, ext_hook=ext_hook, raw=False, use_list=True)
+    return [handle[0] for handle in oob] + ([stream[0]] if not isinstance(stream, bytes) else [])
+
+
 def decode_array(dec, handle: list):
     import numpy
 

@@ -42,11 +42,13 @@ from ..errors import SharedMemoryFull
 from . import room
 from .buffers import (
     INLINE_LIMIT,
+    array_segments,
     decode_array,
     dump_pickle,
     encode_array,
     load_pickle,
     loaded_torch,
+    pickle_segments,
 )
 from .mapping import address_of
 from .tensors import (
@@ -58,6 +60,7 @@ from .tensors import (
     GradCrossing,
     decode_tensor,
     encode_tensor,
+    tensor_segments,
 )
 
 __all__ = ["INLINE_LIMIT", "GradCrossing", "Unsendable", "Encoder", "Decoder", "loaded_torch", "route",
@@ -455,6 +458,27 @@ _MARKED = object()  # what the TUPLE mark decodes to: the list it leads is a tup
 def _tuple_if_marked(items: list):
     """msgpack's list hook: a list led by the TUPLE mark was a tuple (every other list stays as it is)."""
     return tuple(items[1:]) if items and items[0] is _MARKED else items
+
+
+def segments_named(data: bytes) -> list[str]:
+    """The segments the handles in `data` (one body, as `Encoder.pack` made it) name, one per receipt a Decoder
+    would count, found without opening any or unpickling anything: what a worker that will never decode an input
+    reports released (the host lent them with it; never received, they stayed counted held until that worker
+    ended, and the host's own segments were never reused: /dev/shm grew with every input dropped unstarted)."""
+    names: list = []
+
+    def hook(code: int, body: bytes):
+        if code == EXT_TENSOR:
+            names.extend(tensor_segments(msgpack.unpackb(body, raw=False, use_list=True)))
+        elif code == EXT_ARRAY:
+            names.extend(array_segments(msgpack.unpackb(body, raw=False, use_list=True)))
+        elif code == EXT_PICKLE:
+            names.extend(pickle_segments(body, hook))
+        return None
+
+    if data and data[0] not in _SCALAR_LEADS:
+        msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True)
+    return names
 
 
 class Decoder:

@@ -440,6 +440,15 @@ class SegmentStore:
                 unmap(rec.start, rec.nbytes)  # forgotten first, unmapped after: no moment where both hold
         return [(rec.name, receipts)] if receipts else []
 
+    def release_unopened(self, names: list) -> None:
+        """Handles this process was sent and will never open (an input dropped unstarted: codec.segments_named),
+        reported with the next `releases()` as if views of them had died: their holders' counts drop."""
+        counts: dict = {}
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+        with self._lock:
+            self._pending += counts.items()
+
     def releases(self) -> list[tuple[str, int]]:
         """Receipts whose views died since the last call: `[(name, n)]`, to report to the host."""
         with self._lock:

@@ -279,6 +279,20 @@ def _by_torch(enc, t, torch) -> list:
     return [T_TORCH, buf.getvalue(), parts]
 
 
+def tensor_segments(handle: list) -> list[str]:
+    """The segments a tensor handle names, one per receipt `decode_tensor` would count (torch's reductions:
+    each part's), without opening any: a payload a worker never decodes is let go by them (codec.segments_named)."""
+    kind = handle[0]
+    if kind == T_SHM:
+        return [handle[6]]
+    if kind != T_TORCH:
+        return []
+    names = []
+    for part in handle[2]:
+        names += tensor_segments(part[2] if part[0] == "storage" else part[1] if part[0] == "untyped" else part)
+    return names
+
+
 def _from_torch(dec, handle: list, torch):
     _, payload, parts = handle
     loaded = []

@@ -587,7 +587,7 @@ def test_lanes_give_back_waiting_jobs_and_name_the_chunks_that_hold_an_id():
     lanes.add(JobSpec(4, PIECE, b"", False))
     lanes.cancel({4})
     returned, named = lanes.give_back({1, 3, 4})
-    assert sorted(returned) == [1, 4] and len(named) == 1 and named[0].chunk.ids == [2, 3]
+    assert sorted(job.id for job in returned) == [1, 4] and len(named) == 1 and named[0].chunk.ids == [2, 3]
     turn, dropped = lanes.take_turn(lanes.lanes[PIECE], {})
     assert turn == named and dropped == set()  # the chunk, a turn of its own; job 4 is gone, not cancelled
     assert lanes.take_turn(lanes.lanes[PIECE], {}) is None

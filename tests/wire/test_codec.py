@@ -470,3 +470,30 @@ def test_a_scalar_decodes_without_a_decoder_as_the_decoder_would_and_nothing_els
     else:
         assert back is codec.NOT_SCALAR  # (containers, bytes, a big int pickled: a Decoder's)
     assert codec.unpack_scalar(b"") is codec.NOT_SCALAR
+
+
+def test_the_segments_a_body_names_are_what_a_decoder_receives_without_opening_any(stores):
+    """`segments_named`: what a worker reports released for an input it will never decode (dropped unstarted,
+    given back, its code not loadable): one name per receipt a Decoder would count, for every way a segment is
+    named (an array, a tensor, torch's own reductions, a pickle's stream and out-of-band buffers, nested in a
+    pickle), and nothing for values that travel inline. The host lends exactly those (Encoder.shared)."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    import collections
+
+    big = np.arange(1 << 16, dtype=np.float64)
+    values = [1, "small", b"x" * 10, np.ones(4), big, (big, big, big[::2]), torch.arange(1 << 16, dtype=torch.float32),
+              {"t": torch.ones(1 << 16), "a": big}, [bytearray(1 << 16), memoryview(bytes(1 << 16))],
+              collections.OrderedDict(a=big), np.array([big, "o"], dtype=object),
+              torch.ones(1 << 16).to_sparse()]
+    sender, receiver = stores
+    counts = []
+    for value in values:
+        encoder = codec.Encoder(lambda create: sender)
+        data = encoder.pack(value)
+        named = codec.segments_named(data)
+        decoder = codec.Decoder(lambda create: receiver)
+        decoder.unpack(data)
+        assert sorted(named) == sorted(decoder.received) == sorted(encoder.shared), type(value)
+        counts.append(len(named))
+    assert counts[:4] == [0, 0, 0, 0] and all(counts[4:]), counts

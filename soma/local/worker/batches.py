@@ -15,7 +15,7 @@ import time
 from ...errors import Cancelled, NodeError
 from ...wire import failures
 from ...wire.protocol import Bundle, Outcome
-from .values import decode_input, encode_listed, encode_output
+from .values import decode_input, encode_listed, encode_output, let_go
 
 
 def run_batch(runner, piece, node_id: str, jobs: list, dropped: set) -> list:
@@ -32,6 +32,7 @@ def run_batch(runner, piece, node_id: str, jobs: list, dropped: set) -> list:
             answers[i] = open_bundle(runner, job, i, node_id, dropped, at, ids, xs)
             continue
         if job.id in dropped or runner.over_memory:  # (over max_memory: what has not started runs elsewhere)
+            let_go(job.payload, runner.get_store)
             outcomes[i] = Outcome(job.id, False, failures.error_body(Cancelled()), None, 0.0)
             continue
         try:
@@ -102,6 +103,7 @@ def open_bundle(runner, bundle: Bundle, i: int, node_id: str, dropped: set, at: 
                 answers[job_id] = None
                 wanted.append((position, job_id))
         if not wanted:
+            let_go(bundle.payload, runner.get_store)
             return answers
     else:  # (the common case: every input of the bundle runs)
         answers, wanted = dict.fromkeys(named), None
@@ -145,8 +147,9 @@ def close_bundle(runner, answers: dict, done_ids: list, values: list, node_id: s
     return Outcome(list(answers), said, body, None, seconds)
 
 
-def failed(entry, err: NodeError) -> Outcome:
+def failed(entry, err: NodeError, get_store) -> Outcome:
     """The outcome of a turn's entry that could not run: `err` (a Bundle's: for each of its inputs)."""
+    let_go(entry.payload, get_store)
     body = failures.error_body(err)
     if type(entry) is not Bundle:
         return Outcome(entry.id, False, body, None, 0.0)

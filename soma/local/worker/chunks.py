@@ -37,7 +37,7 @@ from ...run.interpreter import RunState, span
 from ...wire import failures
 from ...wire.protocol import ChunkPart
 from .turns import MIN_S
-from .values import decode_input, encode_listed
+from .values import decode_input, encode_listed, let_go
 
 PART_S = 0.04  # what is done waits at most this long (and one input) before it goes, while the chunk runs
 #               (above host/chunks.CHUNK_S: a chunk that takes what it should answers in one message)
@@ -89,8 +89,9 @@ def run_chunk(runner, run: ChunkRun, lane, turns, send) -> ChunkPart | None:
     """Run the chunk's inputs in order on this thread (`runner`: running.JobRunner; `lane`: its piece's, whose
     pace each input updates); `send(part)` sends a part while the chunk runs. Returns the last part, or None
     when nothing was left to answer."""
-    if not run.waiting:
-        return None  # every input was answered out of turn (cancelled, given back) before it started
+    if not run.waiting:  # every input was answered out of turn (cancelled, given back) before it started
+        let_go(run.chunk.payload, runner.get_store)
+        return None
     way = _Way(runner, run, turns)
     xs = way.inputs()
     # What is the same for every input is bound once, and one clock read ends an input and starts the next.
@@ -178,7 +179,8 @@ class _Way:
         """The chunk's inputs, decoded at once (Nones when the piece could not load, or they cannot be
         decoded: `failure` says why); the direct call ready where the piece allows one."""
         piece, ids = self.piece, self.run.chunk.ids
-        if self.failure is not None:
+        if self.failure is not None:  # (its piece could not load: its inputs are never decoded here)
+            let_go(self.run.chunk.payload, self.runner.get_store)
             return [None] * len(ids)
         try:
             xs = decode_input(self.run.chunk.payload, piece.entry, self.runner.id, self.runner.get_store)

@@ -85,16 +85,16 @@ class Lanes:
         return [run for run in self.chunks if run.named(wanted)]
 
     def give_back(self, wanted: set) -> tuple:
-        """`(ids of the waiting jobs named: dropped, the chunks named)`: the host takes these inputs back if
-        they have not started (a Bundle's inputs are not given back: they run in one call, as sent)."""
+        """`(the waiting jobs named: dropped, the chunks named)`: the host takes these inputs back if they have
+        not started (a Bundle's inputs are not given back: they run in one call, as sent)."""
         returned = []
         for lane in self.lanes.values():
             if any(type(entry) is JobSpec and entry.id in wanted for entry in lane.jobs):
                 kept = [entry for entry in lane.jobs if type(entry) is not JobSpec or entry.id not in wanted]
-                returned += [entry.id for entry in lane.jobs if type(entry) is JobSpec and entry.id in wanted]
+                returned += [entry for entry in lane.jobs if type(entry) is JobSpec and entry.id in wanted]
                 lane.jobs.clear()
                 lane.jobs.extend(kept)
-        self.cancelled.difference_update(returned)
+        self.cancelled.difference_update(entry.id for entry in returned)
         return returned, [run for run in self.chunks if run.named(wanted)]
 
     def finished(self, run: ChunkRun) -> None:

@@ -28,7 +28,7 @@ from . import batches
 from .lanes import ids_of
 from .library import Library
 from .resources import Arena, private_memory
-from .values import decode_input, encode_output
+from .values import decode_input, encode_output, let_go
 
 
 class Observer:
@@ -83,15 +83,15 @@ class JobRunner:
         if piece is None and bundled:  # a Bundle is the first input of its piece here: load it first
             piece, failure = self.load_for_batch(jobs)
             if piece is None:
-                return [batches.failed(job, failure) for job in jobs]
+                return [batches.failed(job, failure, self.get_store) for job in jobs]
         node_id = piece.interpreter.batch_node(piece.plan) if piece is not None else None
         if node_id is not None and not any(type(job) is not Bundle and job.traced for job in jobs):
             return batches.run_batch(self, piece, node_id, jobs, dropped)
         if bundled:  # (the host bundles only the inputs of a batching node alone: never here)
             failure = NodeError.failed(piece.entry, f"worker {self.id} was sent a bundle of inputs for a piece "
                                                     f"that is not one batching node (a bug in soma: please report it)")
-            return [batches.failed(job, failure) if type(job) is Bundle else self.outcome_of(job, dropped)
-                    for job in jobs]
+            return [batches.failed(job, failure, self.get_store) if type(job) is Bundle
+                    else self.outcome_of(job, dropped) for job in jobs]
         with piece.interpreter.arriving(len(jobs)) if piece is not None else contextlib.nullcontext():
             return [value for _, value in on_threads([lambda job=job: self.serve(job, dropped) for job in jobs],
                                                      kept_threads())]
@@ -111,6 +111,7 @@ class JobRunner:
         """A job's outcome: Cancelled when the host dropped it (or this worker is over max_memory: what has
         not started runs elsewhere), else what running it gave (`named_after`: see run_job)."""
         if job.id in dropped or self.over_memory:
+            let_go(job.payload, self.get_store)
             return cancelled(job.id)
         outcome = self.run_job(job, named_after)
         if self.max_memory:
@@ -130,6 +131,7 @@ class JobRunner:
         spans = [] if job.traced else None
         entry = producer = "?"
         status = self.status
+        decoding = False
         try:
             piece = self.library.pieces.get(job.piece)
             if piece is None:
@@ -147,6 +149,7 @@ class JobRunner:
                 status.enter(job.id, entry)
             if self.cuda:
                 self.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
+            decoding = True
             x = decode_input(job.payload, entry, self.id, self.get_store)
             if piece.each is not None and spans is None:
                 value = piece.each(x)  # (its one node is named on the status page already: no RunState to tell)
@@ -166,6 +169,8 @@ class JobRunner:
         finally:
             if not named_after:
                 status.leave()
+            if not decoding:  # (its piece could not load: its input never will be decoded here)
+                let_go(job.payload, self.get_store)
         return Outcome(job.id, ok, body, spans, time.perf_counter() - start)
 
     def load_for_batch(self, jobs: list) -> tuple:

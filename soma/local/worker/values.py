@@ -16,6 +16,19 @@ def decode_input(payload: bytes, entry: str, worker: str, get_store):
                                       f"{type(err).__name__}: {err}") from None
 
 
+def let_go(payload: bytes, get_store) -> None:
+    """An input this worker will never decode (dropped unstarted, given back, its piece not loadable): the
+    segments the host lent with it are reported released (codec.segments_named), as a decoded one's are when
+    its views die. (Never reported, they stayed counted as held here until this worker ended: the host's own
+    were never reused, and /dev/shm grew with each input dropped so, Dec 7.)"""
+    try:
+        names = codec.segments_named(payload)
+    except Exception:  # (one that cannot be read names nothing to tell; this worker's end settles it)
+        return
+    if names:
+        get_store(True).release_unopened(names)
+
+
 def encode_output(value, producer: str, get_store) -> bytes:
     data = codec.pack_scalar(value)  # (one number, say: the same bytes, without an Encoder and its passes)
     if data is not None:

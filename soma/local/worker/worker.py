@@ -36,6 +36,7 @@ from .resources import DeviceSetup
 from .running import JobRunner
 from .segments import Segments
 from .turns import MIN_S, Turns
+from .values import let_go
 
 POLL_MS = 200  # how long the receiving thread waits on the socket before looking around
 PART_MS = int(chunking.PART_S * 1000)  # ... while chunks are here (see send_due_parts)
@@ -265,7 +266,9 @@ class Worker:
             wanted = set(message.jobs)
             with self.lock:
                 returned, chunks = self.lanes.give_back(wanted)
-            self.answer_chunks(chunks, wanted, returned, give_back=True)
+            for job in returned:  # (never decoded here: what the host lent with them is let go)
+                let_go(job.payload, self.segments.get_store)
+            self.answer_chunks(chunks, wanted, [job.id for job in returned], give_back=True)
         elif isinstance(message, Stop):
             self.stopping.set()
             self.finish()
