@@ -107,8 +107,7 @@ class Local(RunnerBase):
             if self._pool is None:
                 _check_cuda(self.worker_devices)
                 pool = WorkerPool(self.worker_devices, arena=self.arena, threads=self.threads_per_worker,
-                                  preload_torch=self.preload_torch, registry=self._registry,
-                                  max_memory=self.max_memory)
+                                  preload_torch=self.preload_torch, registry=self._registry, max_memory=self.max_memory)
                 loop = HostLoop(pool, self.worker_devices)
                 loop.trace = self._trace
                 try:
@@ -182,12 +181,10 @@ class Local(RunnerBase):
             except KeyboardInterrupt:  # (cancelled by the loop: the traceback stops here, not deep in its receiving)
                 raise KeyboardInterrupt from None
             if not ok:
-                try:
-                    raise value
-                finally:  # (the error's traceback holds this frame: the frame must not hold the error, a cycle)
-                    value = None
+                raise value
             return value
         finally:
+            value = None  # (an error raised holds this frame: the frame must not hold the error, a cycle)
             if trace is not None:
                 pid, tid = os.getpid(), threading.get_native_id()
                 trace.thread(pid, tid, threading.current_thread().name)
