@@ -262,8 +262,8 @@ class Driver:
             if values is None:
                 return True, self._fetch(submission, graph, None)
             return True, outcome(submission, values, graph.devices)
-        except SomaError as err:
-            return False, err
+        except SomaError as err:  # (its traceback, these frames, dropped: their callers hold what it is put in)
+            return False, err.with_traceback(None)
 
     def _fetch(self, submission: Submission, graph: ActorGraph, timeout):
         """Fetch the input's output refs (one `ray.get`), or raise soma's error; Ray's GetTimeoutError passes."""

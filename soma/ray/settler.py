@@ -104,6 +104,8 @@ class Settler:
                 _, _, late = heapq.heappop(deadlines)
                 if late in self.inputs:
                     self._end(late, False, late.expire())
+            # (while it waits for the next event, this frame must not hold the last input and its outcome)
+            tries = extra = done = late = None
 
     def _end(self, tries, ok: bool, value) -> None:
         one = self.inputs.pop(tries)

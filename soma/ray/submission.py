@@ -180,6 +180,10 @@ class Submission:
         if self.trace is not None and self.index is not None and how != "again":
             self.trace.interval(f"input {self.index}", "host", self.started_ns, time.monotonic_ns(), os.getpid(),
                                 f"input-{self.token}", {"input": self.index, "outcome": how})
+        batch = self.batch  # (each of a batch holds the list that holds it: with every one of them over, none
+        if all(s.over for s in batch):  # is read again, and the cycle kept their inputs until gc ran)
+            for s in batch:
+                s.batch = ()
 
     def again(self, counted: bool) -> "Submission":
         """The same input, to be submitted again: another try (`counted`), or the same one sent elsewhere."""

@@ -76,7 +76,10 @@ class Tries:
                 raise self.expire() from None
             done = self.after(*settled[0])
             if done is not None:
-                return returned(done)
+                try:
+                    return returned(done)
+                finally:  # (an error raised holds this frame: it must not hold the error)
+                    done = settled = None
 
     async def aoutcome(self):
         """`outcome` on the event loop: each try's refs awaited (Ray sets their futures; no thread waits).
@@ -103,6 +106,7 @@ class Tries:
         finally:
             for future in futures:
                 future.cancel()  # (done ones stay as they are)
+            done = values = futures = None  # (an error raised holds this frame: it must not hold the error)
 
     def watch(self, ready) -> None:
         """submit: `ready(self, submission)` once every output ref of the try now is ready, called on Ray's
@@ -126,6 +130,7 @@ class Tries:
         """submit, once `watch` said so (not on Ray's thread): the input's outcome `(ok, value)`, or None when
         it was sent again (watched again, with the same `ready`)."""
         done = self.after_values([value_of(f) for f in self.watched])
+        self.watched = []  # (their callbacks hold this object: a cycle that kept the input until gc ran)
         if done is None:
             self.watch(ready)
         return done

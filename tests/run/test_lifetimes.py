@@ -2,7 +2,8 @@
 collector may not run for minutes, and what a reference cycle keeps (an input, a result, its /dev/shm, a model's
 weights, GPU memory) is invisible to it. Found by a tester hunting cycles with `gc.disable()` (Dec 7): an error
 raised from a local variable, a future and its cancel hook, a map's loop and its failure, an input's flow and its
-jobs, each event loop that awaited an `arun`."""
+jobs, each event loop that awaited an `arun`; on Ray, a submission and the batch list that holds it, the
+settler waiting with the last input in its locals, a try's watched futures whose callbacks held the try."""
 
 import asyncio
 import gc
@@ -40,10 +41,7 @@ def _big(value: int):
 
 
 @pytest.fixture
-def no_gc(runner):
-    if type(runner).__name__ == "Ray":  # (the loop waker's test passes there; these three would fail)
-        pytest.skip("Ray: a Submission and its `batch` list hold each other (soma/ray/submission.py), and with "
-                    "them the input, until the garbage collector runs; not fixed yet (closing note, Dec 7)")
+def no_gc():
     gc.collect()
     gc.disable()
     try:
