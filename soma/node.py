@@ -355,11 +355,11 @@ def is_batch_wait(value) -> bool:
 def _check_batching(node_id: str, node, cls: str) -> None:
     """A batching node's `max_batch` (an int >= 1) and `batch_wait` (seconds >= 0), refused now when they are not
     (a negative max_batch hung Local; None, 2.5 or "4" raised deep in a run, differently on each runner)."""
-    most = getattr(node, "max_batch", Node.max_batch)
+    most = node.max_batch
     if not is_max_batch(most):
         raise GraphError(f"node `{node_id}` ({cls}) has max_batch = {most!r}: it must be an int >= 1, the most inputs "
                          f"one forward_batch call gets")
-    wait = getattr(node, "batch_wait", Node.batch_wait)
+    wait = node.batch_wait
     if not is_batch_wait(wait):
         raise GraphError(f"node `{node_id}` ({cls}) has batch_wait = {wait!r}: it must be the seconds (a number >= 0) "
                          f"a batch may wait for more inputs to join it")

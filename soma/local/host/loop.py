@@ -143,7 +143,7 @@ class HostLoop(WorkerLife, MapHints):
         """These inputs' time is up (`(flow, place)`: a chunk's input at `place`, else None): each one's RunTimeout
         naming what still ran, their workers replaced once all are looked at (a batch's inputs each name their node)."""
         with self._held():
-            running = {slot: self.pool.running(slot) for flow, _ in inputs for slot in self.core.where(flow)}
+            running = {slot: self.pool.running(slot) for slot in {s for f, _ in inputs for s in self.core.where(f)}}
             return [self.core.expire(flow, timeout, running, place) for flow, place in inputs]
 
     def at(self, when: float, call) -> None:
