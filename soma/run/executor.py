@@ -30,7 +30,7 @@ import time
 import weakref
 
 from ..errors import RunTimeout, SomaError
-from .aio import FutureSink, InputFuture
+from .aio import FutureSink, InputFuture, LoopSink
 from .arguments import checked_retries, checked_timeout
 from .base import RunnerBase, closed_message
 from .batching import is_batching, max_batch_of
@@ -257,6 +257,7 @@ class ExecutorInflight(Inflight):
         # one thread (no thread per input, meeting at the node: ~250 µs an input here, against the model's 38)
         self.interpreter = executor._interpreter(g, devices)
         self.batch_node = self.interpreter.batch_node(g.plan()) if timeout is None else None
+        self.woken = None  # an amap's: the event loop's sink, woken as an input's future ends (await_wait)
 
     def parallelism(self) -> int:
         # A pipeline has a stage per node, and a batching node wants a batch's worth of inputs at it.
@@ -276,6 +277,8 @@ class ExecutorInflight(Inflight):
                 given_up = threading.Event()
                 future = threads.submit(self._run_batch, [x for _, x in batch], given_up)
                 self.running[future] = ([index for index, _ in batch], [], given_up)
+                if self.woken is not None:
+                    self._wakes(future)
             return
         states = [RunState(index=index) for index, _ in items]
         futures = self.executor._submit_inputs(self.interpreter, [
@@ -283,6 +286,8 @@ class ExecutorInflight(Inflight):
             for (index, x), state in zip(items, states)])
         for (index, _), state, future in zip(items, states, futures):
             self.running[future] = ([index], [state], None)
+            if self.woken is not None:
+                self._wakes(future)
 
     def _run_batch(self, xs: list, given_up: threading.Event) -> list:
         with self.modes():
@@ -293,16 +298,24 @@ class ExecutorInflight(Inflight):
         return [outcome for future in done for outcome in self._outcomes(future)]
 
     async def await_wait(self, timeout):
-        import asyncio
+        """`wait`, on the event loop: each input's future wakes it as it ends (one done-callback a future, set
+        once this is first awaited, then as each starts). asyncio.wrap_future made a copy of every running
+        future at every wait, each copy and its future holding each other through their callbacks: a copy left
+        pending when its loop ended (an amap cancelled while its inputs ran) kept its future, its input and its
+        output, until the cyclic garbage collector ran."""
+        if self.woken is None:
+            self.woken = LoopSink()
+            for future in self.running:
+                self._wakes(future)
+        done = [future for future in self.running if future.done()]
+        if not done:
+            await self.woken.take(timeout)  # (a wake-up whose future a wait took already: none done, [] back)
+            done = [future for future in self.running if future.done()]
+        return [outcome for future in done for outcome in self._outcomes(future)]
 
-        wrapped = {asyncio.wrap_future(f): f for f in self.running}
-        try:
-            done, _ = await asyncio.wait(list(wrapped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # (also when the task iterating the amap is cancelled here: the map is closed next)
-            for f in wrapped:  # an input's outcome is read from its own future, now or at a later wait, never
-                f.add_done_callback(_read)  # from this copy, which asyncio would print as "Future exception
-                # was never retrieved" as it goes, when its input failed or was cancelled
-        return [outcome for f in done for outcome in self._outcomes(wrapped[f])]
+    def _wakes(self, future) -> None:
+        woken = self.woken  # (the callback holds the sink, not this in-flight set, whose `running` holds it)
+        future.add_done_callback(lambda _: woken.put(True))
 
     def _outcomes(self, future) -> list:
         indices, _, given_up = self.running.pop(future)
@@ -332,7 +345,3 @@ class ExecutorInflight(Inflight):
         self.running.clear()
 
 
-def _read(f) -> None:
-    """A copy of an input's future that nobody awaits any more: its exception counts as read."""
-    if not f.cancelled():
-        f.exception()

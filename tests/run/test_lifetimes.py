@@ -27,6 +27,16 @@ class FailsOnOdd(Node):
         return Done(x)
 
 
+class Slowly(Node):
+    """Returns its input after a while: a moment to give up on it while it runs."""
+
+    def forward(self, x, ctx):
+        import time
+
+        time.sleep(0.3)
+        return Done(x)
+
+
 class BatchFailsOnOdd(Node):
     max_batch = 4
 
@@ -116,3 +126,28 @@ def test_event_loops_that_awaited_arun_die(runner):
         _all_die(loops, "event loops")
     finally:
         gc.enable()
+
+
+def test_an_amap_cancelled_while_its_inputs_run_lets_go_of_them(runner, no_gc):
+    """The Executor's amap wrapped each running input's future at each wait (asyncio.wrap_future): a copy left
+    pending as its loop ended held its future, which held it and the input's output (its input, here)."""
+    refs = []
+
+    async def cancelled_amid():
+        xs = [_big(2 * i) for i in range(8)]
+        refs.extend(weakref.ref(x) for x in xs)
+
+        async def consume(xs):
+            async for y in runner.amap(Slowly(), xs):
+                refs.append(weakref.ref(y))
+                del y
+
+        task = asyncio.ensure_future(consume(xs))
+        del xs
+        await asyncio.sleep(0.05)  # (its first inputs are out: they run, or wait for a worker or a thread)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_amid())
+    _all_die(refs, "the inputs of an amap cancelled while they ran")
