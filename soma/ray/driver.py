@@ -224,6 +224,7 @@ class Driver:
         except ray.exceptions.GetTimeoutError:
             return None
         except ray.exceptions.RayError as err:  # an actor died, or Ray could not carry a value
+            err.__traceback__ = None  # (see _fetch)
             if len(batch) == 1:
                 return [(False, self._translate(batch[0], err))]
             return [self._settled(submission, graph, None) for submission in batch]  # each its own error or value
@@ -273,6 +274,10 @@ class Driver:
         except ray.exceptions.GetTimeoutError:
             raise
         except ray.exceptions.RayError as err:
+            # Ray raises it from a local of its own frame (worker.get_objects), which its traceback holds: a
+            # cycle through these frames too, holding the input's submission and its value until the cyclic
+            # collector ran
+            err.__traceback__ = None
             raise self._translate(submission, err) from None
         return outcome(submission, values, graph.devices)
 

@@ -93,10 +93,10 @@ def culprit(ray, submission: Submission):
             continue
         try:
             ray.get(call.ref, timeout=0)
-        except ray.exceptions.RayError:
-            return call
-        except Exception:
-            continue
+        except Exception as err:  # (its traceback cut: see Driver._fetch)
+            err.__traceback__ = None
+            if isinstance(err, ray.exceptions.RayError):
+                return call
     return None
 
 

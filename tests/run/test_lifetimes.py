@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 
-from soma import Done, Graph, Node, NodeError
+from soma import Done, Graph, Node, NodeError, WorkerDied
 from tests.conftest import wait_for
 
 np = pytest.importorskip("numpy")
@@ -34,6 +34,21 @@ class Slowly(Node):
         import time
 
         time.sleep(0.3)
+        return Done(x)
+
+
+class DiesFirst(Node):
+    """Ends its own process (a worker's, an actor's) the first time it runs, marked by the file `flag`."""
+
+    def __init__(self, flag: str):
+        self.flag = flag
+
+    def forward(self, x, ctx):
+        import os
+
+        if not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os._exit(3)
         return Done(x)
 
 
@@ -151,3 +166,22 @@ def test_an_amap_cancelled_while_its_inputs_run_lets_go_of_them(runner, no_gc):
 
     asyncio.run(cancelled_amid())
     _all_die(refs, "the inputs of an amap cancelled while they ran")
+
+
+def test_an_input_whose_worker_died_dies_with_its_error_or_its_retry(runner, no_gc, tmp_path):
+    """On Ray, its error was raised from a local of Ray's own frame, whose traceback held the driver's frames
+    and with them the input's submission and value."""
+    if not runner.copies_nodes:
+        pytest.skip("the Executor runs nodes in the caller's process: no worker to lose")
+    refs = []
+    x = _big(4)
+    refs.append(weakref.ref(x))
+    with pytest.raises(WorkerDied):
+        runner.run(DiesFirst(str(tmp_path / "once")), x)
+    x = _big(6)
+    refs.append(weakref.ref(x))
+    y = runner.run(DiesFirst(str(tmp_path / "again")), x, retries=1)
+    assert y[0] == 6.0
+    refs.append(weakref.ref(y))
+    del x, y
+    _all_die(refs, "inputs whose worker died")
