@@ -100,11 +100,14 @@ class Batched(Module):
         embed = soma.torch.Batched(model, max_batch=64)   # Tokenize() >> embed: per-item in, batched model
 
     The inputs at the node at once (a map's, concurrent runs') are stacked along a new
-    first dimension (`torch.stack`: tensors of one shape), moved to `ctx.device`, run
-    through the module in one call, and split again: each input gets its own row of
-    the output (`out.unbind(0)`), as an `Opaque`. `max_batch` and `batch_wait` are the
-    batching node's (at most that many inputs per call, waiting at most that many
-    seconds after the first for more).
+    first dimension (`torch.stack`), moved to `ctx.device`, run through the module in
+    one call, and split again: each input gets its own row of the output
+    (`out.unbind(0)`), as an `Opaque`. Inputs that differ in shape, dtype or device
+    are stacked and called apart, a call for each kind (in the order they came):
+    stacked together, torch would promote them to one dtype, and an input's answer
+    would depend on its neighbours. `max_batch` and `batch_wait` are the batching
+    node's (at most that many inputs per call, waiting at most that many seconds
+    after the first for more).
     """
 
     def __init__(self, module, name: str | None = None, *, max_batch: int = 32, batch_wait: float = 0.002):
@@ -121,27 +124,36 @@ class Batched(Module):
             if _not_on(self.module, device):
                 self.module.to(device)
             xs = [move_to(x, device) for x in xs]
+        rows: list = [None] * len(xs)
         with _recording(ctx):
-            out = self.module(_stacked(xs, ctx.node))
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"soma.torch.Batched `{ctx.node}`'s module returned {type(out).__name__}, not a tensor: "
-                            f"each input's output is a row of one tensor. Return one tensor from the module (wrap "
-                            f"it), or use soma.torch.Module, which runs the inputs one at a time")
-        return Done([Opaque(row) for row in out.unbind(0)])
+            for positions in _kinds(xs, ctx.node):
+                out = self.module(torch.stack([xs[i] for i in positions]))
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"soma.torch.Batched `{ctx.node}`'s module returned {type(out).__name__}, not a "
+                                    f"tensor: each input's output is a row of one tensor. Return one tensor from the "
+                                    f"module (wrap it), or use soma.torch.Module, which runs the inputs one at a time")
+                if out.dim() == 0 or len(out) != len(positions):
+                    raise TypeError(f"soma.torch.Batched `{ctx.node}`'s module returned a tensor of shape "
+                                    f"{list(out.shape)} for {len(positions)} inputs stacked along a first dimension: "
+                                    f"each input's output is a row of it (a module that keeps the batch dimension)")
+                for i, row in zip(positions, out.unbind(0)):
+                    rows[i] = Opaque(row)
+        return Done(rows)
 
 
-def _stacked(xs, node: str):
-    """The inputs as one batch (`torch.stack`), or a TypeError that says what Batched takes: `run` of one
-    input of another shape worked, and `map` of several failed in torch's own words."""
-    kinds = {(type(x), tuple(x.shape) if isinstance(x, torch.Tensor) else None) for x in xs}
-    if len(kinds) == 1 and next(iter(kinds))[1] is not None:
-        return torch.stack(list(xs))
-    seen = ", ".join(sorted(f"{kind.__name__}{' of shape ' + str(list(shape)) if shape is not None else ''}"
-                            for kind, shape in kinds)[:4])
-    raise TypeError(f"soma.torch.Batched `{node}` stacks the inputs that meet at it into one tensor: they must be "
-                    f"tensors of one shape, and it got {seen}. Pad them to one shape before it, or use "
-                    f"soma.torch.Module, which runs them one at a time (or write a Node with a forward_batch of "
-                    f"your own)")
+def _kinds(xs, node: str) -> list:
+    """The positions of the inputs of each kind (shape, dtype, device: what one `torch.stack` takes without
+    changing any), kinds in the order they came; a TypeError that says what Batched takes for an input that is
+    not a tensor (`run` of it worked alone, and a map of several failed in torch's own words)."""
+    kinds: dict = {}
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"soma.torch.Batched `{node}` stacks the inputs that meet at it into tensors: they must "
+                            f"be tensors, and it got {type(x).__name__}. Make it a tensor before the node, or use "
+                            f"soma.torch.Module, which runs the inputs one at a time (or write a Node with a "
+                            f"forward_batch of your own)")
+        kinds.setdefault((type(x), x.shape, x.dtype, x.device), []).append(i)
+    return list(kinds.values())
 
 
 def _recording(ctx):

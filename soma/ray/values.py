@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ..wire.buffers import array_of, castable
+from ..wire.buffers import array_of, castable, reduce_subclass
 
 _shared_out_of_band = False
 
@@ -26,11 +26,12 @@ def tensors_out_of_band() -> None:
 def tensor_to_store(t):
     """A CPU tensor as `(uint8 numpy view of the bytes it covers, dtype, shape, stride, requires_grad)`, strides
     kept for a dense or expanded one (compacted when it has gaps, as in Local); anything else (CUDA, sparse,
-    quantized) as torch's own reduction."""
+    quantized, nested) as torch's own reduction, and whether it requires grad."""
     import torch
 
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-        return None, t.__reduce_ex__(5)
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_nested:  # (a nested one
+        # says strided, and has no one shape)
+        return None, t.__reduce_ex__(5), t.requires_grad  # (torch's sparse rebuild drops requires_grad)
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     grad = t.requires_grad
@@ -49,8 +50,9 @@ def tensor_from_store(parts):
 
     raw, *rest = parts
     if raw is None:
-        rebuild, args = rest[0]
-        return rebuild(*args)
+        (rebuild, args), grad = rest
+        t = rebuild(*args)
+        return t.requires_grad_() if grad and not t.requires_grad else t
     dtype, shape, stride, grad = rest
     import numpy
 
@@ -99,7 +101,7 @@ def writable(value):
 def exact(value):
     """`value` as it goes to Ray, made to arrive as it is (SPEC 5): what Ray's own serializer would change goes
     in a form it pickles instead. A bytearray or a memoryview (Ray's msgpack makes them bytes) is rebuilt on
-    arrival, writability, format and shape kept; a numpy array of the other byte order that is not contiguous
+    arrival, writability, format and shape kept; so is a Parameter's subclass (torch's pickle makes it a Parameter); a numpy array of the other byte order that is not contiguous
     goes as a contiguous copy (Ray made its dtype native). Loose, or in tuples, lists and dicts (as `writable`);
     one object twice stays one."""
     return _each(value, _exact_leaf)
@@ -109,6 +111,9 @@ def _exact_leaf(leaf):
     kind = type(leaf)
     if kind is bytearray or kind is memoryview:
         return _Exact(leaf)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(leaf, torch.nn.Parameter) and kind is not torch.nn.Parameter:
+        return _Exact(leaf)  # (torch's pickle makes a Parameter's subclass a Parameter)
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray and leaf.dtype.byteorder not in "=|" \
             and not (leaf.flags.c_contiguous or leaf.flags.f_contiguous):
@@ -117,7 +122,8 @@ def _exact_leaf(leaf):
 
 
 class _Exact:
-    """A bytearray or memoryview on its way through Ray, pickled as itself (see `exact`)."""
+    """A bytearray, a memoryview or a Parameter's subclass on its way through Ray, pickled as itself (see
+    `exact`)."""
 
     __slots__ = ("value",)
 
@@ -126,6 +132,8 @@ class _Exact:
 
     def __reduce__(self):
         value = self.value
+        if type(value) is not bytearray and type(value) is not memoryview:  # (a Parameter's subclass)
+            return reduce_subclass(value, sys.modules["torch"])
         if type(value) is bytearray:
             return bytearray, (bytes(value),)
         format, shape, readonly = value.format, value.shape, value.readonly

@@ -31,6 +31,19 @@ import msgpack
 
 from .mapping import address_of
 
+
+class GradCrossing(Exception):
+    """A tensor with an autograd graph was about to cross a process boundary."""
+
+    def reason(self, whose: str) -> str:
+        """The sentence for a NodeError: `whose` is "its input is" or "it returned"."""
+        fix = "return t.detach()" if whose == "it returned" else "send t.detach()"
+        return (f"{whose} a tensor that requires grad and carries an autograd graph, which cannot cross into "
+                f"another process (its graph would be cut silently). Training runs in-process: use soma.Executor "
+                f"or soma.Trainer; when only the values are meant to travel, run the model under "
+                f"`with torch.no_grad():`, freeze it with model.requires_grad_(False), or {fix} "
+                f"(soma.torch.Module and Batched do this for you on workers)")
+
 # Below this many bytes a value's bytes travel inline: one copy into the message is cheaper than creating or
 # mapping a segment. Measured here (a tensor made in a worker and returned, medians):
 # 4 KiB inline 347 us / shm 563 us; 16 KiB 494 / 516; 64 KiB 716 / 494; 256 KiB 1551 / 683.
@@ -236,9 +249,11 @@ def _value_pickler():
                 kind = type(obj)
                 torch = self._torch
                 if (kind is self._ndarray and not obj.dtype.hasobject) or (
-                        torch is not None and isinstance(obj, torch.Tensor)):  # subclasses arrive as plain tensors
-                    self._parts.append(self._enc.ext(obj))  # (but an nn.Parameter as one: its handle says so)
+                        torch is not None and (kind is torch.Tensor or kind is torch.nn.Parameter)):
+                    self._parts.append(self._enc.ext(obj))  # (an nn.Parameter as one: its handle says so)
                     return _part, (len(self._parts) - 1,)
+                if torch is not None and isinstance(obj, torch.Tensor):
+                    return reduce_subclass(obj, torch)
                 if kind is memoryview:  # (pickle refuses them)
                     return _reduce_memoryview(obj)
                 if kind is self._ndarray and not obj.flags.writeable:  # (objects in it: numpy's pickle, which
@@ -248,6 +263,30 @@ def _value_pickler():
 
         _PICKLER = ValuePickler
     return _PICKLER
+
+
+def reduce_subclass(t, torch) -> tuple:
+    """A tensor subclass's reduction (a torchvision BoundingBoxes, a Parameter's subclass): its data as a plain
+    tensor (a handle beside the pickle, in a segment when large), its class, whether it requires grad, and its
+    state (`__dict__` and slots), made again as torch's own pickling makes one. (A handle describes plain tensors
+    only: sent as one, a subclass arrived as a plain tensor, its class and attributes lost, Dec 7.)"""
+    if t.requires_grad and not t.is_leaf:
+        raise GradCrossing()
+    return _subclass, (t.detach().as_subclass(torch.Tensor), type(t), t.requires_grad,
+                       torch._utils._get_obj_state(t))
+
+
+def _subclass(plain, cls, grad: bool, state):
+    """`reduce_subclass`'s tensor again: `plain` as a `cls`, its state set (by its own `__setstate__` if it has
+    one, as torch's `_rebuild_from_type_v2` does), requiring grad as it did (a leaf: made from plain data)."""
+    import torch
+
+    t = plain.as_subclass(cls)
+    if getattr(cls, "__setstate__", torch.Tensor.__setstate__) is not torch.Tensor.__setstate__:
+        t.__setstate__(state)
+    elif state:
+        t = torch._utils._set_obj_state(t, state)
+    return t.requires_grad_() if grad else t
 
 
 def _set_read_only(array, state) -> None:

@@ -42,6 +42,7 @@ from ..errors import SharedMemoryFull
 from . import room
 from .buffers import (
     INLINE_LIMIT,
+    GradCrossing,
     array_segments,
     decode_array,
     dump_pickle,
@@ -57,7 +58,6 @@ from .tensors import (
     T_META,
     T_SHM,
     T_TORCH,
-    GradCrossing,
     decode_tensor,
     encode_tensor,
     tensor_segments,
@@ -282,9 +282,10 @@ class Encoder:
             return _ext(EXT_REF, msgpack.packb(number))
         torch = loaded_torch()
         try:
-            if torch is not None and isinstance(obj, torch.Tensor):
+            kind = type(obj)
+            if torch is not None and (kind is torch.Tensor or kind is torch.nn.Parameter):  # (a subclass: PICKLE)
                 code, body = EXT_TENSOR, _handles.pack(encode_tensor(self, obj, torch))
-            elif type(obj) is _ndarray() and not obj.dtype.hasobject:
+            elif kind is _ndarray() and not obj.dtype.hasobject:
                 code, body = EXT_ARRAY, _handles.pack(encode_array(self, obj))
             else:
                 return self._pickled(obj, fast=False)

@@ -29,25 +29,12 @@ import os
 import pickle
 import weakref
 
-from .buffers import INLINE_LIMIT
+from .buffers import INLINE_LIMIT, GradCrossing
 from .mapping import Mapper
 from .shm import mark_exported
 
 # tensor handle kinds
 T_INLINE, T_SHM, T_META, T_TORCH = 0, 1, 2, 3
-
-
-class GradCrossing(Exception):
-    """A tensor with an autograd graph was about to cross a process boundary."""
-
-    def reason(self, whose: str) -> str:
-        """The sentence for a NodeError: `whose` is "its input is" or "it returned"."""
-        fix = "return t.detach()" if whose == "it returned" else "send t.detach()"
-        return (f"{whose} a tensor that requires grad and carries an autograd graph, which cannot cross into "
-                f"another process (its graph would be cut silently). Training runs in-process: use soma.Executor "
-                f"or soma.Trainer; when only the values are meant to travel, run the model under "
-                f"`with torch.no_grad():`, freeze it with model.requires_grad_(False), or {fix} "
-                f"(soma.torch.Module and Batched do this for you on workers)")
 
 
 _KINDS: dict = {}  # torch dtype → (its name, bytes per element, complex?): str(dtype) costs more than the lookup
@@ -69,10 +56,10 @@ def encode_tensor(enc, t, torch) -> list:
     if type(t) is torch.nn.Parameter:  # (its handle's grad field says so too: PARAMETER | requires_grad)
         grad = PARAMETER | grad
     dtype, itemsize, is_complex = _kind(t.dtype)
-    if not t.is_cpu or t.layout != torch.strided or t.is_quantized:
+    if not _described(t, torch):
         if t.is_meta:
             return [T_META, dtype, list(t.shape), list(t.stride()), t.storage_offset(), grad]
-        return _by_torch(enc, t, torch)
+        return _by_torch(enc, t, torch, grad)
     if t.is_neg() or (is_complex and t.is_conj()):
         t = t.resolve_conj().resolve_neg()  # the lazy bits would be lost on the way
     shape, stride = list(t.shape), list(t.stride())
@@ -105,6 +92,12 @@ def encode_tensor(enc, t, torch) -> list:
         return [T_SHM, dtype, shape, list(copy.stride()), 0, grad, name, seg_bytes]
     name, seg_bytes, offset = where
     return [T_SHM, dtype, shape, stride, offset // itemsize, grad, name, seg_bytes]
+
+
+def _described(t, torch) -> bool:
+    """Whether a handle describes `t` (a CPU tensor, dense, one shape: strided layout, not quantized, not nested:
+    a nested one of strided layout says strided); else torch's own reduction carries it (`_by_torch`)."""
+    return t.is_cpu and t.layout == torch.strided and not t.is_quantized and not t.is_nested
 
 
 def tensor_over(torch, buffer, dtype, offset: int, shape, stride):
@@ -250,7 +243,7 @@ def _torch_pickler(torch):
             def persistent_id(self, obj):
                 # CPU parts: a plain strided tensor, or a storage (a quantized tensor's), as soma handles.
                 if isinstance(obj, torch.Tensor):
-                    if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
+                    if not _described(obj, torch):
                         return None  # the tensor being reduced, or a part torch must reduce itself
                     self._parts.append(encode_tensor(self._enc, obj, torch))
                     return len(self._parts) - 1
@@ -273,10 +266,12 @@ def _bytes_of(torch, storage):
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
 
 
-def _by_torch(enc, t, torch) -> list:
+def _by_torch(enc, t, torch, grad: int) -> list:
+    """Torch's own reduction of `t` (CUDA, sparse, quantized), and its grad field: torch's sparse rebuild drops
+    `requires_grad` (a sparse leaf that required grad arrived without it)."""
     buf, parts = io.BytesIO(), []
     _torch_pickler(torch)(buf, enc, parts).dump(t)
-    return [T_TORCH, buf.getvalue(), parts]
+    return [T_TORCH, buf.getvalue(), parts, grad]
 
 
 def tensor_segments(handle: list) -> list[str]:
@@ -294,7 +289,7 @@ def tensor_segments(handle: list) -> list[str]:
 
 
 def _from_torch(dec, handle: list, torch):
-    _, payload, parts = handle
+    _, payload, parts, grad = handle
     loaded = []
     for part in parts:
         if part[0] == "storage":
@@ -306,4 +301,7 @@ def _from_torch(dec, handle: list, torch):
             loaded.append(decode_tensor(dec, part))
     unpickler = pickle.Unpickler(io.BytesIO(payload))
     unpickler.persistent_load = loaded.__getitem__
-    return unpickler.load()
+    t = unpickler.load()
+    if grad & 1 and not t.requires_grad:  # (torch's sparse rebuild drops it)
+        t.requires_grad_()
+    return t

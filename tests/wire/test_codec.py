@@ -481,11 +481,14 @@ def test_the_segments_a_body_names_are_what_a_decoder_receives_without_opening_a
     torch = pytest.importorskip("torch")
     import collections
 
+    class Subclass(torch.Tensor):  # (its data travels as a plain tensor's handle inside a PICKLE)
+        pass
+
     big = np.arange(1 << 16, dtype=np.float64)
     values = [1, "small", b"x" * 10, np.ones(4), big, (big, big, big[::2]), torch.arange(1 << 16, dtype=torch.float32),
               {"t": torch.ones(1 << 16), "a": big}, [bytearray(1 << 16), memoryview(bytes(1 << 16))],
               collections.OrderedDict(a=big), np.array([big, "o"], dtype=object),
-              torch.ones(1 << 16).to_sparse()]
+              torch.ones(1 << 16).to_sparse(), torch.ones(1 << 16).as_subclass(Subclass)]
     sender, receiver = stores
     counts = []
     for value in values:
