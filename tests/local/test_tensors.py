@@ -378,4 +378,3 @@ def test_a_sparse_tensor_crosses_without_torchs_typed_storage_warning_from_soma(
         out = local.run(Graph.somatize(Identity()), torch.eye(3).to_sparse())
     assert torch.equal(out.to_dense(), torch.eye(3))
     assert not [w for w in caught if "TypedStorage" in str(w.message)], [str(w.message) for w in caught]
-
