@@ -241,11 +241,18 @@ def _warn_if_weights_or_code_changed(looking: list, files: SentFiles | None) -> 
     for node_id, reads in looking:
         if reads.warned:
             continue
-        if reads.weights is not None and reads.weights.changed():
+        what = reads.weights.changed() if reads.weights is not None else None
+        if what == "weights":
             _warn(node_id, "holds a torch module whose weights changed in place (an optimizer step, "
                            "load_state_dict) since the node was sent to its copies on worker processes: they still "
                            "run the old weights",
                   "the new weights, make a new node of the module (soma.torch.Module(model)), or start a new pool")
+        elif what == "mode":
+            _warn(node_id, "holds a torch module switched between train and eval mode (`model.eval()`, "
+                           "`model.train()`) since the node was sent to its copies on worker processes: they still "
+                           "run it in the mode it had then (dropout, batch norm)",
+                  "the new mode, make a new node of the module (soma.torch.Module(model)), or set the mode before "
+                  "its first run")
         elif reads.files is not None and (edited := reads.files.changed(look, files)):
             _warn_code_changed(node_id, edited, "the node was sent to its copies on worker processes")
         else:

@@ -7,7 +7,9 @@ silently, where the in-process Executor runs the new ones (an evaluation on a wa
 pool after each epoch of training measured the first epoch's model every time).
 `Weights` notes, when the node is sent, each parameter and buffer of the torch
 modules it holds (its attributes, and the globals and closure variables its code
-reads) with torch's version counter, which every in-place change bumps; `changed()`
+reads) with torch's version counter, which every in-place change bumps, and each
+submodule's train/eval mode (`model.eval()` after a first run in train mode: the
+copies went on with dropout, the Executor without, Dec 7); `changed()`
 looks again (the registry asks at most every LOOK_EVERY_S a graph, and at a map's
 start, since a large model has hundreds of tensors to look at: soma.run.registry,
 one clock a graph for weights and code files). The tensors are found once, when
@@ -26,7 +28,7 @@ import weakref
 class Weights:
     """The parameters and buffers of the torch modules `modules` (weakly held), as they were when noted."""
 
-    __slots__ = ("modules", "tensors", "then")
+    __slots__ = ("modules", "tensors", "submodules", "then", "modes")
 
     def __init__(self, modules: list):
         self.modules = [weakref.ref(m) for m in modules]
@@ -48,15 +50,22 @@ class Weights:
     def _now(self) -> tuple:
         return tuple(-1 if (t := ref()) is None else t._version for ref in self.tensors)
 
+    def _modes(self) -> tuple:
+        return tuple(None if (m := ref()) is None else m.training for ref in self.submodules)
+
     def noted(self) -> None:
-        """The node is sent (again: another pool): its copies there see the weights as they are now."""
+        """The node is sent (again: another pool): its copies there see the weights and modes as they are now."""
         modules = [m for m in (ref() for ref in self.modules) if m is not None]
         self.tensors = [weakref.ref(t) for m in modules for t in (*m.parameters(), *m.buffers())]
-        self.then = self._now()
+        self.submodules = [weakref.ref(s) for m in modules for s in m.modules()]
+        self.then, self.modes = self._now(), self._modes()
 
-    def changed(self) -> bool:
-        """Whether a parameter or buffer was changed in place, or replaced, since noted (~0.15 µs a tensor)."""
-        return self._now() != self.then
+    def changed(self) -> str | None:
+        """What changed since noted: "weights" (a parameter or buffer changed in place, or replaced: ~0.15 µs a
+        tensor), "mode" (a submodule switched between train and eval), or None."""
+        if self._now() != self.then:
+            return "weights"
+        return "mode" if self._modes() != self.modes else None
 
 
 def _one_level(values) -> list:

@@ -550,6 +550,36 @@ def test_a_modules_weights_changed_in_place_after_its_node_was_sent_are_warned_a
     assert runner.run(st.Module(model, name="model"), x).item() == 4.0  # a new node: sent with the new weights
 
 
+def test_a_module_switched_to_eval_after_its_node_was_sent_is_warned_about(runner):
+    """`model.eval()` after a first run in train mode (the default): the copies went on with dropout, the
+    Executor without, and nothing said so (Dec 7)."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    import soma.torch as st
+
+    model = torch.nn.Sequential(torch.nn.Dropout(0.5))
+    node = st.Module(model, name="dropped")
+    x = torch.ones(256)
+    runner.run(node, x)  # sent in train mode
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = runner.map(node, [x])
+        [y] = list(got)
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if isinstance(runner, soma.Executor):
+        assert torch.equal(y, x) and said == []
+        return
+    assert not torch.equal(y, x)  # the copies' mode, as sent: dropout
+    assert said == ["node `dropped` holds a torch module switched between train and eval mode (`model.eval()`, "
+                    "`model.train()`) since the node was sent to its copies on worker processes: they still run it "
+                    "in the mode it had then (dropout, batch norm), where the in-process Executor sees the new "
+                    "(docs/api.md, \"Copies\"); to use the new mode, make a new node of the module "
+                    "(soma.torch.Module(model)), or set the mode before its first run"]
+    assert torch.equal(runner.run(st.Module(model, name="dropped"), x), x)  # a new node: sent in eval mode
+
+
 VERSIONED = """
 from soma import Done, Node
 

@@ -25,10 +25,12 @@ def test_weights_see_in_place_changes_replacements_and_modules_in_a_list():
     weights = Weights.of(node, [])
     assert weights is not None and not weights.changed()  # nothing happened
     node.layers[0].eval()
-    assert not weights.changed()  # a mode is no weight
+    assert weights.changed() == "mode"  # the copies run it in train mode (dropout, batch norm)
+    node.layers[0].train()
+    assert not weights.changed()  # (back as it was sent)
     with torch.no_grad():
         node.layers[0].weight.add_(1.0)  # an optimizer step's way: in place
-    assert weights.changed()
+    assert weights.changed() == "weights"
     weights.noted()  # sent again (another pool): as it is now
     assert not weights.changed()
     node.head.weight = torch.nn.Parameter(torch.zeros(2, 2))  # replaced: the old one is gone
