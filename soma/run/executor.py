@@ -102,10 +102,12 @@ class Executor(RunnerBase):
         taken = self._submit_inputs(interpreter, [(self._run_into, FutureSink(future), g, devices, x, timeout,
                                                    thread_modes(), state, interpreter)])[0]
         future.cancels_with(lambda: _give_up(taken, state))
-        # (close(): it never ran.) Weakly: a failure's traceback reaches the thread pool's work item, and with it
-        # `taken` and this callback: holding the future, it was a cycle that kept the input until gc.
+        # Cancelled by close() before a thread took it: it never ran, and fails saying so, as on every runner (a
+        # cancel nobody asked for read as one in asyncio: a TaskGroup went on without it, Dec 7). Weakly: a
+        # failure's traceback reaches the thread pool's work item, and with it `taken` and this callback: holding
+        # the future, it was a cycle that kept the input until gc.
         weak = weakref.ref(future)
-        taken.add_done_callback(lambda done: done.cancelled() and (f := weak()) is not None and f.cancel())
+        taken.add_done_callback(lambda done: done.cancelled() and (f := weak()) is not None and _closed_on(f))
         return future
 
     def _run_into(self, sink: FutureSink, g, devices: dict, x, timeout, modes, state, interpreter) -> None:
@@ -221,6 +223,17 @@ class Executor(RunnerBase):
 _own = threading.local()  # on an Executor's own threads, `executor`: a weak reference to it
 
 
+CLOSED_IN_FLIGHT = "this soma.Executor was closed while this run was in flight: it never started"
+
+
+def _closed_on(future: InputFuture) -> None:
+    """An input the Executor's close() cancelled before a thread took it: its SomaError, unless it is over."""
+    try:
+        future.set_exception(SomaError(CLOSED_IN_FLIGHT))
+    except cf.InvalidStateError:  # (cancelled by its caller, which is how its thread-pool future was too)
+        pass
+
+
 def _give_up(taken: cf.Future, state: RunState) -> None:
     """A submitted input is no longer wanted: not taken by a thread, it never is; taken, it never starts its next
     node (the interpreter looks at `state.cancelled` as it enters a node, and again once it holds its copy)."""
@@ -319,6 +332,8 @@ class ExecutorInflight(Inflight):
 
     def _outcomes(self, future) -> list:
         indices, _, given_up = self.running.pop(future)
+        if future.cancelled():  # (by the Executor's close: the map's own close lets go of its futures first)
+            return [(index, False, SomaError(CLOSED_IN_FLIGHT)) for index in indices]
         exc = future.exception()
         if exc is not None and not isinstance(exc, Exception):  # a node's KeyboardInterrupt or SystemExit: it
             raise exc  # passes through in-process, as in `run` (errors="yield" yielded it, and the map went on)

@@ -461,3 +461,36 @@ def test_two_threads_cancelling_one_future_tell_the_runner_and_its_waiters_once(
     finally:
         sys.setswitchinterval(switch)
     assert told_twice == 0 and caplog.records == []
+
+
+@pytest.mark.parametrize("kind", ["executor", "local"])
+def test_closing_the_runner_under_arun_and_amap_fails_them_with_a_soma_error_not_a_cancel(kind, tmp_path):
+    """SPEC 7.6: arun and amap give run's and map's errors. The Executor's close cancelled the inputs waiting for
+    its thread: asyncio read that as a cancel nobody asked for (a TaskGroup went on without them, an amap raised
+    a bare CancelledError); Local's close gave each a SomaError. Each input is its value or a SomaError now."""
+    release = tmp_path / "release"
+    g = Graph.somatize(WaitsForFile(str(release)))
+
+    async def close_under(way):
+        runner = soma.Executor(threads=1) if kind == "executor" else soma.Local(workers=1)
+        await asyncio.to_thread(runner.start)
+        if way == "arun":
+            tasks = [asyncio.create_task(runner.arun(g, k)) for k in range(3)]
+        else:
+            async def consume():
+                return [y async for y in runner.amap(g, range(4), window=4)]
+            tasks = [asyncio.create_task(consume())]
+        await asyncio.sleep(0.2)  # (the inputs are out, the first holding the one thread or worker until released;
+        # under load some may not be yet: then refused as the runner closed, a SomaError too)
+        await asyncio.to_thread(runner.close)
+        release.touch()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        release.unlink()
+        return tasks, results
+
+    for way in ("arun", "amap"):
+        tasks, results = asyncio.run(close_under(way))
+        assert not any(task.cancelled() for task in tasks), (way, results)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed and all(isinstance(r, SomaError) and "closed" in str(r) for r in failed), (way, results)
+        assert all(r == 1 for r in results if not isinstance(r, BaseException)), (way, results)
