@@ -58,10 +58,30 @@ def map_file(path: str, nbytes: int, populate: int = 0) -> int:
         os.close(fd)
     if address is None or address == ctypes.c_void_p(-1).value:
         err = ctypes.get_errno()
-        raise OSError(err, f"could not map {path}: {os.strerror(err)}")
+        raise map_failed(path, err, os.strerror(err))
     if populate:
         populate_pages(address, nbytes, populate)
     return address
+
+
+def map_failed(path: str, errno: int, detail: str) -> OSError:
+    """The OSError for a mapping of `path` that failed; out of memory (ENOMEM) with memory to spare is most often
+    the kernel's cap on mappings per process (vm.max_map_count, 65,530 by default), which results a caller keeps
+    reach: each value of 32 KiB or more that crossed holds one mapping while it lives (in the process holding it,
+    and one in the worker that made it), and a caller keeping 65,000 outputs, or 16,000 of four arrays each,
+    failed hours into a map with "Cannot allocate memory" and most of the machine's memory free (Dec 7)."""
+    message = f"could not map {path}: {detail}"
+    if errno == 12:  # ENOMEM
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                cap = f"{int(f.read()):,}"
+        except (OSError, ValueError):
+            cap = "the kernel's"
+        message += (f" (if memory is not short, this process may have reached its cap of {cap} memory mappings, "
+                    f"vm.max_map_count: each array or tensor of 32 KiB or more that crossed between processes and "
+                    f"is still held takes one; keep copies of the results you keep for long (a.copy(), t.clone()), "
+                    f"or raise the cap: sysctl -w vm.max_map_count=1048576)")
+    return OSError(errno, message)
 
 
 def populate_pages(address: int, nbytes: int, how: int) -> None:

@@ -61,6 +61,7 @@ from .mapping import (
     POPULATE_READ,
     POPULATE_WRITE,
     Mapper,
+    map_failed,
     map_file,
     populate_pages,
     unmap,
@@ -350,6 +351,10 @@ class SegmentStore:
             after = os.stat(path).st_ino
         except FileNotFoundError:
             after = None
+        except RuntimeError as err:  # (torch's: "unable to mmap ... Cannot allocate memory (12)")
+            if "(12)" not in str(err):
+                raise
+            raise map_failed(path, 12, str(err)) from None
         if after != before:
             if after is not None:
                 unlink_quietly(os.path.basename(path))

@@ -288,3 +288,51 @@ def test_a_map_of_large_arrays_takes_a_few_ahead_of_a_slow_caller_not_what_dev_s
         del y
         time.sleep(0.01)  # the caller's own work
     assert ahead <= 2 * 2 * 2 + 4, ahead  # twice the parallelism (two workers, two jobs each), and what arrived
+
+
+def test_results_held_up_to_the_kernels_cap_on_mappings_fail_saying_so_and_the_pool_goes_on(tmp_path):
+    """Each array of 32 KiB or more a kept result brings holds one mapping in the host; at the kernel's cap
+    (vm.max_map_count) the next one failed "Cannot allocate memory", hours into a job, with most memory free.
+    Here the host's mappings are used up for real (non-mergeable anonymous pages) but for a margin."""
+    seen = run_script(tmp_path, """
+        import ctypes
+        import numpy as np
+        import soma
+        from soma import Graph, Node, Done
+
+        class Make(Node):
+            def forward(self, i, ctx):
+                return Done(np.full(5000, i))  # 40,000 bytes: through a segment of its own
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        with open("/proc/sys/vm/max_map_count") as f:
+            cap = int(f.read())
+        out = {}
+        g = Graph.somatize(Make())
+        with soma.Local(workers=1) as local:
+            assert int(local.run(g, 7)[0]) == 7
+            with open("/proc/self/maps") as f:
+                now = len(f.readlines())
+            for k in range(cap - now - 300):  # (read-only and writable in turn: neighbours never merge)
+                if libc.mmap(None, 4096, 1 if k % 2 else 3, 0x22, -1, 0) in (None, ctypes.c_void_p(-1).value):
+                    break
+            kept = []
+            try:
+                for i in range(1000):
+                    kept.append(local.run(g, i))
+                out["error"] = None
+            except Exception as err:
+                out["error"] = [type(err).__name__, str(err)]
+            out["kept"] = len(kept)
+            out["intact"] = all(int(a[0]) == i and int(a[-1]) == i for i, a in enumerate(kept))
+            del kept[:200]
+            out["after"] = int(local.run(g, 5)[0])
+        print(json.dumps(out))
+    """)
+    assert seen["error"] is not None and 0 < seen["kept"] < 1000 and seen["intact"], seen
+    kind, text = seen["error"]
+    assert kind == "NodeError" and "Cannot allocate memory" in text, text
+    assert "may have reached its cap of" in text and "vm.max_map_count" in text and "a.copy()" in text, text
+    assert seen["after"] == 5
