@@ -147,11 +147,13 @@ def hosting_error(node_id: str, device: str | None, options: dict, machines: lis
             return None
     offered = "; ".join(_offer(m, wanted) for m in machines) or "none"
     if index is not None and not any(m.get("GPU", 0.0) >= index + 1 for m in machines):
-        reason = (f"it is placed on `{device}`, but no machine of the Ray cluster has {index + 1} GPU(s) "
-                  f"(a machine with fewer than {index + 1} GPUs has no `{device}`)")
+        gpus = "a GPU" if index == 0 else f"{index + 1} GPUs"
+        reason = (f"it is placed on `{device}`, but no machine of the Ray cluster has {gpus} (a machine with "
+                  f"fewer has no `{device}`)")
     else:
         reason = f"no machine of the Ray cluster offers what it asks for ({_amounts(wanted)})"
-    return PlacementError(f"node `{node_id}` cannot run: {reason}; the machines offer: {offered}",
+    return PlacementError(f"node `{node_id}` cannot run: {reason}; the machines offer: {offered}; add a machine "
+                          f"that has it to the cluster, or place the node elsewhere (`.on(...)`, its ray_options)",
                           node=node_id, devices=(device,) if device else ())
 
 

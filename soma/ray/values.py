@@ -95,7 +95,8 @@ def writable(value):
     if numpy is None:
         return value
     ndarray = numpy.ndarray
-    return _each(value, lambda leaf: leaf.copy() if type(leaf) is ndarray and not leaf.flags.writeable else None)
+    return _each(value, lambda leaf: leaf.copy(order="K") if type(leaf) is ndarray and not leaf.flags.writeable
+                 else None)  # (its layout kept: a Fortran-ordered array came back C-ordered)
 
 
 def exact(value):

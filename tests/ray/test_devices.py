@@ -127,15 +127,19 @@ def test_hosting_needs_one_machine_with_everything():
     err = hosting_error("c", "cuda:0", both, MACHINES)
     assert isinstance(err, PlacementError) and err.node == "c"
     assert str(err) == ("node `c` cannot run: no machine of the Ray cluster offers what it asks for (GPU=1, "
-                        "host_b=1); the machines offer: [GPU=2, host_b=0]; [GPU=0, host_b=1]")
+                        "host_b=1); the machines offer: [GPU=2, host_b=0]; [GPU=0, host_b=1]; add a machine that has "
+                        "it to the cluster, or place the node elsewhere (`.on(...)`, its ray_options)")
 
 
 def test_cuda_n_needs_a_machine_with_n_plus_one_gpus():
     err = hosting_error("enc", "cuda:2", actor_options("enc", "cuda:2", None), MACHINES)
     assert err.node == "enc" and err.devices == ("cuda:2",)
     assert str(err) == ("node `enc` cannot run: it is placed on `cuda:2`, but no machine of the Ray cluster has "
-                        "3 GPU(s) (a machine with fewer than 3 GPUs has no `cuda:2`); the machines offer: [GPU=2]; "
-                        "[GPU=0]")
+                        "3 GPUs (a machine with fewer has no `cuda:2`); the machines offer: [GPU=2]; [GPU=0]; add a "
+                        "machine that has it to the cluster, or place the node elsewhere (`.on(...)`, its "
+                        "ray_options)")
+    err = hosting_error("enc", "cuda:0", actor_options("enc", "cuda:0", None), [{"GPU": 0.0}])
+    assert "has a GPU (a machine with fewer has no `cuda:0`)" in str(err)
     fractional = actor_options("enc", "cuda:1", {"num_gpus": 0.25})
     assert hosting_error("enc", "cuda:1", fractional, MACHINES) is None  # a quarter of a GPU, index 1 exists
 

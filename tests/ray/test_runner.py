@@ -260,7 +260,7 @@ def test_ray_a_gpu_index_no_machine_has_is_a_placement_error_before_anything_run
     err = seen["error"]
     assert err["type"] == "PlacementError" and err["node"] == "identity"
     assert err["message"].startswith("node `identity` cannot run: it is placed on `cuda:7`, but no machine of the "
-                                     "Ray cluster has 8 GPU(s)")
+                                     "Ray cluster has 8 GPUs")
     assert seen["same_graph_unplaced"] == 2
 
 

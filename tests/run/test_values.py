@@ -48,3 +48,14 @@ def test_nested_and_sparse_tensors_cross_keeping_requires_grad(runner):
         sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,), requires_grad=True)
         back = runner.run(g, sparse)
     assert back.requires_grad and torch.equal(back.detach().to_dense(), sparse.detach().to_dense())
+
+
+def test_numpy_arrays_keep_their_memory_layout(runner):
+    """A Fortran-ordered array, and a transposed view, came back C-ordered from Ray (the writable copy of what
+    Ray's store hands back was made in C order); values were equal, the layout a user's code may rely on was not."""
+    np = pytest.importorskip("numpy")
+    g = Graph.somatize(Identity())
+    for sent in (np.asfortranarray(np.arange(12.0).reshape(3, 4)), np.arange(12.0).reshape(3, 4).T,
+                 np.asfortranarray(np.arange(1 << 16, dtype=np.float32).reshape(256, 256))):
+        back = runner.run(g, sent)
+        assert np.array_equal(back, sent) and back.flags.f_contiguous and not back.flags.c_contiguous
