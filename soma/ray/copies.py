@@ -32,6 +32,7 @@ from .spreading import startup_estimate
 from .submission import submit
 
 CLOSED = "this soma.Ray is closed; make a new one"
+CLOSED_IN_FLIGHT = "this soma.Ray was closed while this run was in flight"
 
 
 def _private_id(handle) -> str | None:
@@ -215,8 +216,8 @@ class ActorBook:
         """Pick the actors of these inputs and send every call (soma.ray.submission.submit); nothing stays
         counted when Ray refuses them. A SomaError once the book is closed."""
         with self._lock:
-            if self._closed:
-                raise SomaError(CLOSED)
+            if self._closed:  # (an input accepted before the close)
+                raise SomaError(CLOSED_IN_FLIGHT)
             try:
                 submit(graph, xs, submissions, put)
             except BaseException:

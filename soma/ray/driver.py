@@ -26,6 +26,7 @@ user) guards the actors and their loads; the driver's own lock what was compiled
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
@@ -35,16 +36,13 @@ from ..run.aio import InputFuture
 from ..run.batching import batch_wait_of, is_batching, max_batch_of
 from ..run.registry import NodeRegistry
 from . import records, tracing
-from .copies import CLOSED, ActorBook, NodeActors
+from .copies import CLOSED, CLOSED_IN_FLIGHT, ActorBook, NodeActors
 from .devices import actor_options, demand_error, hosting_error, requested_resources
 from .faults import abandon, expire, translate
 from .gathering import Gathering
 from .settler import Settler
 from .submission import ActorGraph, Submission, outcome
 from .tries import Tries
-
-CLOSED_IN_FLIGHT = "this soma.Ray was closed while this run was in flight"
-
 
 class Driver:
     """What one soma.Ray holds once connected: `ray`, the cluster's CPUs, this driver's Ray node, the actors."""
@@ -173,8 +171,8 @@ class Driver:
         self._submit(graph, [again.x], [again])
 
     def _submit(self, graph: ActorGraph, xs: list, submissions: list) -> None:
-        if self.closed:
-            raise SomaError(CLOSED)
+        if self.closed:  # (its caller was accepted before the close: a map's next batch, a try again)
+            raise SomaError(CLOSED_IN_FLIGHT)
         self.book.submit(graph, xs, submissions, self.ray.put)  # (closed meanwhile: the book refuses too)
 
     def tries(self, graph: ActorGraph, submission: Submission, timeout=None, deadline=None) -> Tries:
@@ -220,7 +218,8 @@ class Driver:
         before it finished."""
         ray = self.ray
         try:
-            values = ray.get([ref for submission in batch for ref in submission.refs], timeout=timeout)
+            with self._open():
+                values = ray.get([ref for submission in batch for ref in submission.refs], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             return None
         except ray.exceptions.RayError as err:  # an actor died, or Ray could not carry a value
@@ -235,16 +234,33 @@ class Driver:
             start = end
         return settled
 
+    @contextlib.contextmanager
+    def _open(self):
+        """Around a wait on Ray for inputs in flight: once closed, their SomaError, never a call to Ray (Ray
+        shut down would start a new default session for it, and refs of the old one raise a raw ValueError);
+        whatever a close during the call made Ray raise, the same SomaError (another thread's `close()` under a
+        map: 3 of 8 gave Ray's "owner is unknown", Dec 7)."""
+        if self.closed:
+            raise SomaError(CLOSED_IN_FLIGHT)
+        try:
+            yield
+        except Exception as err:
+            if self.closed and not isinstance(err, SomaError):
+                raise SomaError(CLOSED_IN_FLIGHT) from None
+            raise
+
     def first_ready(self, refs: list, timeout) -> list:
         """The first of `refs` to be ready (a list of one), or [] when `timeout` passed first."""
-        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
+        with self._open():
+            ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
         return ready
 
     def ready_now(self, refs: list) -> set:
         """Those of `refs` that are ready now (never waits, fetches nothing)."""
         if not refs:
             return set()
-        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        with self._open():
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         return set(ready)
 
     def settled(self, submission: Submission, graph: ActorGraph, values: list) -> tuple:
@@ -270,7 +286,8 @@ class Driver:
         """Fetch the input's output refs (one `ray.get`), or raise soma's error; Ray's GetTimeoutError passes."""
         ray = self.ray
         try:
-            values = ray.get(submission.refs, timeout=timeout)
+            with self._open():
+                values = ray.get(submission.refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise
         except ray.exceptions.RayError as err:

@@ -107,15 +107,21 @@ def expire(ray, submission: Submission, timeout: float, book: ActorBook) -> RunT
     group ("which input are you running?") even while busy.
     """
     done = _finished(ray, submission)
-    late = [call for call in submission.calls if call.ref not in done]
-    asked = {actor.actor_id: actor for actor in book.up_now([call.actor for call in late])}  # (those up)
+    # A call whose actor soma stopped (another input timed out on it) ran nothing of this input: it waits (asked,
+    # it answered nothing and was named running; finished, its ref failing with the death, it was named nowhere)
+    late = [call for call in submission.calls if call.ref not in done or call.actor.dead]
+    asked = {actor.actor_id: actor for actor in book.up_now([c.actor for c in late if not c.actor.dead])}
     answer_of = dict(zip(asked, ask(ray, [actor.handle for actor in asked.values()], "running_token",
                                     CONTROL_ANSWER_S)))
     running, waiting, stop = {}, [], {}
     for call in late:
         actor_id = call.actor.actor_id
-        if actor_id not in answer_of:
-            waiting.append(call.node_id)  # its actor has not started yet
+        if call.actor.dead:
+            waiting.append(call.node_id)
+            continue
+        if actor_id not in answer_of:  # its actor has not started yet: it will not start the call (it did, once
+            waiting.append(call.node_id)  # up: the timed-out input ran, and the next waited behind it, Dec 7)
+            _cancel(ray, submission, call)
             continue
         answer = answer_of[actor_id]
         # No answer even from the control group: stuck holding the GIL (in C code), as good as running.

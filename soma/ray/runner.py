@@ -98,6 +98,34 @@ def _over_inputs(outputs, where: str, doc: str):
     return over_inputs
 
 
+class _Session(threading.Thread):
+    """`ray.init` on a thread of soma's own that lives until the runner closes: Ray starts a local session's head
+    processes (its GCS, its raylet) with PR_SET_PDEATHSIG, which ends them as soon as the thread that started
+    them ends. A first run on a short-lived thread (a thread pool's) left a dead session behind: the next call
+    waited 60 s for its GCS, then Ray ended the process (Dec 7)."""
+
+    def __init__(self, ray, address, init: dict):
+        super().__init__(name="soma-ray-session", daemon=True)
+        self.ray, self.address, self.init = ray, address, init
+        self.ready, self.over = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.start()
+        self.ready.wait()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def run(self) -> None:
+        try:
+            self.ray.init(address=self.address, **self.init)
+        except BaseException as err:  # (raised on the caller's thread)
+            self.error = err
+            return
+        finally:
+            self.ready.set()
+        self.over.wait()
+
+
 class Ray(RunnerBase):
     """Runs graphs on a Ray cluster: each copy of a node is a Ray actor.
 
@@ -121,6 +149,7 @@ class Ray(RunnerBase):
         self.options = checked_options(options)
         self._driver: Driver | None = None  # made by start(): the session, the actors, what was compiled
         self._owns_session = False
+        self._session: _Session | None = None
         self._closed = False
         self._life = threading.Lock()  # start() and close()
 
@@ -133,7 +162,7 @@ class Ray(RunnerBase):
                 raise SomaError(CLOSED)
             if self._driver is None:
                 if not ray.is_initialized():
-                    ray.init(address=self.address, **self.init)
+                    self._session = _Session(ray, self.address, self.init)
                     self._owns_session = True
                 self._driver = Driver(ray, _actor_class(ray), self.options, tracer=self)
         return self
@@ -151,6 +180,8 @@ class Ray(RunnerBase):
         driver.close()
         if self._owns_session and self._ray.is_initialized():
             self._ray.shutdown()
+        if self._session is not None:
+            self._session.over.set()
 
     # -- running -------------------------------------------------------------------------------
     def run(self, g, x, *, timeout: float | None = None, retries: int = 0):

@@ -200,13 +200,14 @@ class Interpreter:
     """
 
     def __init__(self, nodes, devices: dict, worker: str | None = None, allocate=None, remote: bool = False,
-                 on_thread=None):
+                 on_thread=None, page=None):
         self.nodes = nodes
         self.devices = devices
         self.worker = worker
         self.allocate = allocate
         self.remote = remote
         self.on_thread = on_thread
+        self.page = page  # a worker's status page: `each`'s call waiting for a node's copy is off it (park)
         self._caught = BaseException if remote else Exception
         self._kept = kept_threads() if remote else None
         self._guards: dict = {}  # node id → its node's guard, found once
@@ -367,7 +368,7 @@ class Interpreter:
             return found
         node, device = self.nodes[node_id], self.devices.get(node_id)
         guard, caught, me = self._guard(node_id, node), self._caught, weakref.ref(self)
-        acquire, release, unchecked = guard.lock.acquire, guard.lock.release, UNCHECKED
+        acquire, release, unchecked, page = guard.lock.acquire, guard.lock.release, UNCHECKED, self.page
         # (`me`, weakly: these functions are kept in `_forwards`, and holding the interpreter they were a cycle
         # that kept a dropped graph's nodes, their weights too, until the garbage collector ran)
         ctx = Ctx(node_id, device, self.worker, self.allocate)  # (one for every input: it says the same to all)
@@ -388,7 +389,15 @@ class Interpreter:
             return value.obj if type(value) is Opaque else value  # (unwrap's rule, without its call)
 
         def forward(x, spans: list | None = None):
-            acquire()  # one input at a time per node object (not `with`: its __exit__ costs as much again)
+            # One input at a time per node object (not `with`: its __exit__ costs as much again); one that waits
+            # for it is not named running meanwhile (StatusPage.park: RunState.waits is `invoke`'s way)
+            if not acquire(False):
+                if page is None:
+                    acquire()
+                else:
+                    job = page.park()
+                    acquire()
+                    page.unpark(job)
             try:
                 return called(x, spans)
             finally:

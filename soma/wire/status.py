@@ -107,6 +107,21 @@ class StatusPage:
             weakref.finalize(mine, self._free.append, mine.slot)
         return mine
 
+    def park(self) -> int:
+        """This thread waits for a node's copy another input holds: off the page until `unpark(what this
+        returns)`, so that were its worker to die meanwhile, its input goes elsewhere without a try counted, as
+        one still queued there does (named while it waited, it failed WorkerDied behind a timed-out run, Dec 7)."""
+        mine = getattr(self._local, "mine", None)
+        if mine is None or type(mine.showing) is not str:
+            return 0
+        job, self._jobs[mine.field] = self._jobs[mine.field], 0
+        return job
+
+    def unpark(self, job: int) -> None:
+        """Named again (`park`'s job), the copy now held."""
+        if job:
+            self._jobs[self._local.mine.field] = job
+
     def leave(self) -> None:
         """This thread runs nothing now. After one job, one store: its job field to 0 (no job has id 0); the
         node's name stays written, so the thread's next job of the same node is one store too (a run's two

@@ -7,6 +7,7 @@ files, so a node knows across processes whether it already died for an input.
 
 import os
 import signal
+import threading
 
 import pytest
 
@@ -85,6 +86,50 @@ def test_inputs_a_dead_worker_had_not_started_go_elsewhere_without_an_error(loca
     assert isinstance(out[0], WorkerDied) and out[0].index == 0 and out[0].tries == 1
     assert out[1:] == [10 * i for i in range(1, 12)]
     assert all(runs_of(tmp_path, i) == 1 for i in range(12))  # each ran once: nothing was tried twice
+
+
+class OneCopyMarks(Node):
+    """One copy in the pool; input "slow" writes `marker` and then takes 30 s (its run times out first), the
+    others return themselves after 20 ms (not quick: each calls the node alone, taking its lock)."""
+
+    copies = 1
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def forward(self, x, ctx):
+        import time
+
+        if x == "slow":
+            open(self.marker, "w").close()
+        time.sleep(30 if x == "slow" else 0.02)
+        return Done(x)
+
+
+def test_inputs_waiting_for_a_node_copy_behind_a_run_that_timed_out_go_on_without_an_error(tmp_path):
+    """A map's inputs at the worker running a one-copy node, waiting for its copy behind a run whose time ran
+    out: the worker is replaced, and they go to its replacement with no try counted, as queued ones do. One
+    waiting on its thread was named running on the status page, and failed WorkerDied "was stopped because a
+    run timed out on it" with no retries (a helper's map, 2 of 2, Dec 7)."""
+    marker = tmp_path / "slow-started"
+    with soma.Local(workers=2) as pool:
+        g = Graph.somatize(OneCopyMarks(marker))
+        assert list(pool.map(g, range(20))) == list(range(20))  # (its copy up, its pace measured: quick)
+        timed = []
+        caller = threading.Thread(target=lambda: timed.append(_outcome(lambda: pool.run(g, "slow", timeout=1.0))))
+        caller.start()
+        wait_for(marker.exists, 30, "the slow input to start")
+        out = list(pool.map(g, range(6), errors="yield"))
+        caller.join(60)
+        assert out == list(range(6)), out
+        assert type(timed[0]) is soma.RunTimeout, timed
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as err:
+        return err
 
 
 class Grow(Node):

@@ -437,6 +437,60 @@ def timeout(cluster):
     except Exception as err:
         out["map_error"] = _error(err) | {"index": err.index, "nodes": list(err.nodes)}
     out.update(_one_copy_timeout(cluster))
+    out["copy_starting"] = _timeout_while_its_copy_starts(cluster)
+    out["queued_behind"] = _queued_behind_a_timeout(cluster)
+    return out
+
+
+class OneCopySlowOnZero(Node):
+    """One copy; input 0 takes 3 s, the others none."""
+
+    copies = 1
+
+    def forward(self, x, ctx):
+        time.sleep(3.0 if x == 0 else 0.0)
+        return Done(x)
+
+
+def _queued_behind_a_timeout(cluster) -> list:
+    """A timed map of three inputs on one copy: input 0 runs past its time, 1 and 2 wait behind it and time out
+    with it. Each one's RunTimeout: (nodes named running, nodes named waiting)."""
+    g = Graph.somatize(OneCopySlowOnZero())
+    cluster.run(g, 1)  # (its copy up)
+    return [[list(y.nodes), list(y.waiting)] for y in cluster.map(g, range(3), timeout=1.0, errors="yield")]
+
+
+class SlowToBuild(Node):
+    """A node whose copy takes 2 s to be made (as one that loads weights as it is rebuilt in its process); each
+    input it starts is written to `log`."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        time.sleep(2.0)
+
+    def forward(self, x, ctx):
+        with open(self.log, "a") as f:
+            f.write(f"{x} ")
+        return Done(x)
+
+
+def _timeout_while_its_copy_starts(cluster) -> dict:
+    """A run whose time is up while its node's first copy still starts: that copy never starts it (it did, once
+    up: the caller had its RunTimeout, and the next run waited behind the input it had given up)."""
+    fd, log = tempfile.mkstemp(prefix="started-")
+    os.close(fd)
+    g = Graph.somatize(SlowToBuild(log))
+    out = {}
+    try:
+        cluster.run(g, "given-up", timeout=0.5)
+    except Exception as err:
+        out["error"] = _error(err) | {"waiting": list(err.waiting)}
+    out["next"] = cluster.run(g, "next")
+    with open(log) as f:
+        out["started"] = f.read().split()
     return out
 
 
@@ -740,6 +794,43 @@ def _recorded(name: str, call) -> dict:
     return result
 
 
+def lazy_from_a_thread(folder) -> dict:
+    """A runner whose first run (which starts its Ray) comes from a thread that then ends, then a new graph from
+    this one (compiling it asks Ray's GCS about the machines)."""
+    import threading
+
+    out: dict = {}
+    with soma.Ray("local", num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=folder) as runner:
+        first = threading.Thread(target=lambda: out.update(first=runner.run(Graph.somatize(AddOne()), 1)))
+        first.start()
+        first.join(120)
+        _say("lazy start: the first run's thread ended")
+        out["then"] = runner.run(Graph.somatize(AddOne().named("again") >> AddOne()), 1)
+    return out
+
+
+def _map_on_a_thread(cluster) -> dict:
+    """A map of slow inputs iterated by another thread, its first output handed out: `outcome` once it ends."""
+    import threading
+
+    seen = {"outcome": None, "started": threading.Event()}
+
+    def iterate():
+        try:
+            for _ in cluster.map(Graph.somatize(SleepInput()), [0.0] + [2.0] * 8, window=4):
+                seen["started"].set()
+            seen["outcome"] = "ended"
+        except Exception as err:
+            seen["outcome"] = _error(err)
+        finally:
+            seen["started"].set()
+
+    seen["thread"] = threading.Thread(target=iterate, daemon=True)
+    seen["thread"].start()
+    seen["started"].wait(60)
+    return seen
+
+
 def main(out_path: str, only: list) -> None:
     """Run the checks (`only`: just these, by name, to debug one) and write what each observed to `out_path`."""
     results: dict = {}
@@ -782,6 +873,8 @@ def main(out_path: str, only: list) -> None:
                     results[check.__name__] = _recorded(check.__name__, lambda: check(cluster, folder))
             held = cluster.map(Graph.somatize(AddOne()), range(20), window=4)  # its caller holds it past the close
             first = next(held)
+            under_close = _map_on_a_thread(cluster)  # in flight on another thread as the block's end closes it
+        under_close["thread"].join(60)
         unraisable = []  # (held, collected after Ray was shut down, asked Ray about its refs: an error at exit)
         sys.unraisablehook, hook = (lambda u: unraisable.append(repr(u.exc_value))), sys.unraisablehook
         try:
@@ -790,8 +883,11 @@ def main(out_path: str, only: list) -> None:
         finally:
             sys.unraisablehook = hook
         results["session_shut_down"] = {"ok": True, "value": {"initialized_after_close": ray.is_initialized(),
-                                                             "held_map": [first, unraisable]}}
+                                                             "held_map": [first, unraisable],
+                                                             "map_on_a_thread": under_close["outcome"]}}
         results["records_left"] = {"ok": True, "value": {"session": sorted(start_records() - before)}}
+        if not only or "lazy_from_a_thread" in only:
+            results["lazy_from_a_thread"] = _recorded("lazy_from_a_thread", lambda: lazy_from_a_thread(folder))
         if not only or "two_machines" in only:
             results["two_machines"] = _recorded("two_machines", lambda: two_machines(folder))
             results["records_left"]["value"]["two_machines"] = sorted(start_records() - before)

@@ -248,6 +248,14 @@ def test_ray_a_timeout_names_the_running_node_and_replaces_its_actor(observed):
     assert one is not None and one["type"] == "RunTimeout", seen
     assert one["nodes"] == ["one_copy_mark_then_sleep"] and one["waiting"] == []
     assert seen["one_copy_after"][0] == 1 and seen["one_copy_after"][1] != seen["one_copy_before"][1]
+    # timed out while its copy was starting: that copy never starts it once up (it did, Dec 7)
+    starting = seen["copy_starting"]
+    assert starting["error"]["type"] == "RunTimeout" and starting["error"]["waiting"] == ["slow_to_build"]
+    assert starting["next"] == "next" and starting["started"] == ["next"], starting
+    # inputs waiting behind one whose time ran out on a one-copy node wait, named so (the copy stopped for the
+    # first answered nothing for them: "still running"; one's failed ref named nothing at all, Dec 7)
+    assert seen["queued_behind"] == [[["one_copy_slow_on_zero"], []], [[], ["one_copy_slow_on_zero"]],
+                                     [[], ["one_copy_slow_on_zero"]]], seen["queued_behind"]
 
 
 def test_ray_actors_of_nodes_the_caller_dropped_are_stopped(observed):
@@ -330,7 +338,21 @@ def test_ray_a_trace_block_has_no_spans_of_an_input_an_earlier_block_left_runnin
 
 
 def test_ray_a_session_soma_started_is_shut_down_at_close_and_a_map_held_past_it_goes_quietly(observed):
-    assert check(observed, "session_shut_down") == {"initialized_after_close": False, "held_map": [1, []]}
+    """And a map another thread iterates as the runner closes ends with soma's SomaError: it raised "is closed;
+    make a new one", or Ray's raw ValueError ("owner is unknown") after Ray's auto-init started a new session
+    for its next call (3 of 8), and once Ray ended the process (Dec 7)."""
+    seen = check(observed, "session_shut_down")
+    under_close = seen.pop("map_on_a_thread")
+    assert seen == {"initialized_after_close": False, "held_map": [1, []]}
+    assert under_close["type"] == "SomaError", under_close
+    assert under_close["message"] == "this soma.Ray was closed while this run was in flight", under_close
+
+
+def test_ray_started_by_a_first_run_on_a_thread_that_ends_goes_on(observed):
+    """Ray ends a local session's head processes when the thread that started them ends (PR_SET_PDEATHSIG): a
+    first run from a thread pool's thread left a dead session, and the next call waited 60 s for its GCS, then
+    Ray ended the process. soma starts Ray on a thread of its own that lives until close."""
+    assert check(observed, "lazy_from_a_thread") == {"first": 2, "then": 3}
 
 
 # -- two machines -------------------------------------------------------------------------------------------

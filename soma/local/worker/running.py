@@ -202,7 +202,7 @@ class JobRunner:
     def make_interpreter(self, nodes: dict, devices: dict) -> Interpreter:
         """The Interpreter of a piece over its nodes' copies here (the library's `make_interpreter`)."""
         return Interpreter(nodes, devices, worker=self.id, allocate=self.allocator, remote=True,
-                           on_thread=self.devices.on_thread)
+                           on_thread=self.devices.on_thread, page=self.status)
 
 
 def cancelled(job_id: int) -> Outcome:
