@@ -52,7 +52,11 @@ class LocalInflight(Inflight):
         if loop is not None:
             loop.map_open(self, True)
 
+    copies_inputs = True
+
     async def ready(self) -> None:
+        if self.sink is None:  # (made on the event loop: `start` may run on a thread, amapping._start)
+            self.sink = LoopSink()
         if self.loop is None:
             import asyncio
 
@@ -142,8 +146,8 @@ class LocalInflight(Inflight):
         self._popped(got)
         return got
 
-    async def await_wait(self, timeout):
-        got = await self.sink.take(timeout)
+    async def await_wait(self, timeout, wake=None):
+        got = await self.sink.take(timeout, wake)
         self._popped(got)
         return got
 

@@ -44,6 +44,7 @@ from .settler import Settler
 from .submission import ActorGraph, Submission, outcome
 from .tries import Tries
 
+
 class Driver:
     """What one soma.Ray holds once connected: `ray`, the cluster's CPUs, this driver's Ray node, the actors."""
 

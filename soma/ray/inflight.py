@@ -212,39 +212,47 @@ class RayInflight(Inflight):
         self._send_held()
         return finished
 
-    async def await_wait(self, timeout):
-        """`wait` for amap: the refs awaited on the event loop (Ray sets their futures; no thread waits)."""
+    async def await_wait(self, timeout, wake=None):
+        """`wait` for amap: the refs awaited on the event loop (Ray sets their futures; no thread waits); `wake`
+        (an asyncio future) ends it early, before anything is concluded."""
         import asyncio
 
         at_once = self._nothing_to_wait_for()
         if at_once is not None:
             return at_once
         if self.held:
-            return await self._await_held(timeout)
+            return await self._await_held(timeout, wake)
         if self.ordered:
             batch = self._current(next(iter(self.submissions.values())).batch)
             futures = [self._future(ref) for submission in batch for ref in submission.refs]
-            _, pending = await asyncio.wait(futures, timeout=timeout)
+            if wake is None:
+                _, pending = await asyncio.wait(futures, timeout=timeout)
+            else:
+                pending = await _all_or_woken(futures, timeout, wake)
             return [] if pending else await self._aconclude(batch)
         wanted = {self._future(ref): ref for ref in self.by_ref}
-        done, _ = await asyncio.wait(wanted, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        woken = [] if wake is None else [wake]
+        done, _ = await asyncio.wait([*wanted, *woken], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finished = []
         for future in done:
+            if future is wake:
+                continue
             batch = self._ready(wanted[future])
             if batch:
                 await asyncio.wait([self._future(ref) for submission in batch for ref in submission.refs])
                 finished += await self._aconclude(batch)
         return finished
 
-    async def _await_held(self, timeout) -> list:
-        """`_wait_held` on the event loop."""
+    async def _await_held(self, timeout, wake=None) -> list:
+        """`_wait_held` on the event loop (`wake`: as `await_wait`'s)."""
         import asyncio
 
         futures = [self._future(ref) for ref in self._refs()]
         hellos = [asyncio.wrap_future(ref.future()) for ref in self.driver.starting(self.graph)]
+        woken = [] if wake is None else [wake]
         limit = TICK_S if timeout is None else min(timeout, TICK_S)
-        if futures or hellos:
-            await asyncio.wait(futures + hellos, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        if futures or hellos or woken:
+            await asyncio.wait(futures + hellos + woken, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
         else:
             await asyncio.sleep(limit)
         for hello in hellos:
@@ -375,3 +383,17 @@ class RayInflight(Inflight):
         if future is not None:
             future.cancel()  # (Ray's callback sees it done and leaves it)
 
+
+async def _all_or_woken(futures: list, timeout, wake) -> list:
+    """`asyncio.wait(futures, timeout=timeout)` (all of them), ended early once `wake` is done: those still
+    pending. (One task stands for them all: asyncio.wait over them and `wake` returns at the first one done.)"""
+    import asyncio
+
+    if all(future.done() for future in futures):
+        return []
+    whole = asyncio.ensure_future(asyncio.wait(futures))  # (cancelled, it leaves the futures as they are)
+    try:
+        await asyncio.wait((whole, wake), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        whole.cancel()
+    return [future for future in futures if not future.done()]

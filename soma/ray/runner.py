@@ -24,7 +24,7 @@ How one input flows (on the right of each step, the module of soma/ray/ that doe
                              queue it saves is longer than its measured start-up (spreading.py)
     Ray.submit(g, x)         a Future at once; settler.py: one thread settles every submitted input
     await Ray.arun(g, x)     the output refs awaited on the event loop (Ray sets their futures)
-    Ray.amap(g, xs)          amap_outputs (soma.run.aio) over RayInflight.await_wait
+    Ray.amap(g, xs)          amap_outputs (soma.run.amapping) over RayInflight.await_wait
     after every try          tries.Tries, one input's tries, the retry-or-finish loop written once
                              (run: outcome(), arun: aoutcome(), submit: watch/ready, map: after): an
                              input lost to a dead actor is sent again (records.py: what the actor had
@@ -40,7 +40,8 @@ import threading
 import time
 
 from ..errors import NodeError, SomaError
-from ..run.aio import InputFuture, amap_outputs
+from ..run.aio import InputFuture
+from ..run.amapping import amap_outputs
 from ..run.arguments import checked_retries, checked_timeout
 from ..run.base import RunnerBase
 from ..run.mapping import default_window, map_outputs, save_open

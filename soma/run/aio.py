@@ -7,8 +7,8 @@
                               waiting per input); cancelling the awaiting task cancels the future, which
                               cancels the input (dropped if not started, its result dropped if it was)
     async for y in runner.amap(g, xs)   the same MapLoop as `map` (soma.run.mapping), driven by a
-                              coroutine: `xs` may be an async iterable; the in-flight set's
-                              `await_wait` waits on the loop
+                              coroutine (soma.run.amapping): `xs` may be an async iterable; the
+                              in-flight set's `await_wait` waits on the loop
 
 asyncio is imported on first use: `import soma` and a pool's start do not pay for it.
 
@@ -24,8 +24,8 @@ import concurrent.futures as cf
 import threading
 import weakref
 
-from .mapping import MapLoop, opened
-from .resuming import DEFAULT_EVERY_S, aremaining, remaining
+from .amapping import amap_outputs, heavy
+from .resuming import DEFAULT_EVERY_S
 
 _TELLING = threading.Lock()  # (one for every InputFuture: a cancel is rare, a lock per future is not free)
 
@@ -113,14 +113,25 @@ class LoopSink:
         except RuntimeError:  # the loop is closed: nobody waits for it any more
             pass
 
-    async def take(self, timeout) -> list:
-        """What came, at least one item unless `timeout` (seconds) passed first."""
+    async def take(self, timeout, wake=None) -> list:
+        """What came, at least one item unless `timeout` (seconds) passed first, or `wake` (an asyncio future,
+        amap's next input read) was done first."""
         import asyncio
 
-        try:
-            first = await asyncio.wait_for(self.queue.get(), timeout)
-        except (asyncio.TimeoutError, TimeoutError):
-            return []
+        if wake is not None and self.queue.empty():
+            getting = asyncio.ensure_future(self.queue.get())
+            try:
+                await asyncio.wait((getting, wake), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                getting.cancel()  # (done: nothing; an item it had not taken yet stays queued, as Queue.get says)
+            if not getting.done():
+                return []
+            first = getting.result()
+        else:
+            try:
+                first = await asyncio.wait_for(self.queue.get(), timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                return []
         got = [first]
         while not self.queue.empty():
             got.append(self.queue.get_nowait())
@@ -133,50 +144,32 @@ async def arun(runner, g, x, timeout, retries, off_the_loop: bool = False):
     shared memory would hold the loop: 13-83 ms for 64 MiB here, Dec 7)."""
     import asyncio
 
-    if off_the_loop:
-        submitting = asyncio.ensure_future(asyncio.to_thread(runner.submit, g, x, timeout=timeout, retries=retries))
-        try:
-            submitted = await asyncio.shield(submitting)
-        except asyncio.CancelledError:  # (submitted meanwhile, or soon: not wanted)
-            submitting.add_done_callback(_cancel_submitted)
-            raise
-    else:
-        submitted = runner.submit(g, x, timeout=timeout, retries=retries)
-    waiting = asyncio.get_running_loop().create_future()
-    submitted.add_done_callback(lambda done: _waker_of(waiting.get_loop()).put(waiting, done))
+    submitting = None
     try:
-        return await waiting
-    except asyncio.CancelledError:
-        submitted.cancel()
-        raise
+        if off_the_loop:
+            submitting = asyncio.ensure_future(asyncio.to_thread(runner.submit, g, x, timeout=timeout,
+                                                                 retries=retries))
+            try:
+                submitted = await asyncio.shield(submitting)
+            except asyncio.CancelledError:  # (submitted meanwhile, or soon: not wanted)
+                submitting.add_done_callback(_cancel_submitted)
+                raise
+        else:
+            submitted = runner.submit(g, x, timeout=timeout, retries=retries)
+        waiting = asyncio.get_running_loop().create_future()
+        submitted.add_done_callback(lambda done: _waker_of(waiting.get_loop()).put(waiting, done))
+        try:
+            return await waiting
+        except asyncio.CancelledError:
+            submitted.cancel()
+            raise
     finally:  # (an error raised from here holds this frame, which held the error, the future and its input)
-        submitted = waiting = None
+        submitting = submitted = waiting = None
 
 
 def _cancel_submitted(submitting) -> None:
     if not submitting.cancelled() and submitting.exception() is None:
         submitting.result().cancel()
-
-
-HEAVY_BYTES = 1 << 20  # an input's buffers from which `arun` hands its submit to a thread (`heavy`)
-
-
-def heavy(x) -> bool:
-    """Whether `x` holds HEAVY_BYTES or more of arrays, tensors or bytes, loose or in a list, tuple or dict (one
-    level: what a request carries): copying them into shared memory costs more than a thread's hand-off (about
-    0.25 ms a MiB here, against ~0.1 ms)."""
-    kind = type(x)
-    if kind is dict:
-        items = list(x.values())[:64]
-    elif kind is list or kind is tuple:
-        items = x[:64]
-    else:
-        items = (x,)
-    total = 0
-    for item in items:
-        size = len(item) if type(item) is bytes or type(item) is bytearray else getattr(item, "nbytes", 0)
-        total += size if type(size) is int else 0
-    return total >= HEAVY_BYTES
 
 
 class _LoopWaker:
@@ -232,102 +225,6 @@ def _waker_of(loop) -> _LoopWaker:
         if waker is None:
             waker = _wakers[loop] = _LoopWaker(loop)
         return waker
-
-
-def amap_outputs(inflight, xs, **options) -> "AsyncMapIterator":
-    """The async iterator behind every runner's `amap`; `inflight` has an `await_wait(timeout)`; `options`
-    are MapLoop's, as `map_outputs`'s. `xs` may be an async iterable."""
-    loop, source = opened(inflight, xs, lambda loop: _source(xs, loop), **options)
-    return AsyncMapIterator(_adrive(loop, source), loop)
-
-
-def _source(xs, loop: MapLoop):
-    """amap's inputs, from where `loop` starts: an async iterable's (a TypeError now, not at the first turn),
-    or a plain one's."""
-    if hasattr(xs, "__aiter__"):
-        source = xs.__aiter__()
-        if loop.next_index or loop.after_start:
-            source = aremaining(source, loop.next_index, loop.after_start)
-        return source
-    return remaining(xs, loop.next_index, loop.after_start)
-
-
-class AsyncMapIterator:
-    """What `runner.amap` returns: `async for` over the outputs, and `state_dict()` as `map`'s."""
-
-    __slots__ = ("_outputs", "_loop")
-
-    def __init__(self, outputs, loop: MapLoop):
-        self._outputs, self._loop = outputs, loop
-
-    def __aiter__(self):
-        return self
-
-    def __anext__(self):
-        if self._loop.stepping is None:
-            return self._outputs.__anext__()
-        return self._stepped()
-
-    async def _stepped(self):
-        """The next output of a map with a checkpoint, its `stepping` lock held meanwhile (mapping.save_open).
-        Never waited for on the event loop's thread: held by another task stepping it, or by its closing runner
-        saving (a moment), it is tried again after a millisecond, the loop going on meanwhile."""
-        stepping = self._loop.stepping
-        while not stepping.acquire(blocking=False):
-            import asyncio  # (here, as elsewhere in this module: importing soma does not import asyncio)
-
-            await asyncio.sleep(0.001)
-        try:
-            return await self._outputs.__anext__()
-        finally:
-            stepping.release()
-
-    def state_dict(self) -> dict:
-        """As `map(...).state_dict()`: the outputs consumed so far, as plain data, for `resume=`."""
-        return self._loop.state(held=True)
-
-    async def aclose(self) -> None:
-        """Leave the map early (as `break` out of `async for` and dropping it do)."""
-        await self._outputs.aclose()
-        self._loop.close()  # (a map never iterated has no frame to close it)
-
-
-async def _adrive(loop: MapLoop, source):
-    try:
-        await loop.inflight.ready()
-        while True:
-            wanted = loop.wanted()
-            if wanted:
-                loop.start(await _atake(source, wanted, loop))
-            outputs = loop.outputs()
-            try:
-                for value in outputs:
-                    yield value
-            finally:
-                outputs.close()  # left at a yield: the output held there is marked so (see MapLoop.outputs)
-            if loop.over():
-                return
-            if not loop.must_wait():
-                continue
-            loop.finished(await loop.inflight.await_wait(loop.wait_s()))
-    finally:
-        loop.close()
-
-
-async def _atake(source, wanted: int, loop: MapLoop) -> list:
-    items = []
-    asynchronous = hasattr(source, "__anext__")
-    while len(items) < wanted:
-        try:
-            x = await source.__anext__() if asynchronous else next(source)
-        except (StopIteration, StopAsyncIteration):
-            loop.source_ended()
-            break
-        except Exception as exc:
-            loop.source_ended(exc)
-            break
-        items.append(x)
-    return items
 
 
 class AsyncRunner:

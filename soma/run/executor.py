@@ -310,7 +310,7 @@ class ExecutorInflight(Inflight):
         done, _ = cf.wait(list(self.running), timeout=timeout, return_when=cf.FIRST_COMPLETED)
         return [outcome for future in done for outcome in self._outcomes(future)]
 
-    async def await_wait(self, timeout):
+    async def await_wait(self, timeout, wake=None):
         """`wait`, on the event loop: each input's future wakes it as it ends (one done-callback a future, set
         once this is first awaited, then as each starts). asyncio.wrap_future made a copy of every running
         future at every wait, each copy and its future holding each other through their callbacks: a copy left
@@ -322,7 +322,7 @@ class ExecutorInflight(Inflight):
                 self._wakes(future)
         done = [future for future in self.running if future.done()]
         if not done:
-            await self.woken.take(timeout)  # (a wake-up whose future a wait took already: none done, [] back)
+            await self.woken.take(timeout, wake)  # (a wake-up whose future a wait took already: none done, [] back)
             done = [future for future in self.running if future.done()]
         return [outcome for future in done for outcome in self._outcomes(future)]
 

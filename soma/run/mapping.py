@@ -69,6 +69,8 @@ class Inflight:
 
     # The runner enforces `timeout` itself (map then never calls `expire`).
     enforces_timeout = False
+    # The runner copies an input's buffers as it starts it (an amap starts large ones on a thread: amapping).
+    copies_inputs = False
 
     def parallelism(self) -> int:
         """How many inputs the runner can usefully work on at once (the default window is twice this)."""
@@ -85,6 +87,12 @@ class Inflight:
     def wait(self, timeout: float | None) -> list:
         """`(index, ok, value)` for inputs that finished, at least one unless `timeout` (seconds) passed first
         (or `(index, True, Span)` for consecutive inputs that all finished ok)."""
+        raise NotImplementedError
+
+    async def await_wait(self, timeout: float | None, wake=None) -> list:
+        """`wait`, awaited on the event loop (amap). `wake`, an asyncio future: once it is done, return at once with
+        what finished by then, maybe nothing (amap's async source gave an input while others run: it starts now,
+        not when one of them finishes)."""
         raise NotImplementedError
 
     def room(self, arrived: int) -> int | None:
@@ -118,7 +126,7 @@ def opened(inflight: Inflight, xs, source_of, **options) -> tuple:
     """A map's loop over `inflight` (`options`: MapLoop's) and its source of inputs, `source_of(loop)`, from
     where the loop starts (`resume=`). Anything refused here (an option, a `resume=` state, an `xs` that is
     not iterable: a TypeError now, not at the first `next`) gives the in-flight set back at once: nothing
-    was started. Shared by `map_outputs` and `amap_outputs` (soma.run.aio)."""
+    was started. Shared by `map_outputs` and `amap_outputs` (soma.run.amapping)."""
     try:
         loop = MapLoop(inflight, xs, **options)
         return loop, source_of(loop)

@@ -79,6 +79,133 @@ def test_amap_takes_an_async_iterable_lazily(runner):
     assert asyncio.run(go()) == list(range(1, 11))
 
 
+def test_amap_hands_out_each_output_of_a_trickling_source_before_the_source_ends(runner):
+    """SPEC 7.4: inputs are taken as room frees up. An async source giving an input every 50 ms (a queue of
+    requests) had none started until it had given a window's worth: here, with 10 inputs and room for 16,
+    no output came before the source ended. Each input now starts as it comes: the producer puts input
+    i + 3 only once the output of input i came (waiting for it up to 5 s, a deadline that only a map holding
+    its inputs back reaches)."""
+    received = [asyncio.Event() for _ in range(10)]
+    late = []
+
+    async def go():
+        queue = asyncio.Queue()
+
+        async def produce():
+            for i in range(10):
+                if i >= 3:
+                    try:
+                        await asyncio.wait_for(received[i - 3].wait(), 5)
+                    except asyncio.TimeoutError:
+                        late.append(i - 3)
+                        break
+                await queue.put(i)
+                await asyncio.sleep(0.05)
+            await queue.put(None)
+
+        async def source():
+            while (x := await queue.get()) is not None:
+                yield x
+
+        producer = asyncio.create_task(produce())
+        out = []
+        try:
+            async for y in runner.amap(AddOne(), source(), window=16):
+                out.append(y)
+                received[y - 1].set()
+        finally:
+            await producer
+        return out
+
+    out = asyncio.run(asyncio.wait_for(go(), 10))
+    assert late == [], f"no output of input {late} before input {late[0] + 3} was put, 5 s later"
+    assert out == list(range(1, 11))
+
+
+def test_amap_goes_on_with_a_source_that_waits_for_its_outputs(runner):
+    """A source that gives its next input only once the caller has the output of the one before (a
+    conversation) waited for ever: the map waited for a window's worth of inputs before starting any."""
+
+    async def go():
+        received = asyncio.Event()
+
+        async def source():
+            for i in range(10):
+                yield i
+                await received.wait()
+                received.clear()
+
+        out = []
+        async for y in runner.amap(AddOne(), source()):
+            out.append(y)
+            received.set()
+        return out
+
+    assert asyncio.run(asyncio.wait_for(go(), 5)) == list(range(1, 11))
+
+
+def test_an_async_sources_error_comes_after_the_outputs_before_it(runner):
+    """An async source that raises while inputs run: the outputs of the inputs it gave come first, then its
+    own error, as from a plain iterable."""
+
+    async def go():
+        async def source():
+            for i in range(3):
+                yield i
+                await asyncio.sleep(0.01)
+            raise KeyError("the source's own")
+
+        out = []
+        with pytest.raises(KeyError, match="the source's own"):
+            async for y in runner.amap(AddOne(), source(), window=8):
+                out.append(y)
+        return out
+
+    assert asyncio.run(asyncio.wait_for(go(), 10)) == [1, 2, 3]
+
+
+def test_leaving_an_amap_while_its_source_waits_leaves_nothing_running(runner):
+    """The task reading an async source is stopped with the map (within the source, as a task iterating it
+    would be), whether it is left by `aclose()` or by cancelling the task iterating it: no task is left."""
+
+    async def go():
+        before = asyncio.all_tasks()  # (this one, and wait_for's around it)
+        never = asyncio.Event()
+        stopped = []
+
+        async def source():
+            try:
+                yield 1
+                await never.wait()
+                yield 2
+            finally:
+                stopped.append(True)
+
+        outputs = runner.amap(AddOne(), source())
+        async for y in outputs:
+            break
+        await outputs.aclose()
+        assert (y, stopped) == (2, [True])
+        assert asyncio.all_tasks() == before
+
+        stopped.clear()
+        reached = asyncio.Event()
+
+        async def consume():
+            async for _ in runner.amap(AddOne(), source()):
+                reached.set()
+
+        task = asyncio.create_task(consume())
+        await reached.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert stopped == [True]
+        assert asyncio.all_tasks() == before
+
+    asyncio.run(asyncio.wait_for(go(), 10))
+
+
 def test_errors_are_raised_from_await_and_in_their_place_in_amap(runner):
     async def go():
         with pytest.raises(NodeError, match=r"^node `boom` failed: ValueError: boom 5$"):
@@ -507,7 +634,7 @@ class _LargeRecorded:
         return int, (1,)
 
 
-def test_arun_copies_a_large_input_for_its_workers_off_the_event_loop(local):
+def test_arun_and_amap_copy_large_inputs_for_their_workers_off_the_event_loop(local):
     """SPEC 7.6: arun never blocks the event loop. A large input was copied into shared memory on the loop's
     thread (13-83 ms for 64 MiB here, an amap of eight 64 MiB ones up to 0.8 s); small ones still are (a
     thread's hand-off would cost more than their copy)."""
@@ -523,3 +650,10 @@ def test_arun_copies_a_large_input_for_its_workers_off_the_event_loop(local):
     loop_thread, got, small = asyncio.run(go())
     assert got == 1 and small == {"n": 1, "x": list(range(10))}
     assert _LargeRecorded.threads and loop_thread not in _LargeRecorded.threads
+
+    async def mapped():  # (an amap's inputs too: eight 64 MiB arrays held the loop up to 0.8 s)
+        return threading.get_ident(), [y async for y in local.amap(Identity(), [_LargeRecorded() for _ in range(4)])]
+
+    _LargeRecorded.threads.clear()
+    loop_thread, got = asyncio.run(mapped())
+    assert got == [1] * 4 and len(_LargeRecorded.threads) == 4 and loop_thread not in _LargeRecorded.threads

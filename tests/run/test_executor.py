@@ -552,9 +552,10 @@ def test_a_branchs_system_exit_passes_through_whatever_branch_failed_before_it(e
 
 
 def test_close_ends_the_futures_of_inputs_still_queued():
-    """`close()` with submitted inputs still waiting for a thread: each one's future is cancelled, and the task
-    awaiting its `arun` ends, at once. Since submit's futures were soma's (Dec 7) the pool's cancel reached
-    nobody: they never ended (7 of 7), a helper found."""
+    """`close()` with submitted inputs still waiting for a thread: each one's future fails with a SomaError (as
+    on Local and Ray: a cancel nobody asked for read as one in asyncio, Dec 7), and the task awaiting its `arun`
+    ends, at once. Since submit's futures were soma's (Dec 7) the pool's cancel reached nobody: they never
+    ended (7 of 7), a helper found."""
     import asyncio
 
     started = threading.Event()
@@ -564,7 +565,8 @@ def test_close_ends_the_futures_of_inputs_still_queued():
     assert started.wait(30)  # (the first holds the one thread: the others wait for it)
     executor.close()
     assert futures[0].result(timeout=30) == 0.3
-    assert [f.cancelled() for f in futures[1:]] == [True] * 3
+    assert not any(f.cancelled() for f in futures[1:])
+    assert all("closed while this run was in flight" in str(f.exception(timeout=30)) for f in futures[1:])
 
     async def go():
         async with soma.Executor(threads=1) as inner:
@@ -573,7 +575,7 @@ def test_close_ends_the_futures_of_inputs_still_queued():
         return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
 
     got = asyncio.run(go())
-    assert got[0] == 0.3 and all(isinstance(r, asyncio.CancelledError) for r in got[1:]), got
+    assert got[0] == 0.3 and all(isinstance(r, soma.SomaError) for r in got[1:]), got
 
 
 def test_a_submit_racing_close_on_another_thread_says_the_executor_is_closed():
