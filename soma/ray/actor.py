@@ -193,6 +193,9 @@ class NodeCopy:
         # makes "started" and "forgotten" one decision: an input is one or the other, never both.
         self.forgotten: dict = {}  # token → None (insertion order: the oldest go first past FORGOTTEN_KEPT)
         self._starting = threading.Lock()
+        # The tokens of inputs running now while the node's setup runs for them (seconds: a model loading): they
+        # have not started the node, so `forget` still drops them (a forward ran after its future was cancelled).
+        self.setting_up: set = set()
         self.traced: list = []  # the records of traced calls (see the module's docstring), until taken
         node = None
         try:
@@ -304,18 +307,31 @@ class NodeCopy:
         except PostconditionError as err:
             return Failed(err)
         x = shaped(shape, args)
+        setting_up = False
         if token is not None:
             with self._starting:
                 if token in self.forgotten:
                     del self.forgotten[token]
                     return Failed(Cancelled(self.node_id))  # (nobody reads it: its caller gave it up)
                 self.running = token
+                setting_up = not self.interpreter.is_set_up(self.node_id)
+                if setting_up:
+                    self.setting_up.add(token)
         try:
+            if setting_up:  # set up first, then look again (see `setting_up`)
+                self.interpreter.set_up(self.node_id, spans)
+                with self._starting:
+                    self.setting_up.discard(token)
+                    if token in self.forgotten:
+                        del self.forgotten[token]
+                        return Failed(Cancelled(self.node_id))  # (nobody reads it: its caller gave it up)
             value = self.interpreter.run(self.plan, x, RunState(index=index), spans)
         except NodeError as err:
             return Failed(err)
         finally:
             self.running = None
+            if setting_up:
+                self.setting_up.discard(token)  # (a setup that raised)
         if carries_autograd(value):
             return Failed(grad_crossing(self.node_id, "it returned"))
         tensors_out_of_band()  # (the node may have imported torch itself)
@@ -336,7 +352,7 @@ class NodeCopy:
         """Its caller gave input `token` up: if its call here has not started, it never will (True); False
         when it is running now."""
         with self._starting:
-            if self.running == token:
+            if self.running == token and token not in self.setting_up:
                 return False
             self.forgotten[token] = None
             while len(self.forgotten) > FORGOTTEN_KEPT:  # (a call Ray did cancel never comes to pop its token)

@@ -424,10 +424,15 @@ class Interpreter:
                 raise Cancelled(node_id)
             state.began = True
             try:
-                if spans is not None and not guard.ready:
+                if not guard.ready:
                     self.setup(self.nodes[node_id], node_id, ctx, spans)
                     guard.ready = True
-                    start = time.monotonic_ns()  # (the node's own span starts after its setup's)
+                    # A setup may take seconds (a model loading): an input cancelled meanwhile never starts the
+                    # node (its forward ran ~0.7 s after a cancel sent 0.3 s into a 1 s setup, cancel() True).
+                    if state.cancelled:
+                        raise Cancelled(node_id)
+                    if spans is not None:
+                        start = time.monotonic_ns()  # (the node's own span starts after its setup's)
                 value = called(x, spans)
             finally:
                 lock.release()
@@ -442,6 +447,28 @@ class Interpreter:
             if spans is not None and start:
                 spans.append(span(node_id, start, outcome))
         return value
+
+    def is_set_up(self, node_id: str) -> bool:
+        """Whether node `node_id`'s copy has run its `setup` (or has none to run), here."""
+        return self._guard(node_id, self.nodes[node_id]).ready
+
+    def set_up(self, node_id: str, spans: list | None = None) -> None:
+        """Run node `node_id`'s `setup` now if its copy has not (under its lock; a failure raised as `setup`
+        raises it, and the next input tries again). For a worker or an actor, which can look again after it
+        whether the input is still wanted, before it decodes or runs it: a setup takes seconds (a model
+        loading), and a Cancel that came meanwhile must drop an input that has not started its node."""
+        node = self.nodes[node_id]
+        guard = self._guard(node_id, node)
+        if guard.ready:
+            return
+        device = self.devices.get(node_id)
+        # (the Ctx its forward gets, for a node that takes one input at a time: a node may keep setup's)
+        ctx = Ctx(node_id, device, self.worker, self.allocate) if is_batching(node) else \
+            self._forward_of(node_id, held=True)[1]
+        with guard.lock:
+            if not guard.ready:
+                self.setup(node, node_id, ctx, spans)
+                guard.ready = True
 
     def setup(self, node, node_id: str, ctx: Ctx, spans: list | None = None) -> None:
         """`node.setup(ctx)`, once per node object, before its first forward (when the node defines it).
@@ -509,7 +536,8 @@ class Interpreter:
         traced = next((entries[i].spans for i in taken if entries[i].spans is not None), None)
         start = time.monotonic_ns()
         try:
-            results = self._call_batch(node, node_id, device, guard, [xs[i] for i in taken], traced, given_up)
+            results = self._call_batch(node, node_id, device, guard, [xs[i] for i in taken], traced, given_up,
+                                       [entries[i].state for i in taken])
         finally:
             for i in taken:
                 entries[i].state.leave(node_id)
@@ -523,12 +551,16 @@ class Interpreter:
         finally:  # (a failure's traceback reaches this frame, through _call_batch's: it must not hold them)
             outcomes = results = result = entries = entry = xs = None
 
-    def _call_batch(self, node, node_id: str, device, guard, xs: list, spans, given_up=None) -> list:
+    def _call_batch(self, node, node_id: str, device, guard, xs: list, spans, given_up=None,
+                    states: list | None = None) -> list:
+        """`(ok, value)` per input of `xs`, in one forward_batch (setup first, once). `states`: each input's
+        RunState, or None (see invoke_batch)."""
         n = len(xs)  # (counted now: the node may empty or extend its list, `xs.clear()` to let inputs go early)
         if not n:
             return []
         ctx = Ctx(node_id, device, self.worker, self.allocate)
         failure = None
+        kept = None  # the positions of the inputs still wanted after a setup, when some were cancelled during it
         try:
             with guard.lock:  # one batch at a time per node object
                 if given_up is not None and given_up.is_set():  # (it waited for the lock behind other calls)
@@ -536,6 +568,15 @@ class Interpreter:
                 if not guard.ready:
                     self.setup(node, node_id, ctx, spans)
                     guard.ready = True
+                    # A setup may take seconds (a model loading): an input cancelled meanwhile never starts the
+                    # node, as in `invoke`; the others go on without it.
+                    if given_up is not None and given_up.is_set():
+                        return failing(n, lambda: Cancelled(node_id))
+                    if states is not None and any(state.cancelled for state in states):
+                        kept = [i for i, state in enumerate(states) if not state.cancelled]
+                        if not kept:
+                            return failing(n, lambda: Cancelled(node_id))
+                        xs = [xs[i] for i in kept]
                 try:
                     out = node.forward_batch(xs, ctx)
                 except self._caught as exc:
@@ -548,12 +589,24 @@ class Interpreter:
                                                   failed.__cause__))
             finally:  # (the error's traceback holds this frame: the frame must not hold the error, a cycle)
                 failed = None
+        called = n if kept is None else len(kept)
         if failure is not None:  # each input its own NodeError, the node's exception its cause
             try:
-                return failing(n, lambda: _caused(self.node_failed(node_id, failure, device=device), failure))
+                outcomes = failing(called, lambda: _caused(self.node_failed(node_id, failure, device=device),
+                                                           failure))
             finally:
                 failure = None
-        return batch_outputs(node_id, out, n, device)
+        else:
+            outcomes = batch_outputs(node_id, out, called, device)
+        try:
+            if kept is None:
+                return outcomes
+            merged = failing(n, lambda: Cancelled(node_id))  # (those cancelled during the setup)
+            for i, outcome in zip(kept, outcomes):
+                merged[i] = outcome
+            return merged
+        finally:  # (a failure's traceback reaches this frame: it must not hold the failures, a cycle)
+            outcomes = merged = outcome = None
 
     def node_failed(self, node_id: str, exc: BaseException, doing: str = "", device: str | None = None) -> NodeError:
         """The NodeError for an exception a node raised (a full /dev/shm has its own)."""

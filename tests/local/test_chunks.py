@@ -279,6 +279,66 @@ def test_a_cancel_answers_the_unstarted_input_cancelled_at_once_and_it_never_run
         w.close()
 
 
+SETTING_UP, SET_UP = threading.Event(), threading.Event()
+
+
+class SlowSetup(Node):
+    """Its setup waits for SET_UP (a model loading, held by the test); `fail` times, it raises instead."""
+
+    def __init__(self, fail=0):
+        self.fail = fail
+        self.ran: list = []
+        SETTING_UP.clear()
+        SET_UP.clear()
+
+    def setup(self, ctx):
+        SETTING_UP.set()
+        assert SET_UP.wait(30), "the test never let the setup end"
+        if self.fail:
+            self.fail -= 1
+            raise OSError("no weights")
+
+    def forward(self, x, ctx):
+        self.ran.append(x)
+        return Done(x)
+
+
+def test_a_chunk_cancelled_while_its_node_sets_up_runs_none_of_its_inputs(tmp):
+    """The node is set up before any input is claimed: a Cancel that comes during the setup (seconds: a model)
+    answers every input Cancelled at once, unstarted. Claimed first, the first input ran after its cancel."""
+    w = Worker(SlowSetup(), tmp)
+    try:
+        run = w.chunk([1, 2, 3], [10, 20, 30])
+        out: list = []
+        thread = threading.Thread(target=lambda: out.append(w.run(run)))
+        thread.start()
+        assert SETTING_UP.wait(30)
+        parts: list = []
+        assert chunks.answer_now(w.runner, run, {1, 2, 3}, False, parts) == []
+        SET_UP.set()
+        thread.join(30)
+        got, _ = host_reads(*parts, *w.sent, *[part for part in out if part is not None])
+        assert sorted(got) == [1, 2, 3] and all(isinstance(got[i].value, Cancelled) for i in got)
+        assert w.node.ran == []
+    finally:
+        SET_UP.set()
+        w.close()
+
+
+def test_a_setup_that_fails_fails_the_first_input_of_a_chunk_and_the_next_tries_again(tmp):
+    """As for lone inputs (docs/api.md, setup): that input gets the NodeError, and the copy calls setup again
+    before its next input."""
+    w = Worker(SlowSetup(fail=1), tmp)
+    try:
+        SET_UP.set()
+        got, _ = host_reads(*w.sent, w.run(w.chunk([1, 2, 3], [10, 20, 30])))
+        assert [got[i].ok for i in (1, 2, 3)] == [False, True, True]
+        assert "setup raised OSError: no weights" in str(got[1].value)
+        assert w.node.ran == [20, 30]
+    finally:
+        w.close()
+
+
 def test_give_back_returns_what_has_not_started_behind_a_straggler_with_what_is_done(tmp):
     w = Worker(Gate(hold=3), tmp)
     try:

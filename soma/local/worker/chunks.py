@@ -2,7 +2,8 @@
 run one by one and answered in parts (the messages are soma.wire.protocol's `Chunk` and `ChunkPart`).
 
     accept ── Chunk ──▶ ChunkRun, waiting in its piece's lane like a job (lanes.py)
-    its lane's turn: run_chunk ── its inputs decoded at once (one list), then each in order, on this thread:
+    its lane's turn: run_chunk ── its piece loaded and set up, its inputs decoded at once (one list), then
+                     │           each in order, on this thread:
                      │           claimed (ChunkRun.waiting), a GIL-bound piece's input after its turn
                      │           (turns.py), its node called directly or Interpreter.run, its own
                      │           ok/error, seconds and spans
@@ -179,8 +180,10 @@ class _Way:
         """The chunk's inputs, decoded at once (Nones when the piece could not load, or they cannot be
         decoded: `failure` says why); the direct call ready where the piece allows one."""
         piece, ids = self.piece, self.run.chunk.ids
-        if self.failure is not None:  # (its piece could not load: its inputs are never decoded here)
-            let_go(self.run.chunk.payload, self.runner.get_store)
+        if self.failure is None:
+            self.set_up()
+        if self.failure is not None or not self.run.waiting:  # (its piece could not load, or every input was
+            let_go(self.run.chunk.payload, self.runner.get_store)  # answered during the setup: never decoded)
             return [None] * len(ids)
         try:
             xs = decode_input(self.run.chunk.payload, piece.entry, self.runner.id, self.runner.get_store)
@@ -198,6 +201,28 @@ class _Way:
             if self.call is not None:
                 self.naming = self.runner.status.naming(piece.entry)
         return xs
+
+    def set_up(self) -> None:
+        """The piece's first node set up (`setup`, once per copy) before any input is claimed: an input cancelled
+        during a setup (seconds: a model loading) is answered Cancelled by answer_now, unstarted (claimed first,
+        its forward ran after the cancel). A setup that fails fails the first input still waiting; the next one
+        tries again (as `setup` is tried before each)."""
+        runner, run, piece = self.runner, self.run, self.piece
+        first = None if piece.interpreter.is_set_up(piece.entry) else next((i for i in run.ids if i in run.waiting),
+                                                                             None)
+        if first is None:
+            return
+        runner.status.enter(first, piece.entry)  # (a death during the setup counts a try, as a job's does)
+        if runner.cuda:
+            runner.devices.on_thread()
+        spans, start = [] if run.chunk.traced else None, time.perf_counter()
+        ok, failure = _called(runner, piece, piece.interpreter.set_up, piece.entry, spans)
+        if spans:  # (the first traced input's spans get it, with the load's)
+            self.loaded = (self.loaded or []) + spans
+        if not ok and run.waiting.pop(first, False):  # (else answered out of turn meanwhile)
+            now = time.perf_counter()
+            run.part_since = run.part_since if run.done else now
+            run.done.extend((first, False, failure, None, now - start))  # (one C call, as run_chunk's `add`)
 
     def plain(self, position: int) -> bool:
         """Whether the input at `position` may call the node directly, its lane's last input having been quick:

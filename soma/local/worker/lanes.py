@@ -3,7 +3,9 @@
     accept ── Lanes.add(entry) ──▶ its piece's Lane (made on first use) ──▶ runnable, when nobody runs it
     a serving thread ── Lanes.take_turn(lane) ──▶ the lane's next entry, or a batching piece's next entries
                         up to its max_batch inputs (fill_turn), with the ids the host cancelled meanwhile
-    Cancel ── Lanes.cancel(ids): what still waits is dropped when its turn comes (answered Cancelled);
+    Cancel ── Lanes.cancel(ids): what still waits is dropped when its turn comes (answered Cancelled), and
+              a job whose turn has come is added to its turn's dropped set (running.py looks again once
+              its node is loaded and set up, before it decodes the input: until then it has not started);
               the chunks that hold one of them are answered now (chunks.answer_now); with `coming`, the
               same for jobs of Tasks read with their Cancels, before they are queued (read_behind)
     GiveBack ─ Lanes.give_back(ids): waiting jobs named are dropped (given back), and the chunks named
@@ -26,12 +28,13 @@ from .chunks import ChunkRun
 class Lane:
     """The entries of one piece waiting in this worker: run in arrival order, by one thread at a time."""
 
-    __slots__ = ("jobs", "busy", "pace")
+    __slots__ = ("jobs", "busy", "pace", "taken")
 
     def __init__(self):
         self.jobs: deque = deque()
         self.busy = False  # a thread is running its jobs
         self.pace: float | None = None  # seconds its last job took here (whether outcomes may wait; turns.py)
+        self.taken: list = []  # the job ids of its turn running now (Lanes.started's keys)
 
 
 class Lanes:
@@ -39,6 +42,9 @@ class Lanes:
         self.lanes: dict[int, Lane] = {}  # piece id → its lane
         self.runnable: deque = deque()  # lanes with jobs and nobody running them
         self.cancelled: set = set()  # job ids the host no longer wants (dropped unless started)
+        # job id → the dropped set of the turn running it: a Cancel that comes while its node's code loads or its
+        # setup runs (seconds: a model) still drops it (JobRunner looks again before the input is decoded)
+        self.started: dict[int, set] = {}
         self.chunks: set = set()  # the ChunkRuns waiting or running here
 
     def add(self, entry) -> None:
@@ -57,6 +63,10 @@ class Lanes:
     def take_turn(self, lane: Lane, pieces: dict):
         """`(turn, dropped)`: the lane's next entry (a batching piece's: its next entries that fit a batch), and
         the job ids among them the host cancelled; None when the lane is empty (nobody runs it now)."""
+        if lane.taken:  # (its previous turn is over: the lane's one thread asks only once it is)
+            for i in lane.taken:
+                self.started.pop(i, None)
+            lane.taken = []
         if not lane.jobs:
             lane.busy = False
             return None
@@ -70,18 +80,29 @@ class Lanes:
         if self.cancelled:
             dropped = {i for entry in turn for i in ids_of(entry) if i in self.cancelled}
             self.cancelled -= dropped
+        lane.taken = [turn[0].id] if len(turn) == 1 and type(turn[0]) is JobSpec else \
+            [i for entry in turn for i in ids_of(entry)]
+        for i in lane.taken:
+            self.started[i] = dropped
         return turn, dropped
 
     def cancel(self, wanted: set, coming: list = ()) -> list:
-        """Only what still waits in a lane can be dropped (a Cancel comes after its Task, on the same socket):
-        the rest has started or is done, and its id need not be kept; and the jobs of `coming`, Tasks read with
-        the Cancel but not queued yet (Worker.read_behind: each comes to a turn, so none is kept for good).
+        """Only what has not started can be dropped (a Cancel comes after its Task, on the same socket): what
+        still waits in a lane; a job whose turn has come, while its node loads and sets up (`started`: its turn
+        looks again before it starts the node); and the jobs of `coming`, Tasks read with the Cancel but not
+        queued yet (Worker.read_behind: each comes to a turn, so none is kept for good). The rest has started
+        or is done, and its id need not be kept.
         Returns the chunks that hold one of the ids (for chunks.answer_now: what of them has not started is
         answered at once; a chunk's cancels are its own)."""
         waiting = (entry for lane in self.lanes.values() for entry in lane.jobs)
         read = (entry for task in coming for entry in task.jobs)
         self.cancelled.update(i for entries in (waiting, read) for entry in entries for i in ids_of(entry)
                               if i in wanted)
+        started = self.started
+        for i in wanted:  # (its turn has come: dropped still, unless its node has started by the time it looks)
+            dropped = started.get(i)
+            if dropped is not None:
+                dropped.add(i)
         return [run for run in self.chunks if run.named(wanted)]
 
     def give_back(self, wanted: set) -> tuple:

@@ -4,7 +4,9 @@
     run_turn(turn, dropped) ──▶ a batching node alone's jobs and Bundles: batches.run_batch (one forward_batch)
                                 a piece with a batching node: each job on a thread of its own (they meet there)
 
-    run_job: decode the input (values.py → soma.wire.codec: map shared segments by name)
+    run_job: load the piece's code, set its first node up (once per copy), and look again whether the host
+             cancelled the job meanwhile (dropped: answered as a job dropped before its turn)
+             decode the input (values.py → soma.wire.codec: map shared segments by name)
              Interpreter.run(plan) (soma.run.interpreter: setup once per copy, forward, Done, postcondition;
                                     a one-node piece's untraced input: Interpreter.each, the same without a RunState)
              encode the output (tensors become segment handles): one Outcome, whatever happens
@@ -86,6 +88,10 @@ class JobRunner:
                 return [batches.failed(job, failure, self.get_store) for job in jobs]
         node_id = piece.interpreter.batch_node(piece.plan) if piece is not None else None
         if node_id is not None and not any(type(job) is not Bundle and job.traced for job in jobs):
+            if not piece.interpreter.is_set_up(node_id):  # (before run_batch looks at what the host dropped)
+                failure = self.set_up_for_batch(jobs, piece, node_id)
+                if failure is not None:
+                    return [batches.failed(job, failure, self.get_store) for job in jobs]
             return batches.run_batch(self, piece, node_id, jobs, dropped)
         if bundled:  # (the host bundles only the inputs of a batching node alone: never here)
             failure = NodeError.failed(piece.entry, f"worker {self.id} was sent a bundle of inputs for a piece "
@@ -113,13 +119,18 @@ class JobRunner:
         if job.id in dropped or self.over_memory:
             let_go(job.payload, self.get_store)
             return cancelled(job.id)
-        outcome = self.run_job(job, named_after)
+        outcome = self.run_job(job, named_after, dropped)
         if self.max_memory:
             self.check_memory()
         return outcome
 
-    def run_job(self, job, named_after: bool = False) -> Outcome:
-        """Decode the input, run the piece, encode the output: one Outcome, whatever happens.
+    def run_job(self, job, named_after: bool = False, dropped: set = frozenset()) -> Outcome:
+        """Load the piece, decode the input, run the piece, encode the output: one Outcome, whatever happens.
+
+        The piece's first node is set up before the input is decoded, and `dropped` (the turn's: a Cancel
+        adds to it until the turn ends, lanes.py) looked at again: a job the host cancelled while its node's
+        code loaded or its setup ran (a model loading: seconds) is answered as one dropped before its turn,
+        and its node never runs (its forward ran ~0.7 s after a cancel sent 0.3 s into a 1 s setup).
 
         The status page names the job's node all along (its first node while its code
         loads and its input is decoded, its last while the output is encoded), so a
@@ -149,6 +160,9 @@ class JobRunner:
                 status.enter(job.id, entry)
             if self.cuda:
                 self.devices.on_thread()  # a cuda:N worker's current device is per thread: this one's too
+            piece.interpreter.set_up(entry, spans)  # (named on the status page: a death in it counts a try)
+            if job.id in dropped:  # (the input is let go undecoded, below)
+                return cancelled(job.id)
             decoding = True
             x = decode_input(job.payload, entry, self.id, self.get_store)
             if piece.each is not None and spans is None:
@@ -186,6 +200,23 @@ class JobRunner:
             return None, err
         except BaseException as err:  # never lose a job: the host is waiting for it
             return None, self.could_not_run(entry, err)
+        finally:
+            self.status.leave()
+
+    def set_up_for_batch(self, jobs: list, piece, node_id: str) -> NodeError | None:
+        """Set up the batching node of a turn's piece (that node alone) before `batches.run_batch` looks at what
+        the host dropped: a Cancel that comes during a setup (seconds: a model loading) drops its jobs before
+        their input is decoded. None, or the NodeError that stopped it (each input of the turn gets it, as a
+        setup that fails in forward_batch's call gives it to each). The status page names every job meanwhile."""
+        try:
+            self.status.enter_batch([i for job in jobs for i in ids_of(job)], node_id)
+            self.devices.on_thread()  # (a node's setup may touch CUDA)
+            piece.interpreter.set_up(node_id)
+            return None
+        except NodeError as err:
+            return err
+        except BaseException as err:  # never lose a job: the host is waiting for it
+            return self.could_not_run(node_id, err)
         finally:
             self.status.leave()
 
