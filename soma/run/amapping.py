@@ -33,7 +33,8 @@ def amap_outputs(inflight, xs, **options) -> "AsyncMapIterator":
     """The async iterator behind every runner's `amap`; `inflight` has an `await_wait(timeout, wake)`;
     `options` are MapLoop's, as `map_outputs`'s. `xs` may be an async iterable."""
     loop, source = opened(inflight, xs, lambda loop: _source(xs, loop), **options)
-    return AsyncMapIterator(_adrive(loop, source), loop)
+    cut: list = []  # (_adrive appends to it when a cancel ends it)
+    return AsyncMapIterator(_adrive(loop, source, cut), loop, cut)
 
 
 def _source(xs, loop: MapLoop):
@@ -50,18 +51,31 @@ def _source(xs, loop: MapLoop):
 class AsyncMapIterator:
     """What `runner.amap` returns: `async for` over the outputs, and `state_dict()` as `map`'s."""
 
-    __slots__ = ("_outputs", "_loop")
+    __slots__ = ("_outputs", "_loop", "_cut")
 
-    def __init__(self, outputs, loop: MapLoop):
-        self._outputs, self._loop = outputs, loop
+    def __init__(self, outputs, loop: MapLoop, cut: list):
+        self._outputs, self._loop, self._cut = outputs, loop, cut
 
     def __aiter__(self):
         return self
 
     def __anext__(self):
+        if self._cut:
+            return self._cut_off()
         if self._loop.stepping is None:
             return self._outputs.__anext__()
         return self._stepped()
+
+    async def _cut_off(self):
+        """The next output of a map a cancel ended while it waited for one (`asyncio.wait_for(it.__anext__(),
+        ...)` whose time ran out, a cancel caught and the iteration taken up again): its end, said, where the
+        generator would end the `async for` as if every output had come (20 inputs lost without a word)."""
+        from ..errors import SomaError
+
+        raise SomaError("this amap was cancelled while it waited for its next output (a timeout around "
+                        "`__anext__`, a task's cancel): it was closed then, and what it had in flight dropped; "
+                        "wait for outputs without cancelling the wait (asyncio.wait with a timeout, or "
+                        "asyncio.shield), or start a new amap (`resume=` its state_dict() goes on from there)")
 
     async def _stepped(self):
         """The next output of a map with a checkpoint, its `stepping` lock held meanwhile (mapping.save_open).
@@ -87,7 +101,7 @@ class AsyncMapIterator:
         self._loop.close()  # (a map never iterated has no frame to close it)
 
 
-async def _adrive(loop: MapLoop, source):
+async def _adrive(loop: MapLoop, source, cut: list):
     pump = None
     try:
         await loop.inflight.ready()
@@ -109,6 +123,10 @@ async def _adrive(loop: MapLoop, source):
                 await _await_turn(loop, pump)
             elif loop.must_wait():
                 loop.finished(await loop.inflight.await_wait(loop.wait_s()))
+    except BaseException as exc:
+        if type(exc).__name__ == "CancelledError":  # (asyncio's, imported by now: its next step says so)
+            cut.append(True)
+        raise
     finally:
         try:
             if pump is not None:

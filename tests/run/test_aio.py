@@ -736,3 +736,19 @@ def test_arun_and_amap_copy_large_inputs_for_their_workers_off_the_event_loop(lo
     _LargeRecorded.threads.clear()
     loop_thread, got = asyncio.run(mapped())
     assert got == [1] * 4 and len(_LargeRecorded.threads) == 4 and loop_thread not in _LargeRecorded.threads
+
+
+def test_an_amap_whose_wait_for_its_next_output_was_cancelled_says_so_if_taken_up_again(runner):
+    """`asyncio.wait_for(it.__anext__(), t)` whose time ran out cancels the wait, which closes the map (Python's
+    async generators end so): taken up again, the `async for` ended as if every output had come, the rest lost
+    without a word, on every runner. Its next step now raises a SomaError that says what happened."""
+    g = Graph.somatize(Sleep())
+
+    async def go():
+        it = runner.amap(g, [0.5] * 6)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(it.__anext__(), 0.05)  # (the first output takes 0.5 s)
+        with pytest.raises(SomaError, match="cancelled while it waited for its next output"):
+            await it.__anext__()
+
+    asyncio.run(go())
