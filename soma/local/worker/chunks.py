@@ -213,13 +213,15 @@ class _Way:
         if first is None:
             return
         runner.status.enter(first, piece.entry)  # (a death during the setup counts a try, as a job's does)
-        if runner.cuda:
-            runner.devices.on_thread()
-        spans, start = [] if run.chunk.traced else None, time.perf_counter()
-        ok, failure = _called(runner, piece, piece.interpreter.set_up, piece.entry, spans)
+        runner.devices.on_thread()  # (a node's setup may touch CUDA: a cuda:N worker's device is per thread)
+        spans, start, failure = [] if run.chunk.traced else None, time.perf_counter(), None
+        try:  # (not `_called`: nothing ran that max_memory should be looked at after; once over it, no input runs)
+            piece.interpreter.set_up(piece.entry, spans)
+        except BaseException as err:  # (soma's own failure too: never lose an input, the host waits for it)
+            failure = failures.error_body(err if isinstance(err, NodeError) else runner.could_not_run(piece.entry, err))
         if spans:  # (the first traced input's spans get it, with the load's)
             self.loaded = (self.loaded or []) + spans
-        if not ok and run.waiting.pop(first, False):  # (else answered out of turn meanwhile)
+        if failure is not None and run.waiting.pop(first, False):  # (else answered out of turn meanwhile)
             now = time.perf_counter()
             run.part_since = run.part_since if run.done else now
             run.done.extend((first, False, failure, None, now - start))  # (one C call, as run_chunk's `add`)
