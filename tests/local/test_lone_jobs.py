@@ -265,9 +265,9 @@ def test_a_burst_of_tasks_read_behind_one_keeps_the_workers_threads(tmp_path):
     read behind the first Task, the others wait their turn at the receiving thread, as they would in the socket
     (a first version queued them at once, and each lane got a thread of its own: 5 -> 35, for good; 900 made 64),
     and none of the cancelled ones runs."""
-    from tests.local.nodes import TouchFile
-
     import signal
+
+    from tests.local.nodes import TouchFile
 
     folder = str(tmp_path)
     with soma.Local(workers=1) as local:
