@@ -102,9 +102,9 @@ def writable(value):
 def exact(value):
     """`value` as it goes to Ray, made to arrive as it is (SPEC 5): what Ray's own serializer would change goes
     in a form it pickles instead. A bytearray or a memoryview (Ray's msgpack makes them bytes) is rebuilt on
-    arrival, writability, format and shape kept; so is a Parameter's subclass (torch's pickle makes it a Parameter); a numpy array of the other byte order that is not contiguous
-    goes as a contiguous copy (Ray made its dtype native). Loose, or in tuples, lists and dicts (as `writable`);
-    one object twice stays one."""
+    arrival, writability, format and shape kept; so is a Parameter's subclass (torch's pickle makes it a
+    Parameter); a numpy array of the other byte order that is not contiguous goes as a contiguous copy (Ray made
+    its dtype native). Loose, or in tuples, lists and dicts (as `writable`); one object twice stays one."""
     return _each(value, _exact_leaf)
 
 
