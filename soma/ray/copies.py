@@ -171,6 +171,7 @@ class NodeActors:
         except self.ray.exceptions.GetTimeoutError:
             pass  # not up yet
         except Exception as err:  # it died starting: a run that used it reports how; it takes nothing more
+            err.__traceback__ = None  # (Ray raised it from a local of its own frame: a cycle through this one)
             if actor.actor_id is None:
                 actor.actor_id = getattr(err, "actor_id", None)
             if actor in self.actors and len(self.actors) > 1:

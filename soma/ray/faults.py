@@ -149,7 +149,8 @@ def ask(ray, handles: list, method: str, answer_s: float) -> list:
     for ref in refs:
         try:
             answers.append(ray.get(ref) if ref in ready else UNANSWERED)
-        except Exception:  # it died meanwhile: no answer either
+        except Exception as err:  # it died meanwhile: no answer either
+            err.__traceback__ = None  # (see Driver._fetch)
             answers.append(UNANSWERED)
     return answers
 
