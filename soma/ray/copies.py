@@ -35,6 +35,13 @@ CLOSED = "this soma.Ray is closed; make a new one"
 CLOSED_IN_FLIGHT = "this soma.Ray was closed while this run was in flight"
 
 
+def cut_frames(err: BaseException) -> None:
+    """A Ray error caught from `ray.get` loses its traceback: Ray raises it from a local of its own frame
+    (worker.get_objects), which that traceback holds, and through it the catching frames too, with what they
+    hold (an input's submission and value, an actor), in a cycle kept until the cyclic collector ran (Dec 7)."""
+    err.__traceback__ = None
+
+
 def _private_id(handle) -> str | None:
     """The actor id a Ray handle holds privately (hex), or None where this Ray has no such attribute."""
     try:
@@ -171,7 +178,7 @@ class NodeActors:
         except self.ray.exceptions.GetTimeoutError:
             pass  # not up yet
         except Exception as err:  # it died starting: a run that used it reports how; it takes nothing more
-            err.__traceback__ = None  # (Ray raised it from a local of its own frame: a cycle through this one)
+            cut_frames(err)
             if actor.actor_id is None:
                 actor.actor_id = getattr(err, "actor_id", None)
             if actor in self.actors and len(self.actors) > 1:

@@ -36,7 +36,7 @@ from ..run.aio import InputFuture
 from ..run.batching import batch_wait_of, is_batching, max_batch_of
 from ..run.registry import NodeRegistry
 from . import records, tracing
-from .copies import CLOSED, CLOSED_IN_FLIGHT, ActorBook, NodeActors
+from .copies import CLOSED, CLOSED_IN_FLIGHT, ActorBook, NodeActors, cut_frames
 from .devices import actor_options, demand_error, hosting_error, requested_resources
 from .faults import abandon, expire, translate
 from .gathering import Gathering
@@ -224,7 +224,7 @@ class Driver:
         except ray.exceptions.GetTimeoutError:
             return None
         except ray.exceptions.RayError as err:  # an actor died, or Ray could not carry a value
-            err.__traceback__ = None  # (see _fetch)
+            cut_frames(err)
             if len(batch) == 1:
                 return [(False, self._translate(batch[0], err))]
             return [self._settled(submission, graph, None) for submission in batch]  # each its own error or value
@@ -292,10 +292,7 @@ class Driver:
         except ray.exceptions.GetTimeoutError:
             raise
         except ray.exceptions.RayError as err:
-            # Ray raises it from a local of its own frame (worker.get_objects), which its traceback holds: a
-            # cycle through these frames too, holding the input's submission and its value until the cyclic
-            # collector ran
-            err.__traceback__ = None
+            cut_frames(err)
             raise self._translate(submission, err) from None
         return outcome(submission, values, graph.devices)
 

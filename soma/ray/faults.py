@@ -18,7 +18,7 @@ import re
 
 from ..errors import NodeError, RunTimeout, SomaError, WorkerDied
 from . import records
-from .copies import ActorBook, control
+from .copies import ActorBook, control, cut_frames
 from .submission import Submission, first_line
 
 CONTROL_ANSWER_S = 2.0  # how long a timeout waits for the late actors to say what they run
@@ -93,8 +93,8 @@ def culprit(ray, submission: Submission):
             continue
         try:
             ray.get(call.ref, timeout=0)
-        except Exception as err:  # (its traceback cut: see Driver._fetch)
-            err.__traceback__ = None
+        except Exception as err:
+            cut_frames(err)
             if isinstance(err, ray.exceptions.RayError):
                 return call
     return None
@@ -150,7 +150,7 @@ def ask(ray, handles: list, method: str, answer_s: float) -> list:
         try:
             answers.append(ray.get(ref) if ref in ready else UNANSWERED)
         except Exception as err:  # it died meanwhile: no answer either
-            err.__traceback__ = None  # (see Driver._fetch)
+            cut_frames(err)
             answers.append(UNANSWERED)
     return answers
 
